@@ -1,0 +1,339 @@
+"""The ``kdeploy`` command: a thin Typer layer over :mod:`kdeploy.fleet` and friends.
+
+Every failure ends as one line on stderr and a documented exit code; ``--debug`` adds the traceback.
+With ``--json`` the only thing on stdout is one JSON document.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from kdeploy import fleet
+from kdeploy import inventory as inv
+from kdeploy.demo import demo_service
+from kdeploy.deploy import Options
+from kdeploy.errors import ExitCode, KdeployError
+from kdeploy.render import render_unit
+from kdeploy.report import Report
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Ship SGLang extensions and serving configs to GPU hosts; prove every deploy healthy.")
+lock_app = typer.Typer(no_args_is_help=True, help="Inspect or clear the per-service deploy lock.")
+sandbox_app = typer.Typer(no_args_is_help=True, help="Local test hosts with real systemd, sshd and journald.")
+app.add_typer(lock_app, name="lock")
+app.add_typer(sandbox_app, name="sandbox")
+
+Target = Annotated[str, typer.Argument(help="host | group | all | comma list", show_default=False)]
+OptTarget = Annotated[str, typer.Argument(help="host | group | all | comma list")]
+InventoryOpt = Annotated[Path, typer.Option("--inventory", "-i", help="Inventory file.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout; human text on stderr.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks of internal errors.")]
+AcceptOpt = Annotated[bool, typer.Option("--accept-new-host-keys", help="Trust and record unknown host keys.")]
+ParallelOpt = Annotated[int, typer.Option("--parallel", min=1, help="Hosts worked on at once.")]
+WorkersOpt = Annotated[int | None, typer.Option("--workers", min=1, help="TP workers that must show each marker.")]
+TimeoutOpt = Annotated[float | None, typer.Option("--timeout", min=0.1, help="Gate timeout in seconds.")]
+LockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, help="Wait this long for a held lock.")]
+
+
+class Ui:
+    """Human output on stderr (rich when it is a TTY), JSON on stdout."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        self.err = Console(stderr=True, highlight=False)
+        if not self.err.is_terminal:
+            self.err.width = 160
+        self.live_state: dict[str, tuple[str, float]] = {}
+        self.lock = threading.Lock()
+
+    def listener(self, host: str, phase: str, status: str) -> None:
+        with self.lock:
+            if status == "start":
+                self.live_state[host] = (phase, time.monotonic())
+            elif phase == "done":
+                self.live_state[host] = (status, time.monotonic())
+            if not self.err.is_terminal and status in ("fail",):
+                self.err.print(f"{host}: {phase} failed")
+
+    def _live_table(self) -> Table:
+        table = Table(box=None, show_header=False)
+        now = time.monotonic()
+        with self.lock:
+            for host, (phase, since) in self.live_state.items():
+                table.add_row(host, phase, f"{now - since:5.1f}s")
+        return table
+
+    def run(self, fn: Callable[[Callable], Report]) -> Report:
+        if not self.err.is_terminal:
+            return fn(self.listener)
+        with Live(self._live_table(), console=self.err, refresh_per_second=8, transient=True,
+                  get_renderable=self._live_table):
+            return fn(self.listener)
+
+    def report(self, report: Report, extra: Callable[[Report], None] | None = None) -> None:
+        if self.as_json:
+            sys.stdout.write(json.dumps(report.as_json(), indent=2, default=str) + "\n")
+        if extra:
+            extra(report)
+        table = Table(title=f"kdeploy {report.command}", title_justify="left")
+        for col in ("host", "result", "release", "phase", "seconds", "detail"):
+            table.add_column(col, overflow="fold")
+        for host in report.hosts:
+            failed = next((p for p in host.phases if not p.ok), None)
+            last = failed or (host.phases[-1] if host.phases else None)
+            seconds = sum(p.seconds for p in host.phases)
+            colour = "green" if host.ok else "red"
+            table.add_row(host.host, f"[{colour}]{host.result}[/]", host.release or "-",
+                          last.name if last else "-", f"{seconds:.1f}",
+                          host.error or (last.detail if last else ""))
+        self.err.print(table)
+        for host in report.hosts:
+            for line in host.log:
+                self.err.print(f"  {host.host} | {line}", markup=False)
+        summary = ", ".join(f"{k}={v}" for k, v in report.summary().items())
+        self.err.print(f"{summary}; exit code {report.exit_code}")
+
+
+def _phases_table(ui: Ui, report: Report) -> None:
+    for host in report.hosts:
+        table = Table(title=f"{host.host} ({host.result})", title_justify="left", box=None)
+        for col in ("phase", "ok", "seconds", "detail"):
+            table.add_column(col, overflow="fold")
+        for p in host.phases:
+            table.add_row(p.name, "[green]ok[/]" if p.ok else "[red]FAIL[/]", f"{p.seconds:.2f}", p.detail)
+        ui.err.print(table)
+
+
+def _exit(report: Report) -> None:
+    raise typer.Exit(report.exit_code)
+
+
+def _load(path: Path) -> inv.Inventory:
+    return inv.load(path)
+
+
+@app.command()
+def render(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY) -> None:
+    """Print each host's rendered systemd unit."""
+    loaded = _load(inventory)
+    for name in loaded.resolve(target):
+        sys.stdout.write(f"# ---- {name} ----\n{render_unit(loaded, loaded.hosts[name])}")
+
+
+def _options(**kw: object) -> Options:
+    return Options(**{k: v for k, v in kw.items() if v is not None})
+
+
+@app.command()
+def push(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+         accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+         no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the health gate.")] = False,
+         force_restart: Annotated[bool, typer.Option("--force-restart", help="Restart even if unchanged.")] = False,
+         dry_run: Annotated[bool, typer.Option("--dry-run", help="Same as `kdeploy plan`.")] = False,
+         lock_wait: LockWaitOpt = 0, workers: WorkersOpt = None, timeout: TimeoutOpt = None) -> None:
+    """Ship the payload and unit, restart, gate; roll back by itself when the gate fails."""
+    if dry_run:
+        _plan(target, inventory, as_json, accept_new_host_keys, parallel)
+        return
+    ui = Ui(as_json)
+    opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
+                    lock_wait=lock_wait, workers=workers, timeout=timeout)
+    loaded = _load(inventory)
+    report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
+    ui.report(report)
+    _exit(report)
+
+
+def _plan(target: str, inventory: Path, as_json: bool, accept: bool, parallel: int) -> None:
+    ui = Ui(as_json)
+    loaded = _load(inventory)
+    report = fleet.push(loaded, target, _options(accept_new_host_keys=accept), dry_run=True, parallel=parallel)
+
+    def show(rep: Report) -> None:
+        for host in rep.hosts:
+            plan = host.data.get("plan")
+            if not plan:
+                continue
+            ui.err.rule(f"{host.host}: restart={'yes' if plan['restart'] else 'no'} "
+                        f"daemon-reload={'yes' if plan['daemon_reload'] else 'no'}")
+            for key, sign in (("add", "+"), ("change", "~"), ("remove", "-")):
+                for path in plan[key]:
+                    ui.err.print(f"  {sign} {path}", markup=False)
+            if plan["unit_diff"]:
+                ui.err.print(plan["unit_diff"], markup=False, end="")
+
+    ui.report(report, show)
+    _exit(report)
+
+
+@app.command()
+def plan(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+         accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
+    """Show what a push would change (unit diff, files, reload/restart); changes nothing."""
+    _plan(target, inventory, as_json, accept_new_host_keys, parallel)
+
+
+@app.command()
+def verify(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+           workers: WorkersOpt = None, timeout: TimeoutOpt = None, accept_new_host_keys: AcceptOpt = False,
+           parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
+    """Run the health gate against what runs now (exit 4 when unhealthy); changes nothing."""
+    ui = Ui(as_json)
+    opts = _options(workers=workers, timeout=timeout, accept_new_host_keys=accept_new_host_keys)
+    loaded = _load(inventory)
+    report = ui.run(lambda listener: fleet.verify(loaded, target, opts, parallel=parallel, listener=listener))
+    ui.report(report, lambda rep: _phases_table(ui, rep))
+    _exit(report)
+
+
+@app.command()
+def rollback(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+             to: Annotated[str | None, typer.Option("--to", help="Release id (default: the previous one).")] = None,
+             lock_wait: LockWaitOpt = 0, accept_new_host_keys: AcceptOpt = False,
+             parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
+    """Re-activate an older release and its unit, restart and gate."""
+    ui = Ui(as_json)
+    opts = _options(to_release=to, lock_wait=lock_wait, accept_new_host_keys=accept_new_host_keys)
+    loaded = _load(inventory)
+    report = ui.run(lambda listener: fleet.rollback(loaded, target, opts, parallel=parallel, listener=listener))
+    ui.report(report)
+    _exit(report)
+
+
+@app.command()
+def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+            limit: Annotated[int, typer.Option("--limit", min=1, help="Entries per host.")] = 20,
+            accept_new_host_keys: AcceptOpt = False) -> None:
+    """Show each host's deploy history."""
+    ui = Ui(as_json)
+    report = fleet.history(_load(inventory), target,
+                           _options(history_limit=limit, accept_new_host_keys=accept_new_host_keys))
+
+    def show(rep: Report) -> None:
+        table = Table(title="deploy history", title_justify="left")
+        for col in ("host", "time", "user", "controller", "release", "result", "seconds"):
+            table.add_column(col)
+        for host in rep.hosts:
+            for rec in host.data.get("history", []):
+                table.add_row(host.host, rec.get("time", ""), rec.get("user", ""), rec.get("controller", ""),
+                              rec.get("release") or "-", rec.get("result", ""), str(rec.get("duration", "")))
+        ui.err.print(table)
+
+    ui.report(report, show)
+    _exit(report)
+
+
+def _lock(target: str, inventory: Path, as_json: bool, release: bool, force: bool) -> None:
+    ui = Ui(as_json)
+    report = fleet.lock(_load(inventory), target, _options(force=force), release=release)
+
+    def show(rep: Report) -> None:
+        for host in rep.hosts:
+            info = host.data.get("lock")
+            if info:
+                holder = info["holder"]
+                who = f"{holder['user']}@{holder['controller']} pid {holder['pid']} since {holder['since']} " \
+                      f"({holder['command']})" if holder else ""
+                ui.err.print(f"{host.host}: {info['state']} {who}", markup=False)
+
+    ui.report(report, show)
+    _exit(report)
+
+
+@lock_app.command("status")
+def lock_status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+                as_json: JsonOpt = False) -> None:
+    """Who holds each host's deploy lock (free / held / stale)."""
+    _lock(target, inventory, as_json, False, False)
+
+
+@lock_app.command("release")
+def lock_release(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+                 force: Annotated[bool, typer.Option("--force", help="Also end a LIVE holder.")] = False) -> None:
+    """Clear a stale lock (with --force, end a live holder too)."""
+    _lock(target, inventory, as_json, True, force)
+
+
+@sandbox_app.command("up")
+def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, help="How many hosts.")] = 2,
+               inventory_out: Annotated[Path, typer.Option("--inventory-out", help="Where to write the inventory.")]
+               = Path(".sandbox/inventory.yaml")) -> None:
+    """Boot local hosts (systemd-nspawn) and write an inventory for them."""
+    from kdeploy import sandbox
+
+    box = sandbox.Sandbox()
+    box.check_requirements()
+    started = time.monotonic()
+    booted = box.up(hosts)
+    box.write_inventory(inventory_out, demo_service())
+    err = Console(stderr=True)
+    err.print(f"{len(booted)} hosts up in {time.monotonic() - started:.1f}s: "
+              + ", ".join(f"{h.name}={h.address}" for h in booted))
+    err.print(f"inventory: {inventory_out}   ssh: ssh -i {box.key_path} -o UserKnownHostsFile={box.known_hosts_path}"
+              f" root@{booted[0].address}")
+
+
+@sandbox_app.command("status")
+def sandbox_status(as_json: JsonOpt = False) -> None:
+    """Show the sandbox hosts and whether each one's systemd is running."""
+    from kdeploy import sandbox
+
+    rows = sandbox.Sandbox().status()
+    if as_json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    table = Table(title="sandbox", title_justify="left")
+    for col in ("name", "address", "running", "link", "system"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*(str(row.get(c)) for c in ("name", "address", "running", "link", "system")))
+    Console(stderr=True).print(table if rows else "no sandbox running")
+
+
+@sandbox_app.command("down")
+def sandbox_down() -> None:
+    """Stop every sandbox host and remove everything it created."""
+    from kdeploy import sandbox
+
+    box = sandbox.Sandbox()
+    box.check_requirements()
+    box.down()
+    Console(stderr=True).print("sandbox down")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: maps every error to one line and the documented exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    if debug:
+        args.remove("--debug")
+    try:
+        app(args=args, prog_name="kdeploy")
+    except SystemExit as exc:  # usage errors exit 2 (INVALID) here, with click's one-line message
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except KdeployError as exc:
+        if debug:
+            traceback.print_exc()
+        sys.stderr.write(f"kdeploy: {exc}\n")
+        return int(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.stderr.write("kdeploy: interrupted\n")
+        return 130
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        sys.stderr.write(f"kdeploy: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the trace)\n")
+        return int(ExitCode.INTERNAL)
+    return 0

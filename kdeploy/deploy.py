@@ -1,0 +1,402 @@
+"""Per-host operations: push (with plan), rollback, verify, history and lock handling.
+
+Each works over one connection and reports into a :class:`HostResult`; ``kdeploy.fleet`` runs them over
+many hosts. One round trip per phase: the state read rides on the lock acquisition, staging is one
+streamed tar, activation one script.
+"""
+
+from __future__ import annotations
+
+import difflib
+import shlex
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from kdeploy import gate, history, lock, release, systemd
+from kdeploy.errors import KdeployError, LockHeld, PreflightRefused, Unreachable
+from kdeploy.inventory import HostConfig, Inventory
+from kdeploy.remote import Remote
+from kdeploy.render import service_dir, unit_filename
+from kdeploy.report import HostResult, PhaseFailed
+
+
+class Cancelled(Exception):
+    """Ctrl-C: stop before the next change; what already changed is finished or reverted."""
+
+
+@dataclass
+class Options:
+    accept_new_host_keys: bool = False
+    lock_wait: float = 0
+    force_restart: bool = False
+    verify: bool = True
+    workers: int | None = None
+    timeout: float | None = None
+    to_release: str | None = None
+    force: bool = False
+    history_limit: int = 20
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class HostState:
+    current: str | None
+    manifest: dict[str, str]
+    unit_text: str | None
+    releases: list[str]
+    unit: systemd.UnitState
+    free_kb: int | None
+
+    @property
+    def unit_sha(self) -> str | None:
+        return release.sha256_text(self.unit_text) if self.unit_text is not None else None
+
+    def previous(self) -> str | None:
+        """The release before ``current`` (what a rollback returns to)."""
+        ordered = sorted(r for r in self.releases if not r.startswith("."))
+        if self.current not in ordered:
+            return ordered[-1] if ordered else None
+        index = ordered.index(self.current)
+        return ordered[index - 1] if index > 0 else None
+
+
+def state_script(host: HostConfig) -> str:
+    """Read everything push and plan decide on, without changing anything."""
+    d = shlex.quote(service_dir(host.service))
+    unit = shlex.quote(f"{systemd.UNIT_DIR}/{unit_filename(host.service)}")
+    return "\n".join([
+        f"echo @@current; r=$(readlink {d}/current 2>/dev/null) && basename \"$r\"",
+        f"echo @@manifest; cat {d}/current/{release.META}/manifest.sha256 2>/dev/null",
+        f"if [ -f {unit} ]; then echo @@unit; cat {unit}; echo; fi",
+        f"echo @@releases; ls -1 {d}/releases 2>/dev/null",
+        f"echo @@show; {systemd.show_command(unit_filename(host.service))}",
+        f"echo @@df; df -Pk {d} 2>/dev/null || df -Pk {shlex.quote(host.service.remote_root)} 2>/dev/null"
+        f" || df -Pk / 2>/dev/null",
+        "true",
+    ])
+
+
+def parse_state(text: str) -> HostState:
+    sections = lock.split_sections(text)
+    unit_text = sections.get("unit")
+    if unit_text is not None and unit_text.endswith("\n"):
+        unit_text = unit_text[:-1]
+    free_kb = None
+    df_lines = sections.get("df", "").splitlines()
+    if len(df_lines) >= 2:
+        fields = df_lines[-1].split()
+        if len(fields) >= 4 and fields[3].isdigit():
+            free_kb = int(fields[3])
+    return HostState(
+        current=sections.get("current", "").strip() or None,
+        manifest=release.parse_manifest(sections.get("manifest", "")),
+        unit_text=None if unit_text is None else unit_text + "\n",
+        releases=[r for r in sections.get("releases", "").split() if r],
+        unit=systemd.parse_show(sections.get("show", "")),
+        free_kb=free_kb,
+    )
+
+
+def connect(inventory: Inventory, host: HostConfig, result: HostResult, opts: Options) -> Remote:
+    with result.phase("connect") as phase:
+        remote = Remote.connect(
+            host,
+            known_hosts=inventory.local_path(host.known_hosts) if host.known_hosts else None,
+            identity_file=inventory.local_path(host.identity_file) if host.identity_file else None,
+            accept_new_host_keys=opts.accept_new_host_keys,
+        )
+        phase.detail = f"{host.user}@{host.address}:{host.port}"
+        if remote.new_host_key:
+            phase.detail += f" (new host key recorded: {remote.new_host_key})"
+    return remote
+
+
+def _check(opts: Options) -> None:
+    if opts.cancel.is_set():
+        raise Cancelled("interrupted")
+
+
+@dataclass
+class Local:
+    """What the controller computes once per host before touching it."""
+
+    unit_text: str
+    payload: release.Payload
+
+
+def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Options, result: HostResult) -> None:
+    """Show what a push would do; reads only (no lock, no directories created)."""
+    with connect(inventory, host, result, opts) as remote:
+        with result.phase("preflight") as phase:
+            state = parse_state(remote.run(state_script(host), timeout=60).stdout)
+            phase.detail = f"current {state.current or 'none'}, unit {state.unit.summary}"
+        delta = release.diff(local.payload.manifest, state.manifest)
+        unit_changed = local.unit_text != state.unit_text
+        restart = bool(not delta.empty or unit_changed or opts.force_restart or not state.unit.running
+                       or state.current is None)
+        unit_diff = "".join(difflib.unified_diff(
+            (state.unit_text or "").splitlines(keepends=True), local.unit_text.splitlines(keepends=True),
+            fromfile=f"{host.name}:{unit_filename(host.service)}", tofile="rendered"))
+        result.data["plan"] = {
+            "add": delta.added, "change": delta.changed, "remove": delta.removed,
+            "unit_diff": unit_diff, "daemon_reload": unit_changed, "restart": restart,
+        }
+        result.release = state.current
+        result.finish("planned")
+
+
+def push_host(inventory: Inventory, host: HostConfig, local: Local, opts: Options, result: HostResult) -> None:
+    started = time.monotonic()
+    remote = connect(inventory, host, result, opts)
+    sdir = service_dir(host.service)
+    held: lock.HeldLock | None = None
+    record: dict = {}
+    try:
+        with result.phase("preflight") as phase:
+            held = lock.acquire(remote, sdir, wait=opts.lock_wait, then=state_script(host))
+            state = parse_state(held.output)
+            _preflight(host, local, state)
+            phase.detail = f"lock taken; current {state.current or 'none'}; {state.unit.summary}"
+            if held.stale:
+                phase.detail += f"; took over STALE lock left by {held.stale.describe()} (holder gone)"
+        delta = release.diff(local.payload.manifest, state.manifest)
+        unit_changed = local.unit_text != state.unit_text
+        changed = not delta.empty or unit_changed or state.current is None
+        _check(opts)
+        if not changed and state.unit.running and not opts.force_restart:
+            with result.phase("stage") as phase:
+                phase.detail = "nothing changed: no upload, no restart"
+            result.release = state.current
+            record = {"result": "unchanged", "release": state.current}
+            result.finish("unchanged")
+            return
+        target = state.current
+        if changed:
+            with result.phase("stage") as phase:
+                target = release.release_id(local.payload.manifest, local.unit_text)
+                meta = release.release_meta(local.payload.manifest, local.unit_text, unit_filename(host.service))
+                tarball = release.build_tarball(local.payload, delta.upload, meta)
+                out = remote.run(release.stage_script(sdir, target, state.current is not None, delta),
+                                 stdin=tarball, timeout=600)
+                if not out.ok or "STAGED" not in out.stdout:
+                    error = out.last_error()
+                    if "No space left" in error:
+                        raise PreflightRefused(f"disk full on the host, host unchanged: {error}")
+                    raise PhaseFailed(f"staging failed, host unchanged: {error}")
+                phase.detail = (f"{target}: {delta.describe()} files, {len(tarball)} bytes sent"
+                                f"{', unit changed' if unit_changed else ''}")
+            _check(opts)
+        result.release = target
+        activate_and_gate(remote, host, result, opts, target=target, install_unit=unit_changed,
+                          previous=state.current, old_invocation=state.unit.invocation)
+        record = {"result": result.result, "release": result.release, "attempted": target}
+    except (PhaseFailed, KdeployError, Cancelled) as exc:
+        _fail(result, exc)
+        record = {"result": result.result, "release": result.release, "error": result.error}
+    finally:
+        if held is not None:
+            if record:
+                _finish_remote(remote, host, local, result, record, started)
+            held.release()
+        remote.close()
+
+
+def _preflight(host: HostConfig, local: Local, state: HostState) -> None:
+    need_kb = local.payload.size // 1024 * 2 + 1024
+    if state.free_kb is not None and state.free_kb < need_kb:
+        raise PreflightRefused(f"{host.name}: only {state.free_kb // 1024} MiB free under "
+                               f"{host.service.remote_root}, the payload needs {need_kb // 1024} MiB")
+
+
+def _fail(result: HostResult, exc: BaseException) -> None:
+    if result.result not in ("ok",):
+        return
+    if isinstance(exc, Unreachable):
+        result.finish("unreachable", str(exc))
+    elif isinstance(exc, LockHeld):
+        result.finish("locked", str(exc))
+    elif isinstance(exc, PreflightRefused):
+        result.finish("preflight_refused", str(exc))
+    elif isinstance(exc, Cancelled):
+        result.finish("skipped", "interrupted before any change")
+    else:
+        result.finish("failed", str(exc))
+
+
+def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, old_invocation: str,
+                       timeout: float) -> str:
+    """``restart --no-block``, then follow the unit through deactivating until a new run starts."""
+    unit = unit_filename(host.service)
+    with result.phase("restart") as phase:
+        out = remote.run(f"systemctl restart --no-block {shlex.quote(unit)}", timeout=60)
+        if not out.ok:
+            raise PhaseFailed(f"systemctl restart failed: {out.last_error()}")
+        start = time.monotonic()
+        seen_stopping = False
+        while True:
+            state = systemd.parse_show(remote.run(systemd.show_command(unit), timeout=30).stdout)
+            seen_stopping |= state.active == "deactivating"
+            if state.invocation and state.invocation != old_invocation and state.active != "deactivating":
+                waited = time.monotonic() - start
+                phase.detail = (f"new invocation {state.invocation[:12]} {state.summary}"
+                                + (f" after a {waited:.1f}s stop" if seen_stopping else ""))
+                return state.invocation
+            if time.monotonic() - start > timeout:
+                raise PhaseFailed(f"no new run of {unit} after {timeout:.0f}s (still {state.summary})")
+            time.sleep(min(0.25, host.service.gate.poll_interval))
+
+
+def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts: Options, *, target: str,
+                      install_unit: bool, previous: str | None, old_invocation: str) -> None:
+    """Switch to ``target``, restart, gate; on a failed gate return to ``previous`` by itself."""
+    sdir = service_dir(host.service)
+    unit = unit_filename(host.service)
+    with result.phase("activate") as phase:
+        out = remote.run(release.activate_script(sdir, target, unit, install_unit), timeout=120)
+        if not out.ok:
+            raise PhaseFailed(f"activation failed: {out.last_error()}")
+        phase.detail = f"current -> {target}" + ("; unit installed, daemon-reload" if install_unit else "")
+    invocation = old_invocation
+    try:
+        invocation = restart_and_follow(remote, host, result, old_invocation,
+                                        host.service.unit.timeout_stop_sec + 60)
+        if opts.verify:
+            gate.run_gate(remote, host.service, result, workers=opts.workers, timeout=opts.timeout,
+                          invocation=invocation)
+    except PhaseFailed as exc:
+        rollback_after_failure(remote, host, result, previous, invocation, exc.detail)
+        return
+    result.finish("deployed")
+
+
+def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult, previous: str | None,
+                           failed_invocation: str, why: str) -> None:
+    sdir = service_dir(host.service)
+    unit = shlex.quote(unit_filename(host.service))
+    with result.phase("rollback") as phase:
+        if previous is None:
+            if host.service.on_first_deploy_failure == "stop":
+                remote.run(f"systemctl disable --quiet {unit}; systemctl stop --no-block {unit}", timeout=60)
+                state = "stopped and disabled"
+            else:
+                state = "left running as it is"
+            phase.ok = False
+            phase.detail = f"first deploy failed ({why}); nothing to roll back to: service {state}"
+            result.finish("rollback_failed", phase.detail)
+            return
+        try:
+            out = remote.run(release.activate_script(sdir, previous, unit_filename(host.service), True),
+                             timeout=120)
+            if not out.ok:
+                raise PhaseFailed(f"re-activating {previous} failed: {out.last_error()}")
+            sub = HostResult(result.host)
+            invocation = restart_and_follow(remote, host, sub, failed_invocation,
+                                            host.service.unit.timeout_stop_sec + 60)
+            gate.run_gate(remote, host.service, sub, invocation=invocation)
+        except (PhaseFailed, KdeployError) as exc:
+            phase.ok = False
+            phase.detail = (f"gate failed ({why}); rollback to {previous} FAILED: {exc}; "
+                            f"host needs a human: current -> {previous}, unit of {previous} installed")
+            result.release = previous
+            result.finish("rollback_failed", phase.detail)
+            return
+        phase.detail = f"gate failed ({why}); back on {previous}, its gate passed"
+        result.release = previous
+        result.finish("rolled_back", why)
+
+
+def _finish_remote(remote: Remote, host: HostConfig, local: Local, result: HostResult, record: dict,
+                   started: float) -> None:
+    """Append the history line and prune old releases, in one round trip, best effort."""
+    sdir = service_dir(host.service)
+    entry = {
+        "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "user": lock.holder_info().user, "controller": socket.gethostname(),
+        "payload_hash": release.sha256_text(release.manifest_text(local.payload.manifest))[:16],
+        "unit_hash": release.sha256_text(local.unit_text)[:16],
+        "duration": round(time.monotonic() - started, 2), **record,
+    }
+    commands = [history.append_command(sdir, entry)]
+    try:
+        listing = remote.run(f"ls -1 {shlex.quote(sdir)}/releases 2>/dev/null; readlink {shlex.quote(sdir)}/current",
+                             timeout=30).stdout.split()
+        current = listing[-1].rsplit("/", 1)[-1] if listing else ""
+        protect = {current, str(record.get("release")), str(record.get("attempted"))}
+        prune = release.releases_to_prune(listing[:-1], host.service.keep_releases, protect)
+        commands.append(release.prune_command(sdir, prune))
+        remote.run("; ".join(c for c in commands if c), timeout=60)
+    except KdeployError:
+        result.log.append("could not record history (connection lost)")
+
+
+def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
+    """Re-activate an older release (and its unit), restart and gate."""
+    with connect(inventory, host, result, opts) as remote:
+        held = None
+        try:
+            with result.phase("preflight") as phase:
+                held = lock.acquire(remote, service_dir(host.service), wait=opts.lock_wait,
+                                    then=state_script(host))
+                state = parse_state(held.output)
+                target = opts.to_release or state.previous()
+                if not target:
+                    raise PhaseFailed("no older release to roll back to")
+                if target not in state.releases:
+                    raise PhaseFailed(f"no release {target!r} on the host (have: {', '.join(state.releases)})")
+                phase.detail = f"{state.current} -> {target}"
+            result.release = target
+            activate_and_gate(remote, host, result, opts, target=target, install_unit=True,
+                              previous=state.current, old_invocation=state.unit.invocation)
+            if result.result == "deployed":
+                result.finish("restored")
+        except (PhaseFailed, KdeployError, Cancelled) as exc:
+            _fail(result, exc)
+        finally:
+            if held is not None:
+                held.release()
+
+
+def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
+    """The gate against what runs now; changes nothing."""
+    try:
+        with connect(inventory, host, result, opts) as remote:
+            gate.run_gate(remote, host.service, result, workers=opts.workers, timeout=opts.timeout)
+            state = parse_state(remote.run(f"echo @@current; readlink {shlex.quote(service_dir(host.service))}"
+                                           "/current 2>/dev/null | xargs -r basename", timeout=30).stdout)
+            result.release = state.current
+        result.finish("healthy")
+    except PhaseFailed as exc:
+        result.finish("unhealthy", exc.detail)
+    except KdeployError as exc:
+        _fail(result, exc)
+
+
+def history_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
+    try:
+        with connect(inventory, host, result, opts) as remote:
+            out = remote.run(history.read_command(service_dir(host.service), opts.history_limit), timeout=30)
+            result.data["history"] = history.parse(out.stdout)
+        result.finish("ok")
+    except KdeployError as exc:
+        _fail(result, exc)
+
+
+def lock_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult, release_it: bool) -> None:
+    try:
+        with connect(inventory, host, result, opts) as remote:
+            sdir = service_dir(host.service)
+            status = lock.parse_status(remote.run(lock.status_command(sdir), timeout=30).stdout)
+            if release_it:
+                if status.held and not opts.force:
+                    raise LockHeld(f"{host.name}: lock is held by a live deploy "
+                                   f"({status.info.describe() if status.info else 'unknown'}); use --force to end it")
+                remote.run(lock.release_command(sdir, status, opts.force), timeout=30)
+                status = lock.parse_status(remote.run(lock.status_command(sdir), timeout=30).stdout)
+            result.data["lock"] = {"state": status.state,
+                                   "holder": status.info.__dict__ if status.info else None}
+        result.finish("ok")
+    except KdeployError as exc:
+        _fail(result, exc)

@@ -1,0 +1,195 @@
+"""The health gate: unit state, readiness, golden completion, and per-worker markers of the current run.
+
+Decisions are small pure functions over what the host returned; ``run_gate`` only polls and times them.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import httpx
+
+from kdeploy import systemd
+from kdeploy.inventory import Service
+from kdeploy.remote import Remote
+from kdeploy.render import unit_filename
+from kdeploy.report import HostResult, PhaseFailed
+
+RANK_LINE = "Load weight end."
+JOURNAL_TAIL = 12
+MARKER_GRACE = 15.0  # seconds after readiness for late workers' markers
+
+
+@dataclass(frozen=True)
+class UnitVerdict:
+    done: bool
+    failed: bool
+    detail: str
+
+
+def unit_verdict(state: systemd.UnitState, invocation: str | None, restarts: int | None) -> UnitVerdict:
+    """Fail fast on failed/inactive units and crash loops; pass once the expected run is up."""
+    if state.load == "not-found":
+        return UnitVerdict(True, True, "unit not installed")
+    if state.active == "failed" or (state.active == "inactive" and state.sub == "dead"):
+        return UnitVerdict(True, True, f"{state.summary} (main process status {state.main_status})")
+    if state.sub == "auto-restart" or (restarts is not None and state.n_restarts > restarts):
+        return UnitVerdict(True, True, f"crash loop: {state.summary}, Restart=on-failure keeps restarting it")
+    if invocation and state.invocation and state.invocation != invocation:
+        return UnitVerdict(True, True, "crash loop: the service restarted by itself (new invocation)")
+    if state.active == "active" and state.sub == "running":
+        return UnitVerdict(True, False, f"{state.summary} pid {state.main_pid}")
+    return UnitVerdict(False, False, state.summary)
+
+
+def completion_verdict(texts: list[str], pattern: str) -> str | None:
+    """None when every run matched and all runs agree; else the reason."""
+    if not re.search(pattern, texts[0]):
+        return f"answer {texts[0]!r} does not match {pattern!r}"
+    if any(t != texts[0] for t in texts[1:]):
+        return f"temperature 0 is not deterministic: {texts[0]!r} then {texts[1]!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class MarkerVerdict:
+    ok: bool
+    final: bool
+    detail: str
+
+
+def marker_verdict(lines: list[systemd.JournalLine], markers: list[str], workers: int) -> MarkerVerdict:
+    """Each marker must come from exactly ``workers`` distinct processes of this invocation."""
+    rank_of: dict[int, int] = {}
+    pids: dict[str, set[int]] = defaultdict(set)
+    for line in lines:
+        if line.rank is not None:
+            rank_of.setdefault(line.pid, line.rank)
+        for marker in markers:
+            if marker in line.message:
+                pids[marker].add(line.pid)
+    ranks = set(rank_of.values())
+    problems = []
+    final = False
+    for marker in markers:
+        seen = pids[marker]
+        if len(seen) == workers:
+            continue
+        if len(seen) > workers:
+            final = True
+        missing_ranks = sorted(ranks - {rank_of[p] for p in seen if p in rank_of})
+        missing_pids = sorted(p for p, r in rank_of.items() if p not in seen and r in missing_ranks)
+        text = f"{marker!r} in {len(seen)}/{workers} workers"
+        if missing_ranks:
+            text += f", missing TP{','.join(map(str, missing_ranks))} (pid {','.join(map(str, missing_pids))})"
+        problems.append(text)
+    if problems:
+        return MarkerVerdict(False, final, "; ".join(problems))
+    return MarkerVerdict(True, True, f"{len(markers)} markers x {workers} workers")
+
+
+def _tail(remote: Remote, invocation: str) -> list[str]:
+    if not invocation:
+        return []
+    out = remote.run(systemd.journal_command(invocation, lines=JOURNAL_TAIL), timeout=30)
+    return [line.message for line in systemd.parse_journal(out.stdout)]
+
+
+def _show(remote: Remote, unit: str) -> systemd.UnitState:
+    return systemd.parse_show(remote.run(systemd.show_command(unit), timeout=30).stdout)
+
+
+def run_gate(remote: Remote, service: Service, result: HostResult, *, workers: int | None = None,
+             timeout: float | None = None, invocation: str | None = None) -> None:
+    """Run the four phases; raises PhaseFailed at the first failing one."""
+    unit = unit_filename(service)
+    gate = service.gate
+    interval = gate.poll_interval
+    deadline = time.monotonic() + (timeout or service.gate_timeout)
+    workers = workers or service.workers
+
+    with result.phase("unit") as phase:
+        state = _show(remote, unit)
+        restarts = state.n_restarts
+        invocation = invocation or state.invocation
+        while True:
+            verdict = unit_verdict(state, invocation, restarts)
+            if verdict.failed:
+                raise PhaseFailed(verdict.detail, _tail(remote, state.invocation or invocation))
+            if verdict.done:
+                phase.detail = verdict.detail
+                break
+            if time.monotonic() > deadline:
+                raise PhaseFailed(f"not running after the gate timeout: {verdict.detail}")
+            time.sleep(interval)
+            state = _show(remote, unit)
+
+    port = service.sglang.port
+    with remote.http(port, timeout=min(10.0, max(2.0, interval * 4))) as http:
+        with result.phase("ready") as phase:
+            polls = 0
+            while True:
+                polls += 1
+                status = _probe(http, gate.ready_path)
+                if status == 200:
+                    phase.detail = f"GET {gate.ready_path} 200 after {polls} polls"
+                    break
+                state = _show(remote, unit)
+                verdict = unit_verdict(state, invocation, restarts)
+                if verdict.failed:
+                    raise PhaseFailed(f"service died while starting: {verdict.detail}",
+                                      _tail(remote, state.invocation or invocation))
+                if time.monotonic() > deadline:
+                    raise PhaseFailed(f"GET {gate.ready_path} not 200 within the gate timeout (last: {status})")
+                time.sleep(interval)
+
+        with result.phase("completion") as phase:
+            model = service.sglang.served_model_name or service.sglang.model_path
+            answers = []
+            for item in gate.prompts:
+                texts = [_complete(http, model, item.prompt, gate.max_tokens) for _ in range(2)]
+                reason = completion_verdict(texts, item.expect)
+                if reason:
+                    raise PhaseFailed(f"{item.prompt!r}: {reason}")
+                answers.append(texts[0].strip())
+            phase.detail = "; ".join(f"{a!r}" for a in answers) + " (x2, identical)"
+
+    with result.phase("workers") as phase:
+        if not gate.markers:
+            phase.detail = "no markers configured"
+            return
+        marker_deadline = min(deadline, time.monotonic() + MARKER_GRACE)
+        command = systemd.journal_command(invocation, grep=[*gate.markers, RANK_LINE])
+        while True:
+            lines = systemd.parse_journal(remote.run(command, timeout=30).stdout)
+            verdict = marker_verdict(lines, gate.markers, workers)
+            if verdict.ok:
+                phase.detail = verdict.detail
+                return
+            if verdict.final or time.monotonic() > marker_deadline:
+                raise PhaseFailed(verdict.detail)
+            time.sleep(interval)
+
+
+def _probe(http: httpx.Client, path: str) -> int | str:
+    try:
+        return http.get(path).status_code
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+
+
+def _complete(http: httpx.Client, model: str, prompt: str, max_tokens: int) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    try:
+        response = http.post("/v1/completions", json=body, timeout=120)
+    except httpx.HTTPError as exc:
+        raise PhaseFailed(f"POST /v1/completions failed: {type(exc).__name__}: {exc}") from None
+    if response.status_code != 200:
+        raise PhaseFailed(f"POST /v1/completions -> HTTP {response.status_code}: {response.text[:120]!r}")
+    try:
+        return str(response.json()["choices"][0]["text"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise PhaseFailed(f"POST /v1/completions: unexpected response {response.text[:120]!r}") from None

@@ -1,0 +1,27 @@
+"""Deploy history on each host: one JSON line per deploy in ``<service dir>/history.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+
+def append_command(service_dir: str, record: dict) -> str:
+    line = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    return f"printf '%s\\n' {shlex.quote(line)} >> {shlex.quote(service_dir)}/history.jsonl"
+
+
+def read_command(service_dir: str, limit: int) -> str:
+    return f"tail -n {int(limit)} {shlex.quote(service_dir)}/history.jsonl 2>/dev/null || true"
+
+
+def parse(text: str) -> list[dict]:
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records

@@ -1,0 +1,443 @@
+"""The inventory: hosts, groups and layered settings, validated before anything touches a host.
+
+Settings live at three levels (``defaults``, each group, each host) and merge with the precedence
+host > group > defaults. Every string that can reach a systemd unit is checked for control characters,
+because a newline in a value would inject a unit directive.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap
+from ruamel.yaml.error import YAMLError
+
+from kdeploy.errors import InvalidInput
+from kdeploy.markers import DEFAULT_MARKERS
+
+DEFAULT_INVENTORY = Path("inventory.yaml")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+UNIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9:_.@-]*\Z")
+MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+SECRET_NAME = re.compile(r"(?:^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)\Z",
+                         re.IGNORECASE)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _no_control(value: str) -> str:
+    if _CONTROL.search(value):
+        raise ValueError("contains a newline or control character (it would corrupt the unit file)")
+    return value
+
+
+def _absolute(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError("must be an absolute path")
+    return value
+
+
+SafeStr = Annotated[str, AfterValidator(_no_control)]
+AbsPath = Annotated[str, AfterValidator(_no_control), AfterValidator(_absolute)]
+WritePolicy = Literal["write_back", "write_through", "write_through_selective"]
+IoBackend = Literal["direct", "kernel", "kernel_ascend"]
+MemLayout = Literal["layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Speculative(_Strict):
+    algorithm: SafeStr | None = None
+    draft_model_path: SafeStr | None = None
+    num_steps: int | None = Field(default=None, gt=0)
+    eagle_topk: int | None = Field(default=None, gt=0)
+    num_draft_tokens: int | None = Field(default=None, gt=0)
+
+
+class SGLang(_Strict):
+    """``sglang.launch_server`` flags; anything not modelled goes in ``extra_args``."""
+
+    model_path: SafeStr
+    served_model_name: SafeStr | None = None
+    tp: int = Field(default=1, gt=0)
+    host: SafeStr = "127.0.0.1"
+    port: int = Field(default=30000, gt=0, lt=65536)
+    attention_backend: SafeStr | None = None
+    speculative: Speculative = Speculative()
+    mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)
+    context_length: int | None = Field(default=None, gt=0)
+    trust_remote_code: bool = False
+    extra_args: list[SafeStr] = []
+
+
+class HiCache(_Strict):
+    enabled: bool = False
+    ratio: float | None = Field(default=None, gt=0)
+    size_gb: float | None = Field(default=None, gt=0)
+    write_policy: WritePolicy | None = None
+    io_backend: IoBackend | None = None
+    mem_layout: MemLayout | None = None
+    device_kv_gb_per_rank: float | None = Field(default=None, gt=0)
+
+
+class GatePrompt(_Strict):
+    prompt: str
+    expect: str = r"\bParis\b"
+
+    @field_validator("expect")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
+
+
+class Gate(_Strict):
+    """What a healthy deploy must show; ``workers`` defaults to the service's TP size."""
+
+    workers: int | None = Field(default=None, gt=0)
+    prompts: list[GatePrompt] = [GatePrompt(prompt="The capital of France is")]
+    max_tokens: int = Field(default=8, gt=0)
+    markers: list[SafeStr] = list(DEFAULT_MARKERS)
+    ready_path: SafeStr = "/health"
+    timeout: float | None = Field(default=None, gt=0)
+    poll_interval: float = Field(default=0.5, gt=0, le=30)
+
+
+class UnitSettings(_Strict):
+    description: SafeStr | None = None
+    user: SafeStr | None = None
+    timeout_start_sec: int = Field(default=900, gt=0)
+    timeout_stop_sec: int = Field(default=120, gt=0)
+    restart_sec: int = Field(default=5, ge=0)
+    kill_mode: Literal["control-group", "mixed", "process"] = "mixed"
+    limit_nofile: int = Field(default=1048576, gt=0)
+
+
+class Service(_Strict):
+    name: SafeStr
+    template: SafeStr = "templates/sglang.service.j2"
+    python: AbsPath
+    module: SafeStr = "sglang.launch_server"
+    payload: SafeStr = "kernels/kdtree"
+    remote_root: AbsPath = "/opt/kdeploy"
+    keep_releases: int = Field(default=5, ge=2)
+    env: dict[str, SafeStr] = {}
+    environment_file: AbsPath | None = None
+    sglang: SGLang
+    hicache: HiCache = HiCache()
+    gate: Gate = Gate()
+    unit: UnitSettings = UnitSettings()
+    on_first_deploy_failure: Literal["stop", "leave"] = "stop"
+
+    @field_validator("name")
+    @classmethod
+    def _unit_name(cls, value: str) -> str:
+        if not UNIT_NAME.match(value) or value.endswith(".service"):
+            raise ValueError("must be a systemd unit name without '.service' (letters, digits, ':_.@-')")
+        return value
+
+    @field_validator("module")
+    @classmethod
+    def _module(cls, value: str) -> str:
+        if not MODULE.match(value):
+            raise ValueError("must be a dotted Python module name")
+        return value
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for key, val in value.items():
+                if not isinstance(key, str) or not ENV_NAME.match(key):
+                    raise ValueError(f"{key!r} is not a valid environment variable name")
+                if SECRET_NAME.search(key):
+                    raise ValueError(f"{key} looks like a secret and unit files are world-readable: "
+                                     "put it in service.environment_file (mode 0600) instead")
+                if isinstance(val, bool | int | float):
+                    raise ValueError(f"{key}: quote the value ({val!r}) so YAML keeps it a string")
+        return value
+
+    @property
+    def workers(self) -> int:
+        return self.gate.workers or self.sglang.tp
+
+    @property
+    def gate_timeout(self) -> float:
+        return self.gate.timeout or float(self.unit.timeout_start_sec)
+
+
+class HostConfig(_Strict):
+    """One host with every layer merged in: what kdeploy acts on."""
+
+    name: str
+    address: SafeStr
+    port: int = Field(default=22, gt=0, lt=65536)
+    user: SafeStr = "root"
+    identity_file: SafeStr | None = None
+    known_hosts: SafeStr | None = None
+    connect_timeout: float = Field(default=10, gt=0)
+    service: Service
+
+
+# Keys allowed at each settings level (defaults, group, host): everything but the identity fields.
+_LEVEL_EXTRA = {"groups": {"hosts"}, "hosts": {"address"}}
+_NOT_AT_LEVEL = {"name", "address"}
+
+
+@dataclass(frozen=True)
+class Inventory:
+    path: Path
+    hosts: dict[str, HostConfig]
+    groups: dict[str, list[str]]
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent
+
+    def resolve(self, target: str | None) -> list[str]:
+        """Host names for TARGET (host | group | ``all`` | comma list), in inventory order."""
+        if target is None or not target.strip():
+            target = "all"
+        wanted: set[str] = set()
+        for part in (p.strip() for p in target.split(",")):
+            if not part:
+                raise InvalidInput(f"target {target!r}: empty name in comma list")
+            if part == "all":
+                wanted.update(self.hosts)
+            elif part in self.hosts:
+                wanted.add(part)
+            elif part in self.groups:
+                wanted.update(self.groups[part])
+            else:
+                raise InvalidInput(f"target {part!r}: no such host or group{_suggest(part, self.names())}")
+        return [name for name in self.hosts if name in wanted]
+
+    def names(self) -> list[str]:
+        return ["all", *self.groups, *self.hosts]
+
+    def local_path(self, value: str) -> Path:
+        """Paths in the inventory (template, payload, keys) are relative to the inventory file."""
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else self.base_dir / path
+
+    def payload_dir(self, host: HostConfig) -> Path:
+        payload = host.service.payload
+        return self.local_path(payload if "/" in payload else f"kernels/{payload}")
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _yaml() -> YAML:
+    yaml = YAML(typ="rt")
+    yaml.preserve_quotes = True
+    return yaml
+
+
+def read_raw(path: Path) -> CommentedMap:
+    """The inventory as a round-trip document (comments and order kept, line numbers known)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise InvalidInput(f"{path}: inventory not found (pass --inventory PATH)") from None
+    except OSError as exc:
+        raise InvalidInput(f"{path}: cannot read inventory: {exc.strerror}") from None
+    try:
+        data = _yaml().load(text)
+    except YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InvalidInput(f"{path}{where}: invalid YAML: {problem}") from None
+    if data is None:
+        data = CommentedMap()
+    if not isinstance(data, dict):
+        raise InvalidInput(f"{path}: the inventory must be a mapping with defaults/groups/hosts")
+    return data
+
+
+def load(path: Path | str = DEFAULT_INVENTORY) -> Inventory:
+    path = Path(path)
+    return parse(read_raw(path), path)
+
+
+def parse(raw: dict, path: Path) -> Inventory:
+    """Validate a raw inventory document; errors name file, line, key path and reason."""
+    errors = _Errors(path, raw)
+    for key in raw:
+        if key not in ("defaults", "groups", "hosts"):
+            errors.fail((key,), f"unknown key{_suggest(str(key), ['defaults', 'groups', 'hosts'])}")
+    defaults = _mapping(raw.get("defaults"), ("defaults",), errors)
+    raw_groups = _mapping(raw.get("groups"), ("groups",), errors)
+    raw_hosts = _mapping(raw.get("hosts"), ("hosts",), errors)
+    if not raw_hosts:
+        errors.fail(("hosts",), "no hosts defined")
+
+    _check_keys(defaults, HostConfig, ("defaults",), errors, _NOT_AT_LEVEL)
+    for name, host in raw_hosts.items():
+        if not NAME.match(str(name)):
+            errors.fail(("hosts", name), "host names use letters, digits and '_.-'")
+        _mapping(host, ("hosts", name), errors)
+        _check_keys(host, HostConfig, ("hosts", name), errors, {"name"})
+    groups: dict[str, list[str]] = {}
+    group_layers: dict[str, dict] = {}
+    for name, group in raw_groups.items():
+        at = ("groups", name)
+        if name == "all" or name in raw_hosts:
+            errors.fail(at, "a group cannot be named 'all' or like a host")
+        if isinstance(group, list):
+            group = {"hosts": group}
+        group = _mapping(group, at, errors)
+        members = group.get("hosts") or []
+        if not isinstance(members, list):
+            errors.fail((*at, "hosts"), "must be a list of host names")
+        for member in members:
+            if member not in raw_hosts:
+                errors.fail((*at, "hosts"), f"unknown host {member!r}{_suggest(str(member), list(raw_hosts))}")
+        layer = {k: v for k, v in group.items() if k != "hosts"}
+        _check_keys(layer, HostConfig, at, errors, _NOT_AT_LEVEL)
+        groups[str(name)] = [str(m) for m in members]
+        group_layers[str(name)] = layer
+
+    hosts: dict[str, HostConfig] = {}
+    for name, host in raw_hosts.items():
+        layers = [(("defaults",), defaults)]
+        layers += [(("groups", g), group_layers[g]) for g, members in groups.items() if name in members]
+        layers.append((("hosts", name), host))
+        merged: dict = {}
+        for _, layer in layers:
+            merged = _merge(merged, layer)
+        merged["name"] = str(name)
+        try:
+            hosts[str(name)] = HostConfig.model_validate(merged)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = tuple(err["loc"])
+            errors.fail(_source(loc, layers), _reason(err))
+    return Inventory(path=path, hosts=hosts, groups=groups)
+
+
+class _Errors:
+    def __init__(self, path: Path, raw: dict) -> None:
+        self.path = path
+        self.raw = raw
+
+    def fail(self, where: tuple, reason: str) -> typing.NoReturn:
+        line = _line_of(self.raw, where)
+        keypath = ".".join(str(p) for p in where)
+        raise InvalidInput(f"{self.path}{f':{line}' if line else ''}: {keypath}: {reason}")
+
+
+def _mapping(value: Any, where: tuple, errors: _Errors) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        errors.fail(where, "must be a mapping")
+    return value
+
+
+def _line_of(raw: Any, where: tuple) -> int | None:
+    """1-based line of the deepest key of ``where`` that exists in the document."""
+    line = None
+    node = raw
+    for key in where:
+        if isinstance(node, CommentedMap) and key in node:
+            line = node.lc.key(key)[0] + 1
+            node = node[key]
+        elif isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
+            if hasattr(node, "lc"):
+                line = node.lc.item(key)[0] + 1
+            node = node[key]
+        else:
+            break
+    return line
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        for arg in typing.get_args(annotation):
+            model = _model_of(arg)
+            if model:
+                return model
+    return None
+
+
+def _check_keys(raw: Any, model: type[BaseModel], where: tuple, errors: _Errors,
+                forbidden: set[str] = frozenset()) -> None:
+    """Unknown keys fail with their full path and the closest valid key, at any level."""
+    if not isinstance(raw, dict):
+        return
+    allowed = [k for k in model.model_fields if k not in forbidden]
+    allowed += sorted(_LEVEL_EXTRA.get(where[0], set()) if len(where) <= 2 else set())
+    for key, value in raw.items():
+        if key not in allowed:
+            errors.fail((*where, key), f"unknown key{_suggest(str(key), allowed)}")
+        field = model.model_fields.get(key)
+        sub = _model_of(field.annotation) if field else None
+        if sub is not None:
+            _check_keys(value, sub, (*where, key), errors)
+
+
+def _merge(base: dict, layer: dict) -> dict:
+    out = dict(base)
+    for key, value in layer.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "env":
+            out[key] = _merge(out[key], value)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def _has(layer: Any, loc: tuple) -> bool:
+    for key in loc:
+        if not isinstance(layer, dict) or key not in layer:
+            return False
+        layer = layer[key]
+    return True
+
+
+def _source(loc: tuple, layers: list[tuple[tuple, dict]]) -> tuple:
+    """The key path, in the file, of the most specific layer that set ``loc`` (or the nearest parent)."""
+    for depth in range(len(loc), 0, -1):
+        for prefix, layer in reversed(layers):
+            if _has(layer, loc[:depth]):
+                return (*prefix, *loc)
+    return (*layers[-1][0], *loc)
+
+
+def _reason(err: dict) -> str:
+    if err["type"] == "missing":
+        return "required setting is missing"
+    if err["type"] == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        return f"invalid value {err.get('input')!r}: expected one of {expected}"
+    msg = err["msg"]
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    return msg

@@ -1,0 +1,180 @@
+"""The per-service deploy lock on a host.
+
+The lock is a ``flock`` held by a shell that lives as long as the controller's SSH channel: Ctrl-C, a crash
+or a dropped connection closes the channel and the kernel releases the lock. ``lock.json`` beside it says
+who holds it; when it is left behind with no ``flock`` holder (host rebooted, holder killed), it is a stale
+lock: reported loudly, never mistaken for a live one.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import shlex
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import paramiko
+
+from kdeploy.errors import LockHeld, Unreachable
+from kdeploy.remote import Remote
+
+READY = "@@ready"
+HELD_RC = 75
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    user: str
+    controller: str
+    pid: int
+    since: str
+    command: str
+    remote_pid: int | None = None
+
+    def describe(self) -> str:
+        return f"{self.user}@{self.controller} pid {self.pid} since {self.since} ({self.command})"
+
+
+def holder_info(command: str | None = None) -> LockInfo:
+    return LockInfo(
+        user=os.environ.get("KDEPLOY_USER") or getpass.getuser(),
+        controller=socket.gethostname(),
+        pid=os.getpid(),
+        since=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        command=command or " ".join(["kdeploy", *sys.argv[1:]])[:200],
+    )
+
+
+def parse_info(text: str) -> LockInfo | None:
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+        return LockInfo(**{k: data.get(k) for k in LockInfo.__dataclass_fields__})
+    except (json.JSONDecodeError, TypeError, AttributeError):
+        return LockInfo(user="?", controller="?", pid=0, since="?", command=f"unreadable lock.json: {text[:60]}")
+
+
+def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: str = "") -> str:
+    """Take the lock, record who holds it, run ``then`` (the state read), then hold until stdin closes."""
+    d = shlex.quote(service_dir)
+    record = json.dumps({**info.__dict__, "remote_pid": "__PID__"}).replace('"__PID__"', "$$")
+    flock = f"flock -w {wait:g} 9" if wait > 0 else "flock -n 9"
+    return "\n".join([
+        f"mkdir -p {d}/releases || exit 70",
+        f"exec 9>>{d}/.lock || exit 70",
+        f"if ! {flock}; then echo @@held; cat {d}/lock.json 2>/dev/null; echo; exit {HELD_RC}; fi",
+        f"echo @@stale; cat {d}/lock.json 2>/dev/null; echo",
+        f"info=\"{_dq(record)}\"",
+        f"printf '%s\\n' \"$info\" > {d}/.lock.json.tmp && mv -f {d}/.lock.json.tmp {d}/lock.json",
+        then,
+        f"echo {READY}",
+        "cat >/dev/null",
+        f"[ \"$(cat {d}/lock.json 2>/dev/null)\" = \"$info\" ] && rm -f {d}/lock.json",
+        "exit 0",
+    ]) + "\n"
+
+
+def _dq(text: str) -> str:
+    """Escape for a double-quoted shell string where ``$$`` must still expand."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`").replace("$$", "\x00").replace(
+        "$", "\\$").replace("\x00", "$$")
+
+
+def split_sections(text: str) -> dict[str, str]:
+    """Split ``@@name`` marked output into sections."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("@@") and " " not in line:
+            current = sections.setdefault(line[2:], [])
+        elif current is not None:
+            current.append(line)
+    return {k: "\n".join(v) for k, v in sections.items()}
+
+
+@dataclass
+class HeldLock:
+    """A lock this process holds; ``release`` closes the channel, which ends the holder."""
+
+    channel: paramiko.Channel
+    output: str
+    stale: LockInfo | None
+
+    def release(self) -> None:
+        try:
+            self.channel.shutdown_write()
+            self.channel.recv_exit_status()
+        except (OSError, paramiko.SSHException, EOFError):
+            pass
+        finally:
+            self.channel.close()
+
+
+def acquire(remote: Remote, service_dir: str, *, wait: float = 0, then: str = "",
+            command: str | None = None) -> HeldLock:
+    """Take the lock (waiting up to ``wait`` s) and run ``then`` under it, in one round trip."""
+    channel = remote.start(holder_script(service_dir, holder_info(command), wait=wait, then=then),
+                           timeout=max(30.0, wait + 30))
+    buf = bytearray()
+    try:
+        while READY.encode() + b"\n" not in buf:
+            chunk = channel.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    except (OSError, paramiko.SSHException, EOFError) as exc:
+        channel.close()
+        raise Unreachable(f"{remote.host.name}: connection lost while taking the deploy lock: {exc}") from None
+    text = buf.decode(errors="replace")
+    sections = split_sections(text)
+    if "held" in sections or READY not in text:
+        rc = channel.recv_exit_status()
+        err = channel.recv_stderr(4096).decode(errors="replace").strip()
+        channel.close()
+        if rc == HELD_RC:
+            holder = parse_info(sections.get("held", ""))
+            who = holder.describe() if holder else "unknown holder"
+            raise LockHeld(f"{remote.host.name}: deploy lock held by {who}")
+        raise Unreachable(f"{remote.host.name}: cannot take the deploy lock: {err or f'exit status {rc}'}")
+    channel.settimeout(None)
+    return HeldLock(channel, text, parse_info(sections.get("stale", "")))
+
+
+@dataclass(frozen=True)
+class LockStatus:
+    held: bool
+    info: LockInfo | None
+
+    @property
+    def state(self) -> str:
+        if self.held:
+            return "held"
+        return "stale" if self.info else "free"
+
+
+def status_command(service_dir: str) -> str:
+    d = shlex.quote(service_dir)
+    return (f"if [ -e {d}/.lock ] && ! flock -n {d}/.lock true; then echo @@held; else echo @@free; fi; "
+            f"echo @@info; cat {d}/lock.json 2>/dev/null; true")
+
+
+def parse_status(text: str) -> LockStatus:
+    sections = split_sections(text)
+    return LockStatus(held="held" in sections, info=parse_info(sections.get("info", "")))
+
+
+def release_command(service_dir: str, status: LockStatus, force: bool) -> str:
+    """Clear a stale lock record; with ``force``, also end a live holder (its flock dies with it)."""
+    d = shlex.quote(service_dir)
+    cmds = []
+    if status.held and force and status.info and status.info.remote_pid:
+        pid = int(status.info.remote_pid)
+        cmds.append(f"pkill -TERM -P {pid} 2>/dev/null; kill -TERM {pid} 2>/dev/null; sleep 0.2")
+    cmds.append(f"rm -f {d}/lock.json")
+    return "; ".join(cmds)

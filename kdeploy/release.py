@@ -1,0 +1,223 @@
+"""Releases on a host: payload manifests, the delta to ship, and the scripts that stage and switch them.
+
+Remote layout, per service::
+
+    <remote_root>/<service>/releases/<UTC time>-<hash>/   payload files + .kdeploy/{manifest.sha256,files,unit.service}
+    <remote_root>/<service>/current -> releases/<id>       swapped atomically (temp link + rename)
+    <remote_root>/<service>/history.jsonl                  one line per deploy
+
+Each script is one round trip and leaves the host unchanged when it fails half way: staging happens in
+``releases/.staging-*`` (removed on the next push), and only a rename makes anything visible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shlex
+import tarfile
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from kdeploy.errors import InvalidInput
+from kdeploy.systemd import UNIT_DIR
+
+META = ".kdeploy"
+_SKIP_DIRS = {"__pycache__", ".git", ".mypy_cache", ".pytest_cache", ".ruff_cache", META}
+_SKIP_SUFFIXES = (".pyc", ".pyo")
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    path: str  # relative, "/"-separated
+    sha256: str
+    size: int
+    source: Path
+
+
+@dataclass(frozen=True)
+class Payload:
+    root: Path
+    files: dict[str, LocalFile]
+
+    @property
+    def manifest(self) -> dict[str, str]:
+        return {p: f.sha256 for p, f in self.files.items()}
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+
+def scan_payload(root: Path) -> Payload:
+    """Hash every file of the payload directory (symlinks followed, caches skipped)."""
+    if not root.is_dir():
+        raise InvalidInput(f"{root}: payload directory not found")
+    files: dict[str, LocalFile] = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if any(part in _SKIP_DIRS for part in rel.parts) or path.suffix in _SKIP_SUFFIXES or not path.is_file():
+            continue
+        name = rel.as_posix()
+        if any(c in name for c in "\n\r\\") or any(ord(c) < 32 for c in name):
+            raise InvalidInput(f"{path}: payload file names may not contain control characters or backslashes")
+        data = path.read_bytes()
+        files[name] = LocalFile(name, hashlib.sha256(data).hexdigest(), len(data), path)
+    if not files:
+        raise InvalidInput(f"{root}: payload directory is empty")
+    return Payload(root, files)
+
+
+def manifest_text(manifest: dict[str, str]) -> str:
+    """``sha256sum -c`` format, sorted, so the host can verify what arrived."""
+    return "".join(f"{sha}  ./{path}\n" for path, sha in sorted(manifest.items()))
+
+
+def parse_manifest(text: str) -> dict[str, str]:
+    out = {}
+    for line in text.splitlines():
+        sha, sep, path = line.partition("  ")
+        if sep and len(sha) == 64:
+            out[path.removeprefix("./")] = sha
+    return out
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Delta:
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+
+    @property
+    def upload(self) -> list[str]:
+        return sorted(self.added + self.changed)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.added or self.changed or self.removed)
+
+    def describe(self) -> str:
+        return f"+{len(self.added)} ~{len(self.changed)} -{len(self.removed)} ={len(self.unchanged)}"
+
+
+def diff(local: dict[str, str], remote: dict[str, str]) -> Delta:
+    return Delta(
+        added=sorted(p for p in local if p not in remote),
+        changed=sorted(p for p in local if p in remote and remote[p] != local[p]),
+        removed=sorted(p for p in remote if p not in local),
+        unchanged=sorted(p for p in local if remote.get(p) == local[p]),
+    )
+
+
+def release_id(manifest: dict[str, str], unit_text: str, now: datetime | None = None) -> str:
+    digest = sha256_text(manifest_text(manifest) + "\0" + unit_text)[:8]
+    return f"{(now or datetime.now(UTC)):%Y%m%dT%H%M%SZ}-{digest}"
+
+
+def build_tarball(payload: Payload, upload: list[str], meta: dict[str, str]) -> bytes:
+    """The files to ship plus the release metadata, as one uncompressed tar stream."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in upload:
+            src = payload.files[name].source
+            info = tar.gettarinfo(str(src), arcname=name)
+            info.uid = info.gid = 0
+            info.uname = info.gname = "root"
+            with src.open("rb") as fh:
+                tar.addfile(info, fh)
+        for name, text in meta.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"{META}/{name}")
+            info.size = len(data)
+            info.mode = 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta) -> str:
+    """Build releases/<release> from hard links to ``current`` plus the tar on stdin, then verify it."""
+    d = shlex.quote(service_dir)
+    staging = f"{d}/releases/.staging-{release}"
+    drop = delta.changed + delta.removed
+    lines = [
+        "set -eu",
+        "umask 022",
+        f"rm -rf {d}/releases/.staging-*",
+        f"mkdir -p {staging}",
+        f"trap 'rm -rf {staging}' EXIT",
+    ]
+    if has_current:
+        lines.append(f"cp -al {d}/current/. {staging}/")
+    lines += [f"cd {staging}", f"rm -rf {META}",
+              "find . -name __pycache__ -type d -prune -exec rm -rf {} +"]
+    if drop:
+        lines.append("rm -f -- " + " ".join(shlex.quote(p) for p in drop))
+    lines += [
+        "tar -x --no-same-owner -f -",
+        f"sha256sum -c --quiet --strict {META}/manifest.sha256",
+        f"sha256sum -c --quiet --strict {META}/unit.sha256",
+        f"find . -type f ! -path './{META}/*' | LC_ALL=C sort > {META}/found",
+        f"cmp -s {META}/files {META}/found || {{ echo 'staged files differ from the manifest' >&2; exit 1; }}",
+        "find . -mindepth 1 -type d -empty -delete",
+        f"rm -f {META}/found",
+        "sync -f . 2>/dev/null || sync",
+        f"mv -T {staging} {d}/releases/{shlex.quote(release)}",
+        "trap - EXIT",
+        "echo STAGED",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def release_meta(manifest: dict[str, str], unit_text: str, unit_name: str) -> dict[str, str]:
+    return {
+        "manifest.sha256": manifest_text(manifest),
+        "files": "".join(f"./{p}\n" for p in sorted(manifest, key=lambda p: f"./{p}".encode())),
+        "unit.service": unit_text,
+        "unit.sha256": f"{sha256_text(unit_text)}  {META}/unit.service\n",
+        "unit.name": unit_name + "\n",
+    }
+
+
+def activate_script(service_dir: str, release: str, unit_file: str, install_unit: bool) -> str:
+    """Point ``current`` at ``release``; with ``install_unit``, install that release's own unit and reload.
+
+    The unit is copied to a temp name in the unit directory, checked against the release's recorded
+    sha256, then renamed over the live one, so systemd never sees a half-written unit.
+    """
+    d = shlex.quote(service_dir)
+    rel = f"{d}/releases/{shlex.quote(release)}"
+    lines = ["set -eu", f"test -d {rel}"]
+    if install_unit:
+        tmp = shlex.quote(f"{UNIT_DIR}/.{unit_file}.kdeploy-tmp")
+        lines += [
+            f"cp {rel}/{META}/unit.service {tmp}",
+            f'echo "$(cut -c1-64 {rel}/{META}/unit.sha256)  "{tmp} | sha256sum -c --quiet --strict',
+            f"mv -T {tmp} {shlex.quote(f'{UNIT_DIR}/{unit_file}')}",
+        ]
+    lines += [
+        f"ln -sfn releases/{shlex.quote(release)} {d}/.current.tmp",
+        f"mv -T {d}/.current.tmp {d}/current",
+    ]
+    if install_unit:
+        lines.append("systemctl daemon-reload")
+    lines += [f"systemctl enable --quiet {shlex.quote(unit_file)}", "echo ACTIVATED"]
+    return "\n".join(lines) + "\n"
+
+
+def releases_to_prune(releases: list[str], keep: int, protect: set[str]) -> list[str]:
+    """Oldest releases beyond the newest ``keep``; the current and previous ones are never pruned."""
+    ordered = sorted(r for r in releases if not r.startswith("."))
+    return [r for r in ordered[:-keep] if r not in protect] if len(ordered) > keep else []
+
+
+def prune_command(service_dir: str, releases: list[str]) -> str:
+    if not releases:
+        return ""
+    d = shlex.quote(service_dir)
+    return "rm -rf -- " + " ".join(f"{d}/releases/{shlex.quote(r)}" for r in releases)

@@ -1,0 +1,109 @@
+"""Render a host's systemd unit from the inventory.
+
+The launch command and the environment are built here as data (argv list, env dict) and quoted by
+systemd's own rules, so the template only lays them out and no value can break out of its line.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jinja2
+
+from kdeploy.errors import InvalidInput
+from kdeploy.inventory import HostConfig, Inventory, Service
+
+_BARE = re.compile(r"[A-Za-z0-9_./:=,+@-]+\Z")
+
+
+def unit_filename(service: Service) -> str:
+    return f"{service.name}.service"
+
+
+def service_dir(service: Service) -> str:
+    return f"{service.remote_root.rstrip('/')}/{service.name}"
+
+
+def current_path(service: Service) -> str:
+    return f"{service_dir(service)}/current"
+
+
+def launch_argv(service: Service) -> list[str]:
+    """The ExecStart argv: ``<python> -m <module>`` plus SGLang's flags (HiCache only when enabled)."""
+    sg = service.sglang
+    argv = [service.python, "-m", service.module, "--model-path", sg.model_path]
+    if sg.served_model_name:
+        argv += ["--served-model-name", sg.served_model_name]
+    argv += ["--tp-size", str(sg.tp), "--host", sg.host, "--port", str(sg.port)]
+    if sg.attention_backend:
+        argv += ["--attention-backend", sg.attention_backend]
+    spec = sg.speculative
+    for flag, value in (("algorithm", spec.algorithm), ("draft-model-path", spec.draft_model_path),
+                        ("num-steps", spec.num_steps), ("eagle-topk", spec.eagle_topk),
+                        ("num-draft-tokens", spec.num_draft_tokens)):
+        if value is not None:
+            argv += [f"--speculative-{flag}", str(value)]
+    if sg.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", str(sg.mem_fraction_static)]
+    if sg.context_length is not None:
+        argv += ["--context-length", str(sg.context_length)]
+    if sg.trust_remote_code:
+        argv.append("--trust-remote-code")
+    hc = service.hicache
+    if hc.enabled:
+        argv.append("--enable-hierarchical-cache")
+        if hc.size_gb is not None:
+            argv += ["--hicache-size", str(hc.size_gb)]
+        elif hc.ratio is not None:
+            argv += ["--hicache-ratio", str(hc.ratio)]
+        for flag, value in (("write-policy", hc.write_policy), ("io-backend", hc.io_backend),
+                            ("mem-layout", hc.mem_layout)):
+            if value is not None:
+                argv += [f"--hicache-{flag}", value]
+    return argv + list(sg.extra_args)
+
+
+def unit_env(service: Service) -> dict[str, str]:
+    """Environment of the unit: the payload's ``current`` release first on PYTHONPATH, then the user's."""
+    env = {"PYTHONUNBUFFERED": "1", **service.env}
+    env["PYTHONPATH"] = ":".join(p for p in (current_path(service), service.env.get("PYTHONPATH")) if p)
+    return dict(sorted(env.items()))
+
+
+def quote_exec_arg(arg: str) -> str:
+    """Quote one ExecStart word: specifiers (%) and variable expansion ($) are escaped."""
+    if _BARE.match(arg):
+        return arg
+    escaped = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
+    return f'"{escaped}"'
+
+
+def quote_env_assignment(name: str, value: str) -> str:
+    """One Environment= assignment; systemd does not expand $ there, but it does expand % specifiers."""
+    escaped = f"{name}={value}".replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    return f'"{escaped}"'
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                              trim_blocks=True, lstrip_blocks=True, autoescape=False)
+
+
+def render_unit(inventory: Inventory, host: HostConfig) -> str:
+    service = host.service
+    path = inventory.local_path(service.template)
+    try:
+        template = _environment().from_string(path.read_text())
+    except OSError as exc:
+        raise InvalidInput(f"{path}: cannot read unit template: {exc.strerror}") from None
+    return template.render(
+        host=host,
+        service=service,
+        unit=service.unit,
+        description=service.unit.description or f"SGLang {service.sglang.served_model_name or service.name}",
+        environment=[quote_env_assignment(k, v) for k, v in unit_env(service).items()],
+        exec_start=" ".join(quote_exec_arg(a) for a in launch_argv(service)),
+        working_directory=service_dir(service),
+        template_name=Path(service.template).name,
+    )

@@ -1,0 +1,157 @@
+"""systemctl and journalctl: command builders and parsers of their real output."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+SHOW_PROPERTIES = ("ActiveState", "SubState", "Result", "NRestarts", "InvocationID", "ExecMainPID",
+                   "ExecMainStatus", "ActiveEnterTimestamp", "LoadState", "UnitFileState")
+UNIT_DIR = "/etc/systemd/system"
+_RANK = re.compile(r"\bTP(\d+)\]|\brank[= ](\d+)\b")
+
+
+@dataclass(frozen=True)
+class UnitState:
+    active: str
+    sub: str
+    result: str
+    n_restarts: int
+    invocation: str
+    main_pid: int
+    main_status: int
+    active_since: str
+    load: str
+    file_state: str
+
+    @property
+    def running(self) -> bool:
+        return self.active == "active" and self.sub == "running"
+
+    @property
+    def summary(self) -> str:
+        text = f"{self.active}/{self.sub}"
+        if self.result not in ("", "success"):
+            text += f" result={self.result}"
+        if self.n_restarts:
+            text += f" restarts={self.n_restarts}"
+        return text
+
+
+def show_command(unit: str) -> str:
+    return f"systemctl show {shlex.quote(unit)} -p {','.join(SHOW_PROPERTIES)} --no-pager"
+
+
+def parse_show(text: str) -> UnitState:
+    """Parse ``systemctl show -p ...`` (it prints in its own order, not the order asked)."""
+    props: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            props[key] = value
+
+    def num(key: str) -> int:
+        try:
+            return int(props.get(key, "0") or 0)
+        except ValueError:
+            return 0
+
+    return UnitState(
+        active=props.get("ActiveState", "unknown"), sub=props.get("SubState", "unknown"),
+        result=props.get("Result", ""), n_restarts=num("NRestarts"), invocation=props.get("InvocationID", ""),
+        main_pid=num("ExecMainPID"), main_status=num("ExecMainStatus"),
+        active_since=props.get("ActiveEnterTimestamp", ""), load=props.get("LoadState", ""),
+        file_state=props.get("UnitFileState", ""),
+    )
+
+
+def journal_command(invocation: str, *, grep: Iterable[str] = (), lines: int | None = None) -> str:
+    """Journal records of ONE invocation as JSON, optionally only those containing a fixed string."""
+    cmd = (f"journalctl --no-pager -o json --output-fields=MESSAGE,_PID "
+           f"{shlex.quote('_SYSTEMD_INVOCATION_ID=' + invocation)}")
+    if lines is not None:
+        cmd += f" -n {int(lines)}"
+    patterns = [json.dumps(p)[1:-1] for p in grep]
+    if patterns:
+        cmd += " | grep -F " + " ".join(f"-e {shlex.quote(p)}" for p in patterns) + " || true"
+    return cmd
+
+
+@dataclass(frozen=True)
+class JournalLine:
+    pid: int
+    message: str
+
+    @property
+    def rank(self) -> int | None:
+        match = _RANK.search(self.message)
+        return int(match.group(1) or match.group(2)) if match else None
+
+
+def parse_journal(text: str) -> list[JournalLine]:
+    out = []
+    for raw in text.splitlines():
+        if not raw.startswith("{"):
+            continue
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        message = record.get("MESSAGE", "")
+        if isinstance(message, list):  # journald sends non-UTF-8 messages as byte arrays
+            message = bytes(message).decode(errors="replace")
+        try:
+            pid = int(record.get("_PID", 0))
+        except (TypeError, ValueError):
+            pid = 0
+        out.append(JournalLine(pid, str(message)))
+    return out
+
+
+def parse_environment(value: str) -> dict[str, str]:
+    """Parse ``systemctl show -p Environment --value``: space-separated, C-escaped, quoted assignments."""
+    env: dict[str, str] = {}
+    for word in _split_words(value):
+        name, sep, val = word.partition("=")
+        if sep:
+            env[name] = val
+    return env
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "a": "\a", "b": "\b",
+            "f": "\f", "v": "\v", "s": " "}
+
+
+def _split_words(text: str) -> list[str]:
+    words: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        while i < n and text[i].isspace():
+            i += 1
+        if i >= n:
+            break
+        word: list[str] = []
+        quote: str | None = None
+        while i < n and (quote or not text[i].isspace()):
+            ch = text[i]
+            if ch == "\\" and i + 1 < n:
+                nxt = text[i + 1]
+                if nxt == "x" and i + 3 < n:
+                    word.append(chr(int(text[i + 2:i + 4], 16)))
+                    i += 4
+                    continue
+                word.append(_ESCAPES.get(nxt, nxt))
+                i += 2
+                continue
+            if quote and ch == quote:
+                quote = None
+            elif not quote and ch in "\"'":
+                quote = ch
+            else:
+                word.append(ch)
+            i += 1
+        words.append("".join(word))
+    return words

@@ -1,0 +1,354 @@
+"""The reference server (kdeploy/refserver.py) run locally as subprocesses: workers, plugins, HTTP, faults.
+
+No containers: each test starts ``python -m kdeploy.refserver`` on a free loopback port with the test
+plugin (tests/data/testplugin) on PYTHONPATH, and kills whatever is left of it afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PLUGIN_DIR = REPO / "tests" / "data" / "testplugin"
+PLUGIN_RE = re.compile(r"^\[kdeploy-testplugin\] loaded pid=(\d+)$")
+STARTED_RE = re.compile(r"Started scheduler process TP(\d+) pid=(\d+)")
+READY = "The server is fired up and ready to roll!"
+FRANCE = "The capital of France is"
+DEBIAN_PYTHON = "/usr/bin/python3"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    """True while pid runs; a zombie (nobody reaps orphans here) counts as dead."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_dead(pids, timeout: float) -> set[int]:
+    """Poll until every pid is gone; return the survivors."""
+    deadline = time.monotonic() + timeout
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {p for p in alive if _alive(p)}
+        if alive:
+            time.sleep(0.02)
+    return {p for p in alive if _alive(p)}
+
+
+class RefServer:
+    def __init__(self, tp: int = 8, env: dict | None = None, args: tuple = (), python: str = sys.executable,
+                 module: str = "kdeploy.refserver", cwd: Path = REPO, pythonpath: tuple = (REPO, PLUGIN_DIR)):
+        self.port = _free_port()
+        full_env = {k: v for k, v in os.environ.items()
+                    if not k.startswith("REFSERVER_") and k != "SGLANG_PLUGINS"}
+        full_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
+        full_env.update(env or {})
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            [python, "-m", module, "--model-path", "/models/test-model", "--tp-size", str(tp),
+             "--port", str(self.port), *args],
+            cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        self.pid = self.proc.pid
+        self.lines: list[tuple[float, str]] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append((time.monotonic(), line.rstrip("\n")))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def text(self) -> list[str]:
+        with self._cond:
+            return [line for _, line in self.lines]
+
+    def wait_for(self, pattern: str, timeout: float = 10.0) -> tuple[float, str]:
+        """(arrival time, line) of the first line containing pattern; fails on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for t, line in self.lines:
+                    if pattern in line:
+                        return t, line
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no {pattern!r} within {timeout} s; log:\n" + "\n".join(
+                        line for _, line in self.lines))
+                self._cond.wait(min(left, 0.05))
+
+    def wait_count(self, regex: re.Pattern, count: int, timeout: float = 10.0) -> list[re.Match]:
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [m for m in map(regex.search, self.text()) if m]
+            if len(found) >= count or time.monotonic() > deadline:
+                return found
+            time.sleep(0.02)
+
+    def wait_exit(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout)
+        self._reader.join(2)
+        return rc
+
+    def worker_pids(self) -> dict[int, int]:
+        return {int(m[1]): int(m[2]) for m in map(STARTED_RE.search, self.text()) if m}
+
+    def plugin_pids(self) -> list[int]:
+        return [int(m[1]) for m in map(PLUGIN_RE.search, self.text()) if m]
+
+    def request(self, method: str, path: str, body=None, raw: bytes | None = None) -> tuple[int | None, bytes]:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=3) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return None, b""
+
+    def complete(self, prompt: str = FRANCE, max_tokens: int = 8, temperature: float = 0) -> dict:
+        status, body = self.request("POST", "/v1/completions", {
+            "model": "/models/test-model", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": temperature})
+        assert status == 200, (status, body)
+        return json.loads(body)
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+            self.proc.wait(5)
+        for pid in self.worker_pids().values():  # workers orphaned by a failed test
+            if _alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+@pytest.fixture
+def start():
+    servers: list[RefServer] = []
+
+    def _start(**kwargs) -> RefServer:
+        server = RefServer(**kwargs)
+        servers.append(server)
+        return server
+
+    yield _start
+    for server in servers:
+        server.cleanup()
+
+
+def test_tp8_workers_load_plugin_and_serve(start):
+    srv = start(tp=8, args=("--served-model-name", "k25", "--enable-hierarchical-cache", "--hicache-ratio",
+                            "4.0", "--frobnicate", "3", "--enable-foo"))
+    statuses = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        status, body = srv.request("GET", "/health")
+        if status is not None:
+            statuses.append(status)
+            assert body == b""
+        if status == 200:
+            break
+        time.sleep(0.02)
+    assert 503 in statuses, statuses
+    assert statuses[-1] == 200
+    assert statuses.index(200) > statuses.index(503)
+    t_ready, _ = srv.wait_for(READY)
+    print(f"tp=8 ready {t_ready - srv.t0:.2f} s after Popen")
+    assert t_ready - srv.t0 < 5.0
+
+    log = srv.text()
+    assert sum("ignoring unsupported flags: --frobnicate 3 --enable-foo" in line for line in log) == 1
+    workers = srv.worker_pids()
+    assert sorted(workers) == list(range(8))
+    plugin = srv.wait_count(PLUGIN_RE, 9)
+    plugin_pids = [int(m[1]) for m in plugin]
+    assert len(plugin_pids) == 9 and len(set(plugin_pids)) == 9, plugin_pids  # once per process
+    assert plugin_pids.count(srv.pid) == 1
+    assert set(plugin_pids) - {srv.pid} == set(workers.values())
+    assert srv.pid not in workers.values()
+    for rank in range(8):
+        for marker in ("Load weight end.", "KV Cache is allocated. #tokens: 159277, K size: 5.21 GB, V size: "
+                       "5.21 GB", "Memory pool end.", "Allocating 41.68 GB host memory for hierarchical KV cache."):
+            pattern = re.compile(rf"^\[\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d TP{rank}\] {re.escape(marker)}")
+            assert sum(bool(pattern.search(line)) for line in log) == 1, (rank, marker)
+    assert re.match(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] " + re.escape(READY) + "$",
+                    next(line for line in log if READY in line))
+
+    first, second = srv.complete(), srv.complete()
+    text = first["choices"][0]["text"]
+    assert "Paris" in text and text == " Paris. This is a well-known fact"
+    assert second["choices"][0]["text"] == text
+    assert first["object"] == "text_completion" and first["model"] == "k25"
+    assert first["choices"][0]["finish_reason"] == "length" and first["usage"]["completion_tokens"] == 6
+    assert srv.complete(max_tokens=2)["choices"][0]["text"] == " Paris. This"
+    other = srv.complete(prompt="Tell me about kernels", max_tokens=5)["choices"][0]["text"]
+    assert len(other.split()) == 5 and other == srv.complete("Tell me about kernels", 5)["choices"][0]["text"]
+
+    status, body = srv.request("GET", "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "k25"
+    status, body = srv.request("GET", "/server_info")
+    assert status == 200 and json.loads(body)["tp_size"] == 8 and json.loads(body)["hicache_ratio"] == 4.0
+    status, body = srv.request("POST", "/v1/completions", raw=b"{not json")
+    assert status == 400 and json.loads(body)["code"] == 400
+
+
+def test_sigterm_stops_workers_and_exits_zero(start):
+    srv = start(tp=8)
+    srv.wait_for(READY)
+    workers = set(srv.worker_pids().values())
+    assert len(workers) == 8 and all(_alive(p) for p in workers)
+    t0 = time.monotonic()
+    os.kill(srv.pid, signal.SIGTERM)
+    assert srv.wait_exit(5) == 0
+    assert time.monotonic() - t0 < 3.0
+    assert _wait_dead(workers, 1.0) == set()
+
+
+def test_exit_at_start(start):
+    srv = start(tp=8, env={"REFSERVER_EXIT_AT_START": "7"})
+    assert srv.wait_exit(10) == 7
+    log = srv.text()
+    assert len(log) == 1 and "REFSERVER_EXIT_AT_START" in log[0]
+    assert srv.plugin_pids() == [] and srv.worker_pids() == {}
+
+
+def test_die_rank_fails_the_server(start):
+    srv = start(tp=8, env={"REFSERVER_DIE_RANK": "3"})
+    rc = srv.wait_exit(15)
+    assert rc == 1
+    log = srv.text()
+    assert any(re.search(r"TP3\b.*died with exit code 1", line) for line in log), log
+    assert any("TP3] Load weight end." in line for line in log)
+    assert not any(READY in line for line in log)
+    assert _wait_dead(set(srv.worker_pids().values()), 2.0) == set()
+
+
+def test_no_plugins_rank_skips_one_worker(start):
+    srv = start(tp=8, env={"REFSERVER_NO_PLUGINS_RANK": "3"})
+    srv.wait_for(READY)
+    workers = srv.worker_pids()
+    plugin_pids = set(srv.plugin_pids())
+    assert srv.pid in plugin_pids
+    assert plugin_pids - {srv.pid} == {pid for rank, pid in workers.items() if rank != 3}, "\n".join(srv.text())
+    assert workers[3] not in plugin_pids
+    assert any("TP3] Memory pool end." in line for line in srv.text())
+
+
+def test_wrong_answer(start):
+    srv = start(tp=2, env={"REFSERVER_WRONG_ANSWER": "1"})
+    srv.wait_for(READY)
+    text = srv.complete()["choices"][0]["text"]
+    assert "Paris" not in text and text == " Lyon. It is a city"
+
+
+def test_nondeterministic_and_sampling(start):
+    srv = start(tp=2, env={"REFSERVER_NONDETERMINISTIC": "1"})
+    srv.wait_for(READY)
+    a, b = (srv.complete()["choices"][0]["text"] for _ in range(2))
+    assert a != b and "Paris" in a and "Paris" in b
+
+
+def test_temperature_sampling_varies_without_switch(start):
+    srv = start(tp=1)
+    srv.wait_for(READY)
+    assert any(line.startswith("[") and "] Load weight end." in line and " TP" not in line.split("]")[0]
+               for line in srv.text())  # tp=1: no rank tag, like SGLang
+    texts = {srv.complete(max_tokens=8, temperature=0.8)["choices"][0]["text"] for _ in range(4)}
+    assert len(texts) > 1
+
+
+def test_slow_start_keeps_health_503(start):
+    srv = start(tp=2, env={"REFSERVER_SLOW_START": "2"})
+    t_up, _ = srv.wait_for("All 2 scheduler(s) ready")
+    status, body = srv.request("POST", "/v1/completions", {"prompt": FRANCE, "max_tokens": 8, "temperature": 0})
+    assert status == 503, body
+    first_200 = None
+    while time.monotonic() - t_up < 6:
+        status, _ = srv.request("GET", "/health")
+        if status == 200:
+            first_200 = time.monotonic()
+            break
+        assert status == 503
+        time.sleep(0.05)
+    assert first_200 is not None
+    assert 1.8 <= first_200 - t_up <= 3.5, first_200 - t_up
+    assert "Paris" in srv.complete()["choices"][0]["text"]
+
+
+def test_ignore_sigterm_then_workers_follow_a_killed_parent(start):
+    srv = start(tp=2, env={"REFSERVER_IGNORE_SIGTERM": "1"})
+    srv.wait_for(READY)
+    workers = set(srv.worker_pids().values())
+    os.kill(srv.pid, signal.SIGTERM)
+    for pid in workers:
+        os.kill(pid, signal.SIGTERM)  # systemd signals the whole cgroup
+    time.sleep(1.0)
+    assert srv.proc.poll() is None
+    assert all(_alive(p) for p in workers)
+    assert srv.request("GET", "/health")[0] == 200
+    os.kill(srv.pid, signal.SIGKILL)  # only the parent: the workers must notice and leave
+    assert srv.wait_exit(5) == -signal.SIGKILL
+    assert _wait_dead(workers, 3.0) == set()
+
+
+def test_bad_flag_value_exits_2_with_one_line(start):
+    srv = start(tp=2, args=("--mem-fraction-static", "lots"))
+    assert srv.wait_exit(10) == 2
+    log = srv.text()
+    assert len(log) == 1 and "error" in log[0] and "--mem-fraction-static" in log[0], log
+
+
+def test_standalone_copy_under_debian_python(start, tmp_path):
+    """As deployed: the file alone as kdeploy_refserver.py, no kdeploy package, `-m kdeploy_refserver`
+    (spawn children re-import it as __mp_main__), sitecustomize on PYTHONPATH runs in every worker."""
+    python = DEBIAN_PYTHON if os.access(DEBIAN_PYTHON, os.X_OK) else sys.executable
+    app = tmp_path / "app"
+    app.mkdir()
+    shutil.copy(REPO / "kdeploy" / "refserver.py", app / "kdeploy_refserver.py")
+    (app / "sitecustomize.py").write_text(
+        "import os, sys\nsys.stdout.write(f'[sitecustomize] pid={os.getpid()}\\n'); sys.stdout.flush()\n")
+    srv = start(tp=2, python=python, module="kdeploy_refserver", cwd=tmp_path, pythonpath=(app, PLUGIN_DIR))
+    srv.wait_for(READY)
+    workers = set(srv.worker_pids().values())
+    assert len(workers) == 2
+    assert set(srv.plugin_pids()) == workers | {srv.pid}
+    site_pids = {int(m[1]) for m in map(re.compile(r"^\[sitecustomize\] pid=(\d+)$").search, srv.text()) if m}
+    assert workers | {srv.pid} <= site_pids
+    assert "Paris" in srv.complete()["choices"][0]["text"]
+    os.kill(srv.pid, signal.SIGTERM)
+    assert srv.wait_exit(5) == 0
+    assert _wait_dead(workers, 1.0) == set()
