@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kdeploy import markers
+from kdeploy.sandbox import HOST_VENV
 
-HOST_VENV = "/opt/kdeploy-sandbox/venv"
 REFSERVER_MODULE = "kdeploy_refserver"
 
 

@@ -16,15 +16,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from kdeploy import gate, history, lock, release, systemd
-from kdeploy.errors import KdeployError, LockHeld, PreflightRefused, Unreachable
+from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.remote import Remote
-from kdeploy.render import service_dir, unit_filename
-from kdeploy.report import HostResult, PhaseFailed
-
-
-class Cancelled(Exception):
-    """Ctrl-C: stop before the next change; what already changed is finished or reverted."""
+from kdeploy.render import current_path, service_dir, unit_filename
+from kdeploy.report import Cancelled, HostResult, PhaseFailed
 
 
 @dataclass
@@ -150,90 +146,82 @@ def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Option
 
 def push_host(inventory: Inventory, host: HostConfig, local: Local, opts: Options, result: HostResult) -> None:
     started = time.monotonic()
-    remote = connect(inventory, host, result, opts)
     sdir = service_dir(host.service)
-    held: lock.HeldLock | None = None
-    record: dict = {}
-    try:
-        with result.phase("preflight") as phase:
-            held = lock.acquire(remote, sdir, wait=opts.lock_wait, then=state_script(host))
-            state = parse_state(held.output)
-            _preflight(host, local, state)
-            phase.detail = f"lock taken; current {state.current or 'none'}; {state.unit.summary}"
-            if held.stale:
-                phase.detail += f"; took over STALE lock left by {held.stale.describe()} (holder gone)"
-        delta = release.diff(local.payload.manifest, state.manifest)
-        unit_changed = local.unit_text != state.unit_text
-        changed = not delta.empty or unit_changed or state.current is None
+    with connect(inventory, host, result, opts) as remote:
+        held: lock.HeldLock | None = None
+        try:
+            with result.phase("preflight") as phase:
+                held = lock.acquire(remote, sdir, wait=opts.lock_wait, then=state_script(host))
+                state = parse_state(held.output)
+                delta = release.diff(local.payload.manifest, state.manifest)
+                _check_disk(host, state, sum(local.payload.files[p].size for p in delta.upload))
+                phase.detail = f"lock taken; current {state.current or 'none'}; {state.unit.summary}"
+                if held.stale:
+                    phase.detail += f"; took over STALE lock left by {held.stale.describe()} (holder gone)"
+            _push_locked(remote, host, local, opts, result, state, delta)
+        except (PhaseFailed, KdeployError, Cancelled) as exc:
+            result.fail(exc)  # decided before the history line records it
+        finally:
+            if held is not None:
+                if result.result != "preflight_refused":  # a refused host is left exactly as it was
+                    _finish_remote(remote, host, local, result, started)
+                held.release()
+
+
+def _push_locked(remote: Remote, host: HostConfig, local: Local, opts: Options, result: HostResult,
+                 state: HostState, delta: release.Delta) -> None:
+    sdir = service_dir(host.service)
+    unit_changed = local.unit_text != state.unit_text
+    changed = not delta.empty or unit_changed or state.current is None
+    _check(opts)
+    if not changed and state.unit.running and not opts.force_restart:
+        with result.phase("stage") as phase:
+            phase.detail = "nothing changed: no upload, no restart"
+        result.release = state.current
+        result.finish("unchanged")
+        return
+    target = state.current
+    if changed:
+        with result.phase("stage") as phase:
+            target = release.release_id(local.payload.manifest, local.unit_text)
+            meta = release.release_meta(local.payload.manifest, local.unit_text, unit_filename(host.service))
+            tarball = release.build_tarball(local.payload, delta.upload, meta)
+            out = remote.run(release.stage_script(sdir, target, state.current is not None, delta),
+                             stdin=tarball, timeout=600)
+            if not out.ok or "STAGED" not in out.stdout:
+                error = out.last_error()
+                if "No space left" in error:
+                    raise PreflightRefused(f"disk full on the host, host unchanged: {error}")
+                raise PhaseFailed(f"staging failed, host unchanged: {error}")
+            phase.detail = (f"{target}: {delta.describe()} files, {len(tarball)} bytes sent"
+                            f"{', unit changed' if unit_changed else ''}")
         _check(opts)
-        if not changed and state.unit.running and not opts.force_restart:
-            with result.phase("stage") as phase:
-                phase.detail = "nothing changed: no upload, no restart"
-            result.release = state.current
-            record = {"result": "unchanged", "release": state.current}
-            result.finish("unchanged")
-            return
-        target = state.current
-        if changed:
-            with result.phase("stage") as phase:
-                target = release.release_id(local.payload.manifest, local.unit_text)
-                meta = release.release_meta(local.payload.manifest, local.unit_text, unit_filename(host.service))
-                tarball = release.build_tarball(local.payload, delta.upload, meta)
-                out = remote.run(release.stage_script(sdir, target, state.current is not None, delta),
-                                 stdin=tarball, timeout=600)
-                if not out.ok or "STAGED" not in out.stdout:
-                    error = out.last_error()
-                    if "No space left" in error:
-                        raise PreflightRefused(f"disk full on the host, host unchanged: {error}")
-                    raise PhaseFailed(f"staging failed, host unchanged: {error}")
-                phase.detail = (f"{target}: {delta.describe()} files, {len(tarball)} bytes sent"
-                                f"{', unit changed' if unit_changed else ''}")
-            _check(opts)
-        result.release = target
-        activate_and_gate(remote, host, result, opts, target=target, install_unit=unit_changed,
-                          previous=state.current, old_invocation=state.unit.invocation)
-        record = {"result": result.result, "release": result.release, "attempted": target}
-    except (PhaseFailed, KdeployError, Cancelled) as exc:
-        _fail(result, exc)
-        record = {"result": result.result, "release": result.release, "error": result.error}
-    finally:
-        if held is not None:
-            if record:
-                _finish_remote(remote, host, local, result, record, started)
-            held.release()
-        remote.close()
+    result.data["attempted"] = target
+    result.release = target
+    activate_and_gate(remote, host, result, opts, target=target, install_unit=unit_changed,
+                      previous=state.current)
 
 
-def _preflight(host: HostConfig, local: Local, state: HostState) -> None:
-    need_kb = local.payload.size // 1024 * 2 + 1024
+def _check_disk(host: HostConfig, state: HostState, upload_bytes: int) -> None:
+    need_kb = upload_bytes // 1024 * 2 + 1024
     if state.free_kb is not None and state.free_kb < need_kb:
         raise PreflightRefused(f"{host.name}: only {state.free_kb // 1024} MiB free under "
-                               f"{host.service.remote_root}, the payload needs {need_kb // 1024} MiB")
+                               f"{host.service.remote_root}, the upload needs {need_kb // 1024} MiB")
 
 
-def _fail(result: HostResult, exc: BaseException) -> None:
-    if result.result not in ("ok",):
-        return
-    if isinstance(exc, Unreachable):
-        result.finish("unreachable", str(exc))
-    elif isinstance(exc, LockHeld):
-        result.finish("locked", str(exc))
-    elif isinstance(exc, PreflightRefused):
-        result.finish("preflight_refused", str(exc))
-    elif isinstance(exc, Cancelled):
-        result.finish("skipped", "interrupted before any change")
-    else:
-        result.finish("failed", str(exc))
+def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, timeout: float) -> str:
+    """``restart --no-block``, then follow the unit through deactivating until a new run starts.
 
-
-def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, old_invocation: str,
-                       timeout: float) -> str:
-    """``restart --no-block``, then follow the unit through deactivating until a new run starts."""
+    The run being replaced is read in the same round trip as the restart, so a run systemd started by
+    itself in the meantime (Restart=on-failure) is not mistaken for ours.
+    """
     unit = unit_filename(host.service)
     with result.phase("restart") as phase:
-        out = remote.run(f"systemctl restart --no-block {shlex.quote(unit)}", timeout=60)
+        out = remote.run(f"systemctl show -p InvocationID --value {shlex.quote(unit)} && "
+                         f"systemctl restart --no-block {shlex.quote(unit)}", timeout=60)
         if not out.ok:
             raise PhaseFailed(f"systemctl restart failed: {out.last_error()}")
+        old_invocation = out.stdout.strip()
         start = time.monotonic()
         seen_stopping = False
         while True:
@@ -250,30 +238,28 @@ def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, old
 
 
 def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts: Options, *, target: str,
-                      install_unit: bool, previous: str | None, old_invocation: str) -> None:
+                      install_unit: bool, previous: str | None) -> None:
     """Switch to ``target``, restart, gate; on a failed gate return to ``previous`` by itself."""
     sdir = service_dir(host.service)
     unit = unit_filename(host.service)
-    with result.phase("activate") as phase:
-        out = remote.run(release.activate_script(sdir, target, unit, install_unit), timeout=120)
-        if not out.ok:
-            raise PhaseFailed(f"activation failed: {out.last_error()}")
-        phase.detail = f"current -> {target}" + ("; unit installed, daemon-reload" if install_unit else "")
-    invocation = old_invocation
     try:
-        invocation = restart_and_follow(remote, host, result, old_invocation,
-                                        host.service.unit.timeout_stop_sec + 60)
+        with result.phase("activate") as phase:
+            out = remote.run(release.activate_script(sdir, target, unit, install_unit), timeout=120)
+            if not out.ok:
+                raise PhaseFailed(f"activation failed: {out.last_error()}")
+            phase.detail = f"current -> {target}" + ("; unit installed, daemon-reload" if install_unit else "")
+        invocation = restart_and_follow(remote, host, result, host.service.unit.timeout_stop_sec + 60)
         if opts.verify:
             gate.run_gate(remote, host.service, result, workers=opts.workers, timeout=opts.timeout,
                           invocation=invocation)
     except PhaseFailed as exc:
-        rollback_after_failure(remote, host, result, previous, invocation, exc.detail)
+        rollback_after_failure(remote, host, result, previous, exc.detail)
         return
     result.finish("deployed")
 
 
 def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult, previous: str | None,
-                           failed_invocation: str, why: str) -> None:
+                           why: str) -> None:
     sdir = service_dir(host.service)
     unit = shlex.quote(unit_filename(host.service))
     with result.phase("rollback") as phase:
@@ -293,8 +279,7 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
             if not out.ok:
                 raise PhaseFailed(f"re-activating {previous} failed: {out.last_error()}")
             sub = HostResult(result.host)
-            invocation = restart_and_follow(remote, host, sub, failed_invocation,
-                                            host.service.unit.timeout_stop_sec + 60)
+            invocation = restart_and_follow(remote, host, sub, host.service.unit.timeout_stop_sec + 60)
             gate.run_gate(remote, host.service, sub, invocation=invocation)
         except (PhaseFailed, KdeployError) as exc:
             phase.ok = False
@@ -308,25 +293,25 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
         result.finish("rolled_back", why)
 
 
-def _finish_remote(remote: Remote, host: HostConfig, local: Local, result: HostResult, record: dict,
-                   started: float) -> None:
+def _finish_remote(remote: Remote, host: HostConfig, local: Local, result: HostResult, started: float) -> None:
     """Append the history line and prune old releases, in one round trip, best effort."""
     sdir = service_dir(host.service)
+    attempted = result.data.get("attempted")
     entry = {
         "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "user": lock.holder_info().user, "controller": socket.gethostname(),
         "payload_hash": release.sha256_text(release.manifest_text(local.payload.manifest))[:16],
         "unit_hash": release.sha256_text(local.unit_text)[:16],
-        "duration": round(time.monotonic() - started, 2), **record,
+        "duration": round(time.monotonic() - started, 2),
+        "result": result.result, "release": result.release, "attempted": attempted, "error": result.error,
     }
-    commands = [history.append_command(sdir, entry)]
     try:
         listing = remote.run(f"ls -1 {shlex.quote(sdir)}/releases 2>/dev/null; readlink {shlex.quote(sdir)}/current",
                              timeout=30).stdout.split()
         current = listing[-1].rsplit("/", 1)[-1] if listing else ""
-        protect = {current, str(record.get("release")), str(record.get("attempted"))}
+        protect = {current, str(result.release), str(attempted)}
         prune = release.releases_to_prune(listing[:-1], host.service.keep_releases, protect)
-        commands.append(release.prune_command(sdir, prune))
+        commands = [history.append_command(sdir, entry), release.prune_command(sdir, prune)]
         remote.run("; ".join(c for c in commands if c), timeout=60)
     except KdeployError:
         result.log.append("could not record history (connection lost)")
@@ -343,17 +328,16 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
                 state = parse_state(held.output)
                 target = opts.to_release or state.previous()
                 if not target:
-                    raise PhaseFailed("no older release to roll back to")
+                    raise PreflightRefused(f"{host.name}: no older release to roll back to")
                 if target not in state.releases:
-                    raise PhaseFailed(f"no release {target!r} on the host (have: {', '.join(state.releases)})")
+                    raise InvalidInput(f"{host.name}: no release {target!r} "
+                                       f"(have: {', '.join(state.releases) or 'none'})")
                 phase.detail = f"{state.current} -> {target}"
             result.release = target
             activate_and_gate(remote, host, result, opts, target=target, install_unit=True,
                               previous=state.current, old_invocation=state.unit.invocation)
             if result.result == "deployed":
                 result.finish("restored")
-        except (PhaseFailed, KdeployError, Cancelled) as exc:
-            _fail(result, exc)
         finally:
             if held is not None:
                 held.release()
@@ -361,42 +345,33 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
 
 def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
     """The gate against what runs now; changes nothing."""
-    try:
-        with connect(inventory, host, result, opts) as remote:
+    with connect(inventory, host, result, opts) as remote:
+        current = remote.run(f"readlink {shlex.quote(current_path(host.service))}", timeout=30).stdout.strip()
+        result.release = current.rsplit("/", 1)[-1] or None
+        try:
             gate.run_gate(remote, host.service, result, workers=opts.workers, timeout=opts.timeout)
-            state = parse_state(remote.run(f"echo @@current; readlink {shlex.quote(service_dir(host.service))}"
-                                           "/current 2>/dev/null | xargs -r basename", timeout=30).stdout)
-            result.release = state.current
-        result.finish("healthy")
-    except PhaseFailed as exc:
-        result.finish("unhealthy", exc.detail)
-    except KdeployError as exc:
-        _fail(result, exc)
+        except PhaseFailed as exc:
+            result.finish("unhealthy", exc.detail)
+            return
+    result.finish("healthy")
 
 
 def history_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
-    try:
-        with connect(inventory, host, result, opts) as remote:
-            out = remote.run(history.read_command(service_dir(host.service), opts.history_limit), timeout=30)
-            result.data["history"] = history.parse(out.stdout)
-        result.finish("ok")
-    except KdeployError as exc:
-        _fail(result, exc)
+    with connect(inventory, host, result, opts) as remote:
+        out = remote.run(history.read_command(service_dir(host.service), opts.history_limit), timeout=30)
+        result.data["history"] = history.parse(out.stdout)
+    result.finish("ok")
 
 
 def lock_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult, release_it: bool) -> None:
-    try:
-        with connect(inventory, host, result, opts) as remote:
-            sdir = service_dir(host.service)
+    with connect(inventory, host, result, opts) as remote:
+        sdir = service_dir(host.service)
+        status = lock.parse_status(remote.run(lock.status_command(sdir), timeout=30).stdout)
+        if release_it:
+            if status.held and not opts.force:
+                raise LockHeld(f"{host.name}: lock is held by a live deploy "
+                               f"({status.info.describe() if status.info else 'unknown'}); use --force to end it")
+            remote.run(lock.release_command(sdir, status, opts.force), timeout=30)
             status = lock.parse_status(remote.run(lock.status_command(sdir), timeout=30).stdout)
-            if release_it:
-                if status.held and not opts.force:
-                    raise LockHeld(f"{host.name}: lock is held by a live deploy "
-                                   f"({status.info.describe() if status.info else 'unknown'}); use --force to end it")
-                remote.run(lock.release_command(sdir, status, opts.force), timeout=30)
-                status = lock.parse_status(remote.run(lock.status_command(sdir), timeout=30).stdout)
-            result.data["lock"] = {"state": status.state,
-                                   "holder": status.info.__dict__ if status.info else None}
-        result.finish("ok")
-    except KdeployError as exc:
-        _fail(result, exc)
+        result.data["lock"] = {"state": status.state, "holder": status.info.__dict__ if status.info else None}
+    result.finish("ok")

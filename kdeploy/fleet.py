@@ -16,10 +16,11 @@ from pathlib import Path
 
 from kdeploy import deploy
 from kdeploy.deploy import Local, Options
+from kdeploy.errors import KdeployError
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.release import Payload, scan_payload
 from kdeploy.render import render_unit
-from kdeploy.report import HostResult, Listener, Report
+from kdeploy.report import Cancelled, HostResult, Listener, PhaseFailed, Report
 
 DEFAULT_PARALLEL = 16
 
@@ -38,6 +39,8 @@ def fan_out(inventory: Inventory, names: list[str], command: str, fn: HostFn, *,
             return
         try:
             fn(inventory.hosts[result.host], result)
+        except (KdeployError, PhaseFailed, Cancelled) as exc:
+            result.fail(exc)
         except Exception as exc:  # one host's bug must not take the others down
             result.data["traceback"] = traceback.format_exc()
             result.finish("failed", f"internal error: {type(exc).__name__}: {exc}")

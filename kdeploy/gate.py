@@ -48,7 +48,7 @@ def unit_verdict(state: systemd.UnitState, invocation: str | None, restarts: int
 def completion_verdict(texts: list[str], pattern: str) -> str | None:
     """None when every run matched and all runs agree; else the reason."""
     if not re.search(pattern, texts[0]):
-        return f"answer {texts[0]!r} does not match {pattern!r}"
+        return f"answer {texts[0]!r} does not match /{pattern}/"
     if any(t != texts[0] for t in texts[1:]):
         return f"temperature 0 is not deterministic: {texts[0]!r} then {texts[1]!r}"
     return None

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -52,7 +53,25 @@ def _absolute(value: str) -> str:
     return value
 
 
+def _env_name(key: Any) -> Any:
+    if not isinstance(key, str) or not ENV_NAME.match(key):
+        raise ValueError(f"{key!r} is not a valid environment variable name")
+    if SECRET_NAME.search(key):
+        raise ValueError(f"{key} looks like a secret and unit files are world-readable: "
+                         "put it in service.environment_file (mode 0600) instead")
+    return key
+
+
+def _env_value(value: Any) -> Any:
+    if isinstance(value, bool | int | float):
+        raise ValueError(f"quote the value ({value!r}) so YAML keeps it a string")
+    return value
+
+
 SafeStr = Annotated[str, AfterValidator(_no_control)]
+# Checked per key and per value, so an error's location names the key and thus the layer that wrote it.
+EnvName = Annotated[str, BeforeValidator(_env_name)]
+EnvValue = Annotated[str, BeforeValidator(_env_value), AfterValidator(_no_control)]
 AbsPath = Annotated[str, AfterValidator(_no_control), AfterValidator(_absolute)]
 WritePolicy = Literal["write_back", "write_through", "write_through_selective"]
 IoBackend = Literal["direct", "kernel", "kernel_ascend"]
@@ -141,7 +160,7 @@ class Service(_Strict):
     payload: SafeStr = "kernels/kdtree"
     remote_root: AbsPath = "/opt/kdeploy"
     keep_releases: int = Field(default=5, ge=2)
-    env: dict[str, SafeStr] = {}
+    env: dict[EnvName, EnvValue] = {}
     environment_file: AbsPath | None = None
     sglang: SGLang
     hicache: HiCache = HiCache()
@@ -161,20 +180,6 @@ class Service(_Strict):
     def _module(cls, value: str) -> str:
         if not MODULE.match(value):
             raise ValueError("must be a dotted Python module name")
-        return value
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env(cls, value: Any) -> Any:
-        if isinstance(value, dict):
-            for key, val in value.items():
-                if not isinstance(key, str) or not ENV_NAME.match(key):
-                    raise ValueError(f"{key!r} is not a valid environment variable name")
-                if SECRET_NAME.search(key):
-                    raise ValueError(f"{key} looks like a secret and unit files are world-readable: "
-                                     "put it in service.environment_file (mode 0600) instead")
-                if isinstance(val, bool | int | float):
-                    raise ValueError(f"{key}: quote the value ({val!r}) so YAML keeps it a string")
         return value
 
     @property
@@ -325,7 +330,7 @@ def parse(raw: dict, path: Path) -> Inventory:
     for name, host in raw_hosts.items():
         layers = [(("defaults",), defaults)]
         layers += [(("groups", g), group_layers[g]) for g, members in groups.items() if name in members]
-        layers.append((("hosts", name), host))
+        layers.append((("hosts", name), host or {}))  # `ct200:` with nothing under it is an empty mapping
         merged: dict = {}
         for _, layer in layers:
             merged = _merge(merged, layer)
@@ -334,7 +339,7 @@ def parse(raw: dict, path: Path) -> Inventory:
             hosts[str(name)] = HostConfig.model_validate(merged)
         except ValidationError as exc:
             err = exc.errors()[0]
-            loc = tuple(err["loc"])
+            loc = tuple(p for p in err["loc"] if p != "[key]")  # a dict key's error: name the key itself
             errors.fail(_source(loc, layers), _reason(err))
     return Inventory(path=path, hosts=hosts, groups=groups)
 

@@ -63,14 +63,15 @@ def parse_info(text: str) -> LockInfo | None:
 def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: str = "") -> str:
     """Take the lock, record who holds it, run ``then`` (the state read), then hold until stdin closes."""
     d = shlex.quote(service_dir)
-    record = json.dumps({**info.__dict__, "remote_pid": "__PID__"}).replace('"__PID__"', "$$")
+    # Escape first, then put in the one unescaped $$ (a "$$" inside the command must stay literal).
+    record = _dq(json.dumps({**info.__dict__, "remote_pid": "__PID__"})).replace('\\"__PID__\\"', "$$")
     flock = f"flock -w {wait:g} 9" if wait > 0 else "flock -n 9"
     return "\n".join([
         f"mkdir -p {d}/releases || exit 70",
         f"exec 9>>{d}/.lock || exit 70",
         f"if ! {flock}; then echo @@held; cat {d}/lock.json 2>/dev/null; echo; exit {HELD_RC}; fi",
         f"echo @@stale; cat {d}/lock.json 2>/dev/null; echo",
-        f"info=\"{_dq(record)}\"",
+        f"info=\"{record}\"",
         f"printf '%s\\n' \"$info\" > {d}/.lock.json.tmp && mv -f {d}/.lock.json.tmp {d}/lock.json",
         then,
         f"echo {READY}",
@@ -81,9 +82,8 @@ def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: st
 
 
 def _dq(text: str) -> str:
-    """Escape for a double-quoted shell string where ``$$`` must still expand."""
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`").replace("$$", "\x00").replace(
-        "$", "\\$").replace("\x00", "$$")
+    """Escape for a double-quoted shell string: nothing in it expands."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`").replace("$", "\\$")
 
 
 def split_sections(text: str) -> dict[str, str]:

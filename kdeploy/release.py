@@ -123,7 +123,7 @@ def release_id(manifest: dict[str, str], unit_text: str, now: datetime | None = 
 def build_tarball(payload: Payload, upload: list[str], meta: dict[str, str]) -> bytes:
     """The files to ship plus the release metadata, as one uncompressed tar stream."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT, dereference=True) as tar:
         for name in upload:
             src = payload.files[name].source
             info = tar.gettarinfo(str(src), arcname=name)
@@ -150,7 +150,7 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
         "umask 022",
         f"rm -rf {d}/releases/.staging-*",
         f"mkdir -p {staging}",
-        f"trap 'rm -rf {staging}' EXIT",
+        f"trap {shlex.quote(f'rm -rf {staging}')} EXIT",  # staging holds quotes of its own
     ]
     if has_current:
         lines.append(f"cp -al {d}/current/. {staging}/")
@@ -197,7 +197,8 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
         tmp = shlex.quote(f"{UNIT_DIR}/.{unit_file}.kdeploy-tmp")
         lines += [
             f"cp {rel}/{META}/unit.service {tmp}",
-            f'echo "$(cut -c1-64 {rel}/{META}/unit.sha256)  "{tmp} | sha256sum -c --quiet --strict',
+            f'echo "$(cut -c1-64 {rel}/{META}/unit.sha256)  "{tmp} | sha256sum -c --quiet --strict'
+            f" || {{ rm -f {tmp}; exit 1; }}",
             f"mv -T {tmp} {shlex.quote(f'{UNIT_DIR}/{unit_file}')}",
         ]
     lines += [

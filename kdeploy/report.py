@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
-from kdeploy.errors import ExitCode, KdeployError, most_severe
+from kdeploy.errors import ExitCode, KdeployError, LockHeld, PreflightRefused, Unreachable, most_severe
 
 # result -> exit code
 RESULT_CODES = {
@@ -38,6 +38,25 @@ class PhaseFailed(Exception):
         self.log = log or []
 
 
+class Cancelled(Exception):
+    """Ctrl-C: stop before the next change; what already changed is finished or reverted."""
+
+
+def classify(exc: BaseException) -> str:
+    """The result a host ends with when ``exc`` stopped it."""
+    if isinstance(exc, Unreachable):
+        return "unreachable"
+    if isinstance(exc, LockHeld):
+        return "locked"
+    if isinstance(exc, PreflightRefused):
+        return "preflight_refused"
+    if isinstance(exc, Cancelled):
+        return "skipped"
+    if isinstance(exc, KdeployError) and exc.exit_code == ExitCode.INVALID:
+        return "invalid"
+    return "failed"
+
+
 Listener = Callable[[str, str, str], None]  # (host, phase, status) status: start|ok|fail|info
 
 
@@ -53,6 +72,7 @@ class HostResult:
     log: list[str] = field(default_factory=list)
     data: dict = field(default_factory=dict)
     listener: Listener | None = field(default=None, repr=False, compare=False)
+    done: bool = field(default=False, repr=False, compare=False)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[Phase]:
@@ -67,8 +87,8 @@ class HostResult:
             entry.ok, entry.detail = False, exc.detail
             self.log.extend(exc.log)
             raise
-        except KdeployError as exc:
-            entry.ok, entry.detail = False, str(exc)
+        except BaseException as exc:  # KdeployError, Cancelled, or a bug: the phase did not pass
+            entry.ok, entry.detail = False, str(exc) or type(exc).__name__
             raise
         finally:
             entry.seconds = round(time.monotonic() - start, 3)
@@ -79,6 +99,7 @@ class HostResult:
             self.listener(self.host, phase, status)
 
     def finish(self, result: str, error: str | None = None) -> HostResult:
+        self.done = True
         self.result = result
         self.exit_code = int(RESULT_CODES[result])
         self.ok = self.exit_code == 0
@@ -86,12 +107,17 @@ class HostResult:
         self._emit("done", result)
         return self
 
+    def fail(self, exc: BaseException) -> None:
+        """End the host with the result ``exc`` stands for, unless a result was already decided."""
+        if not self.done:
+            self.finish(classify(exc), getattr(exc, "detail", None) or str(exc))
+
     def failed_phase(self) -> str | None:
         return next((p.name for p in self.phases if not p.ok), None)
 
     def as_json(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k not in ("listener", "data", "log", "exit_code")}
-        out["exit_code"] = self.exit_code
+        out = {"host": self.host, "ok": self.ok, "result": self.result, "release": self.release,
+               "phases": [asdict(p) for p in self.phases], "exit_code": self.exit_code, "error": self.error}
         if self.log:
             out["log"] = self.log
         out.update(self.data)

@@ -16,7 +16,9 @@ _installed = False
 
 
 def _log(text: str) -> None:
-    print(f"{text} pid={os.getpid()}", file=sys.stdout, flush=True)
+    """One write per line: concurrent workers share the journal stream."""
+    sys.stdout.write(f"{text} pid={os.getpid()}\n")
+    sys.stdout.flush()
 
 
 def register() -> None:

@@ -1,6 +1,7 @@
 """A minimal SGLang general plugin for tests: put tests/data/testplugin on PYTHONPATH and SGLang's
 ``load_plugins()`` (or kdeploy's reference server) finds it through the bare dist-info next to it."""
 
+import multiprocessing
 import os
 import sys
 
@@ -10,7 +11,7 @@ _registered = False
 
 
 def register() -> None:
-    """Entry point of group ``sglang.srt.plugins``: one marker line per process (idempotent).
+    """Entry point of group ``sglang.srt.plugins``: one marker line per worker process (idempotent).
 
     One ``write`` call per line: ``print()`` writes the text and the newline separately, and with
     PYTHONUNBUFFERED (or a shared journald stream) lines of concurrent workers then run together."""
@@ -18,5 +19,8 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    sys.stdout.write(f"{MARKER} pid={os.getpid()}\n")
+    if multiprocessing.parent_process() is None:  # the launcher: markers come from the TP workers only
+        sys.stdout.write(f"[kdeploy-testplugin] registered in the launcher pid={os.getpid()}\n")
+    else:
+        sys.stdout.write(f"{MARKER} pid={os.getpid()}\n")
     sys.stdout.flush()

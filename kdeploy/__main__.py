@@ -1,0 +1,5 @@
+import sys
+
+from kdeploy.cli import main
+
+sys.exit(main())

@@ -1,0 +1,123 @@
+"""Shared fixtures: one session-scoped sandbox fleet (real systemd, sshd, journald), always torn down.
+
+Each test gets its own service (unique unit name, port and remote directory) on that fleet, so tests do
+not see each other's releases, locks or journals; the service is stopped and removed afterwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from ruamel.yaml import YAML
+
+from kdeploy import cli, inventory, render
+from kdeploy.demo import demo_service, project_dir
+from kdeploy.sandbox import Sandbox
+
+FLEET_SIZE = 3
+TEST_PLUGIN = Path(__file__).parent / "data" / "testplugin"
+TEST_MARKER = "[kdeploy-testplugin] loaded"
+_ports = itertools.count(31000)
+_names = itertools.count(1)
+
+
+@pytest.fixture(scope="session")
+def fleet() -> Iterator[Sandbox]:
+    """The first free sandbox instance (0-6), so two test runs on one machine do not collide."""
+    for instance in range(7):
+        box = Sandbox(instance=instance)
+        box.check_requirements()
+        if box.hosts():
+            continue
+        box.up(FLEET_SIZE)
+        break
+    else:
+        pytest.fail("no free sandbox instance (0-6): run `kdeploy sandbox down` or wait for other test runs")
+    try:
+        yield box
+    finally:
+        box.down()
+
+
+@dataclass
+class Deployment:
+    """A test's own service on the fleet, with its inventory file and payload copy."""
+
+    fleet: Sandbox
+    path: Path
+    payload: Path
+    service: str
+    hosts: list[str]
+    port: int
+
+    def load(self) -> inventory.Inventory:
+        return inventory.load(self.path)
+
+    def edit(self, change: Callable[[dict], None]) -> None:
+        yaml = YAML()
+        doc = yaml.load(self.path.read_text())
+        change(doc)
+        with self.path.open("w") as fh:
+            yaml.dump(doc, fh)
+
+    def set_service(self, **values: object) -> None:
+        self.edit(lambda doc: doc["defaults"]["service"].update(values))
+
+    def sh(self, host: str, command: str, check: bool = True) -> str:
+        return self.fleet.exec(host, ["sh", "-c", command], check=check).stdout
+
+    def show(self, host: str, prop: str) -> str:
+        return self.sh(host, f"systemctl show {self.service} -p {prop} --value").strip()
+
+    @property
+    def service_dir(self) -> str:
+        return render.service_dir(self.load().hosts[self.hosts[0]].service)
+
+    def kdeploy(self, *args: str) -> int:
+        return cli.main([*args, "--inventory", str(self.path)])
+
+    def json(self, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
+        capsys.readouterr()
+        code = cli.main([*args, "--inventory", str(self.path), "--json"])
+        captured = capsys.readouterr()
+        assert captured.out, f"exit {code}, no JSON on stdout; stderr: {captured.err}"
+        return code, json.loads(captured.out)
+
+
+@pytest.fixture
+def deployment(fleet: Sandbox, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Deployment]:
+    """A fresh service on h1 (more hosts with ``@pytest.mark.hosts(n)``)."""
+    marker = request.node.get_closest_marker("hosts")
+    count = marker.args[0] if marker else 1
+    hosts = [h.name for h in fleet.hosts()][:count]
+    name = f"kdt{next(_names)}"
+    port = next(_ports)
+    payload = tmp_path / "payload"
+    shutil.copytree(TEST_PLUGIN, payload, ignore=shutil.ignore_patterns("__pycache__"))
+    service = demo_service(project_dir(), name=name, payload=str(payload))
+    service["sglang"] = {**service["sglang"], "port": port}
+    service["gate"] = {"workers": 8, "poll_interval": 0.25, "markers": [TEST_MARKER], "timeout": 60}
+    service["env"] = {}
+    path = tmp_path / "inventory.yaml"
+    fleet.write_inventory(path, service)
+    dep = Deployment(fleet, path, payload, name, hosts, port)
+    dep.edit(lambda doc: doc["groups"].update({"test": {"hosts": hosts}}))
+    try:
+        yield dep
+    finally:
+        for host in hosts:
+            fleet.exec(host, ["sh", "-c", f"systemctl disable --now --no-block {name} 2>/dev/null; "
+                                          f"systemctl kill -s KILL {name} 2>/dev/null; "
+                                          f"rm -f /etc/systemd/system/{name}.service; systemctl daemon-reload; "
+                                          f"systemctl reset-failed {name} 2>/dev/null; rm -rf /srv/kdeploy/{name}"],
+                       check=False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "hosts(n): how many sandbox hosts the deployment spans")

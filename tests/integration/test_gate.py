@@ -1,0 +1,284 @@
+"""The health gate and rollback against real sandbox hosts: every fault the reference server can fake.
+
+Each test is its own service on the session fleet (see tests/conftest.py). Failures that need a previous
+release to roll back to push a healthy release first; gate timeouts are short wherever a failure is expected,
+except where the point is that the gate fails fast regardless of its timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from kdeploy import fleet
+from kdeploy.deploy import Options
+from kdeploy.refserver import READY_MESSAGE
+from tests.conftest import TEST_MARKER, Deployment
+
+GATE_PHASES = ["unit", "ready", "completion", "workers"]
+# The unit settings the conftest's demo service uses; `set_service(unit=...)` replaces the whole mapping.
+UNIT = {"timeout_start_sec": 120, "timeout_stop_sec": 20, "restart_sec": 2}
+
+
+def gate(timeout: float, **extra: object) -> dict:
+    """A whole gate mapping (set_service replaces it): 8 workers, fast polling, the test plugin's marker."""
+    return {"workers": 8, "poll_interval": 0.25, "markers": [TEST_MARKER], "timeout": timeout, **extra}
+
+
+def phase(host: dict, name: str) -> dict:
+    found = [p for p in host["phases"] if p["name"] == name]
+    assert found, f"no {name!r} phase in {[p['name'] for p in host['phases']]}"
+    return found[-1]
+
+
+def failed_phase(host: dict) -> dict:
+    failed = [p for p in host["phases"] if not p["ok"]]
+    assert failed, f"no failed phase: {host['phases']}"
+    return failed[0]
+
+
+def current(dep: Deployment, host: str = "h1") -> str:
+    return dep.sh(host, f"readlink {dep.service_dir}/current").strip().removeprefix("releases/")
+
+
+def sha(dep: Deployment, path: str, host: str = "h1") -> str:
+    return dep.sh(host, f"sha256sum < {path}").split()[0]
+
+
+def assert_unit_of(dep: Deployment, release: str, host: str = "h1") -> None:
+    """The installed unit is byte for byte the one recorded with ``release``."""
+    installed = sha(dep, f"/etc/systemd/system/{dep.service}.service", host)
+    assert installed == sha(dep, f"{dep.service_dir}/releases/{release}/.kdeploy/unit.service", host)
+
+
+def push_good(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> str:
+    code, doc = dep.json(capsys, "push", "test")
+    assert code == 0, doc
+    assert doc["hosts"][0]["result"] == "deployed"
+    return doc["hosts"][0]["release"]
+
+
+def assert_rolled_back(dep: Deployment, code: int, doc: dict, previous: str) -> dict:
+    """Exit 4, result rolled_back, and the host really is on ``previous`` again, healthy."""
+    host = doc["hosts"][0]
+    assert code == 4, doc
+    assert host["result"] == "rolled_back"
+    assert host["release"] == previous
+    rollback = phase(host, "rollback")
+    assert rollback["ok"] and f"back on {previous}" in rollback["detail"], rollback
+    assert current(dep) == previous
+    assert_unit_of(dep, previous)
+    assert dep.show("h1", "ActiveState") == "active"
+    return host
+
+
+def marker_lines(dep: Deployment, match: str, host: str = "h1") -> int:
+    out = dep.sh(host, f"journalctl --no-pager {match} -o cat | grep -cF '{TEST_MARKER}' || true")
+    return int(out.strip() or 0)
+
+
+def test_healthy_push_passes_all_four_phases_and_verify_counts_workers(
+        deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0, doc
+    host = doc["hosts"][0]
+    assert host["result"] == "deployed"
+    gates = [p for p in host["phases"] if p["name"] in GATE_PHASES]
+    assert [p["name"] for p in gates] == GATE_PHASES
+    for p in gates:
+        assert p["ok"] and p["detail"], p
+    assert "active/running" in phase(host, "unit")["detail"]
+    assert "200" in phase(host, "ready")["detail"]
+    assert "Paris" in phase(host, "completion")["detail"]
+    assert "x 8 workers" in phase(host, "workers")["detail"]
+
+    code, doc = deployment.json(capsys, "verify", "test", "--workers", "8")
+    assert code == 0, doc
+    assert doc["hosts"][0]["result"] == "healthy"
+    assert doc["hosts"][0]["release"] == host["release"]
+
+    code, doc = deployment.json(capsys, "verify", "test", "--workers", "7")
+    assert code == 4, doc
+    host = doc["hosts"][0]
+    assert host["result"] == "unhealthy"
+    workers = failed_phase(host)
+    assert workers["name"] == "workers"
+    assert "8/7" in workers["detail"]
+
+
+def test_exit_at_start_fails_fast_and_rolls_back(deployment: Deployment,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    previous = push_good(deployment, capsys)
+    deployment.set_service(env={"REFSERVER_EXIT_AT_START": "3"}, gate=gate(120))
+    started = time.monotonic()
+    code, doc = deployment.json(capsys, "push", "test")
+    took = time.monotonic() - started
+    host = assert_rolled_back(deployment, code, doc, previous)
+    failed = failed_phase(host)
+    assert failed["name"] in ("unit", "ready"), failed
+    assert failed["seconds"] < 15, f"the gate waited {failed['seconds']}s for a process that exited at once"
+    assert took < 60
+    # the last journal lines of the failed run come with the report
+    assert any("REFSERVER_EXIT_AT_START=3" in line for line in host["log"]), host.get("log")
+    code, doc = deployment.json(capsys, "verify", "test")
+    assert code == 0, doc
+    assert doc["hosts"][0]["result"] == "healthy"
+    assert doc["hosts"][0]["release"] == previous
+
+
+def test_crash_loop_is_detected_and_rolled_back(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    previous = push_good(deployment, capsys)
+    deployment.set_service(env={"REFSERVER_DIE_RANK": "2"}, unit={**UNIT, "restart_sec": 1}, gate=gate(30))
+    code, doc = deployment.json(capsys, "push", "test")
+    host = assert_rolled_back(deployment, code, doc, previous)
+    failed = failed_phase(host)
+    assert failed["name"] in ("unit", "ready"), failed
+    assert "crash loop" in failed["detail"] or "died" in failed["detail"], failed
+    assert failed["seconds"] < 20
+
+
+def test_slow_start_passes_and_readiness_is_noticed_at_once(deployment: Deployment) -> None:
+    deployment.set_service(env={"REFSERVER_SLOW_START": "20"}, gate=gate(90))
+    marks: dict[str, float] = {}
+
+    def listener(host: str, name: str, status: str) -> None:
+        if (name, status) == ("ready", "ok"):
+            marks["ready"] = time.time()
+
+    report = fleet.push(deployment.load(), "test", Options(), listener=listener)
+    host = report.hosts[0]
+    assert report.exit_code == 0, report.as_json()
+    assert host.result == "deployed"
+    ready = next(p for p in host.phases if p.name == "ready")
+    assert ready.seconds >= 15  # it really waited through the slow start, within the gate timeout
+    invocation = deployment.show("h1", "InvocationID")
+    out = deployment.sh("h1", f"journalctl --no-pager _SYSTEMD_INVOCATION_ID={invocation} -o json")
+    stamps = [int(rec["__REALTIME_TIMESTAMP"]) / 1e6 for rec in map(json.loads, out.splitlines())
+              if READY_MESSAGE in str(rec.get("MESSAGE", ""))]
+    assert len(stamps) == 1, out[-2000:]
+    latency = marks["ready"] - stamps[0]
+    print(f"readiness noticed {latency:.3f}s after the server logged it (poll interval 0.25s)")
+    assert 0 <= latency < 2.5
+
+
+def test_wrong_answer_fails_completion_and_rolls_back(deployment: Deployment,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    previous = push_good(deployment, capsys)
+    deployment.set_service(env={"REFSERVER_WRONG_ANSWER": "1"}, gate=gate(30))
+    code, doc = deployment.json(capsys, "push", "test")
+    host = assert_rolled_back(deployment, code, doc, previous)
+    failed = failed_phase(host)
+    assert failed["name"] == "completion"
+    assert "Lyon" in failed["detail"]
+    assert repr(r"\bParis\b") in failed["detail"]  # the pattern it did not match
+    assert "does not match" in failed["detail"]
+
+
+def test_nondeterministic_answer_fails_completion(deployment: Deployment,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    previous = push_good(deployment, capsys)
+    deployment.set_service(env={"REFSERVER_NONDETERMINISTIC": "1"}, gate=gate(30))
+    code, doc = deployment.json(capsys, "push", "test")
+    host = assert_rolled_back(deployment, code, doc, previous)
+    failed = failed_phase(host)
+    assert failed["name"] == "completion"
+    assert "not deterministic" in failed["detail"]
+
+
+def test_worker_without_the_extension_fails_workers_phase(deployment: Deployment,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    previous = push_good(deployment, capsys)
+    deployment.set_service(env={"REFSERVER_NO_PLUGINS_RANK": "5"}, gate=gate(10))
+    code, doc = deployment.json(capsys, "push", "test")
+    host = assert_rolled_back(deployment, code, doc, previous)
+    failed = failed_phase(host)
+    assert failed["name"] == "workers"
+    assert "7/8" in failed["detail"] and "TP5" in failed["detail"], failed
+
+
+def test_markers_of_an_earlier_invocation_are_not_counted(deployment: Deployment,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    push_good(deployment, capsys)
+    deployment.set_service(env={"REFSERVER_NO_PLUGINS_RANK": "3"}, gate=gate(10))
+    code, doc = deployment.json(capsys, "push", "test", "--no-verify")
+    assert code == 0, doc
+    assert doc["hosts"][0]["result"] == "deployed"
+    code, doc = deployment.json(capsys, "verify", "test")
+    assert code == 4, doc
+    host = doc["hosts"][0]
+    assert host["result"] == "unhealthy"
+    failed = failed_phase(host)
+    assert failed["name"] == "workers"
+    assert "7/8" in failed["detail"] and "TP3" in failed["detail"], failed
+    # the trap was there: the unit's journal holds the earlier run's 8 markers as well as this run's 7
+    assert marker_lines(deployment, f"-u {deployment.service}") >= 15
+    invocation = deployment.show("h1", "InvocationID")
+    assert marker_lines(deployment, f"_SYSTEMD_INVOCATION_ID={invocation}") == 7
+
+
+def test_rollback_command_restores_older_releases(deployment: Deployment,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    older = push_good(deployment, capsys)
+    (deployment.payload / "bump.txt").write_text("2\n")
+    newer = push_good(deployment, capsys)
+    assert newer != older and current(deployment) == newer
+
+    code, doc = deployment.json(capsys, "rollback", "test")
+    assert code == 0, doc
+    host = doc["hosts"][0]
+    assert host["result"] == "restored" and host["release"] == older
+    assert all(phase(host, name)["ok"] for name in GATE_PHASES)
+    assert current(deployment) == older
+    assert_unit_of(deployment, older)
+    assert deployment.show("h1", "ActiveState") == "active"
+
+    code, doc = deployment.json(capsys, "rollback", "test", "--to", newer)
+    assert code == 0, doc
+    assert doc["hosts"][0]["result"] == "restored" and doc["hosts"][0]["release"] == newer
+    assert current(deployment) == newer
+    assert_unit_of(deployment, newer)
+
+    invocation = deployment.show("h1", "InvocationID")
+    code, doc = deployment.json(capsys, "rollback", "test", "--to", "nope")
+    assert code != 0, doc
+    host = doc["hosts"][0]
+    assert not host["ok"]
+    assert "'nope'" in host["error"] and older in host["error"] and newer in host["error"], host["error"]
+    assert current(deployment) == newer
+    assert deployment.show("h1", "InvocationID") == invocation
+    assert deployment.show("h1", "ActiveState") == "active"
+
+
+def test_verify_changes_nothing(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    push_good(deployment, capsys)
+
+    def snapshot() -> tuple[str, str, str]:
+        files = deployment.sh("h1", f"find {deployment.service_dir} -printf '%p %i %s %T@\\n' | sort")
+        unit = sha(deployment, f"/etc/systemd/system/{deployment.service}.service")
+        return files, unit, deployment.show("h1", "InvocationID")
+
+    before = snapshot()
+    code, doc = deployment.json(capsys, "verify", "test")
+    assert code == 0, doc
+    assert doc["hosts"][0]["result"] == "healthy"
+    assert snapshot() == before
+
+
+def test_first_deploy_failing_the_gate_stops_the_service(deployment: Deployment,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    deployment.set_service(env={"REFSERVER_WRONG_ANSWER": "1"}, gate=gate(30))
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 5, doc
+    host = doc["hosts"][0]
+    assert host["result"] == "rollback_failed"
+    assert failed_phase(host)["name"] == "completion"
+    rollback = phase(host, "rollback")
+    assert not rollback["ok"]
+    assert "nothing to roll back to" in rollback["detail"] and "stopped" in rollback["detail"], rollback
+    deadline = time.monotonic() + 30
+    while deployment.show("h1", "ActiveState") not in ("inactive", "failed") and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert deployment.show("h1", "ActiveState") == "inactive"
+    assert deployment.show("h1", "UnitFileState") == "disabled"

@@ -1,0 +1,229 @@
+"""What keeps hosts safe: the deploy lock, host-key checks, plan, interrupted staging, a full disk."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kdeploy import deploy, lock
+from kdeploy.remote import Remote
+from kdeploy.render import service_dir
+from tests.conftest import Deployment
+
+
+def _connect(dep: Deployment, host: str = "h1") -> Remote:
+    inv = dep.load()
+    cfg = inv.hosts[host]
+    return Remote.connect(cfg, known_hosts=Path(cfg.known_hosts), identity_file=Path(cfg.identity_file))
+
+
+def _snapshot(dep: Deployment, host: str = "h1") -> str:
+    """What a deploy changes: releases (path, inode, size, mtime), `current`, the unit and the running service.
+
+    The service dir's own mtime, ``.lock`` and ``lock.json`` are left out: taking the lock touches them.
+    """
+    d = dep.service_dir
+    return dep.sh(host, f"find {d}/releases {d}/current {d}/history.jsonl -printf '%p %i %s %T@ %l\\n' "
+                        f"2>/dev/null | sort; "
+                        f"sha256sum /etc/systemd/system/{dep.service}.service 2>/dev/null; "
+                        f"systemctl show {dep.service} -p InvocationID,ActiveState,UnitFileState", check=False)
+
+
+def test_concurrent_push_fails_fast_naming_the_holder(deployment: Deployment,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert deployment.kdeploy("push", "test") == 0
+    host = deployment.load().hosts["h1"]
+    with _connect(deployment) as remote:
+        held = lock.acquire(remote, service_dir(host.service), command="kdeploy push test (other operator)")
+        try:
+            started = time.monotonic()
+            code, doc = deployment.json(capsys, "push", "test", "--force-restart")
+            assert code == 6
+            assert time.monotonic() - started < 10
+            assert doc["hosts"][0]["result"] == "locked"
+            assert "other operator" in doc["hosts"][0]["error"] and str(os.getpid()) in doc["hosts"][0]["error"]
+            code, doc = deployment.json(capsys, "lock", "status", "test")
+            assert doc["hosts"][0]["lock"]["state"] == "held"
+            # --lock-wait: the holder lets go after a second and the push goes through
+            threading.Timer(1.0, held.release).start()
+            code, doc = deployment.json(capsys, "push", "test", "--force-restart", "--lock-wait", "20")
+            assert code == 0 and doc["hosts"][0]["result"] == "deployed"
+        finally:
+            held.release()
+    code, doc = deployment.json(capsys, "lock", "status", "test")
+    assert doc["hosts"][0]["lock"]["state"] == "free"
+
+
+def test_stale_lock_is_reported_and_taken_over_loudly(deployment: Deployment,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert deployment.kdeploy("push", "test") == 0
+    host = deployment.load().hosts["h1"]
+    with _connect(deployment) as remote:
+        held = lock.acquire(remote, service_dir(host.service), command="kdeploy push (crashed)")
+        info = deployment.sh("h1", f"cat {deployment.service_dir}/lock.json")
+        holder_pid = lock.parse_info(info).remote_pid
+        # the holder dies without cleaning up (like a host-side kill -9)
+        deployment.sh("h1", f"pkill -KILL -P {holder_pid}; kill -KILL {holder_pid}")
+        held.channel.close()
+    code, doc = deployment.json(capsys, "lock", "status", "test")
+    assert doc["hosts"][0]["lock"]["state"] == "stale"
+    assert doc["hosts"][0]["lock"]["holder"]["command"] == "kdeploy push (crashed)"
+    code, doc = deployment.json(capsys, "push", "test", "--force-restart")
+    assert code == 0
+    preflight = next(p for p in doc["hosts"][0]["phases"] if p["name"] == "preflight")
+    assert "STALE" in preflight["detail"] and "crashed" in preflight["detail"]
+    code, doc = deployment.json(capsys, "lock", "status", "test")
+    assert doc["hosts"][0]["lock"]["state"] == "free"
+
+
+def test_lock_release_clears_a_stale_lock_and_refuses_a_live_one(deployment: Deployment,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert deployment.kdeploy("push", "test") == 0
+    host = deployment.load().hosts["h1"]
+    with _connect(deployment) as remote:
+        held = lock.acquire(remote, service_dir(host.service), command="live holder")
+        code, doc = deployment.json(capsys, "lock", "release", "test")
+        assert code == 6 and "live" in doc["hosts"][0]["error"]
+        code, doc = deployment.json(capsys, "lock", "release", "test", "--force")
+        assert code == 0 and doc["hosts"][0]["lock"]["state"] == "free"
+        held.channel.close()
+
+
+def test_unknown_host_key_is_refused_unless_accepted(deployment: Deployment, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    known = tmp_path / "empty_known_hosts"
+    known.write_text("")
+    deployment.edit(lambda doc: doc["defaults"].update(known_hosts=str(known)))
+    before = _snapshot(deployment)
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 3 and doc["hosts"][0]["result"] == "unreachable", doc["hosts"][0]
+    assert "host key unknown" in doc["hosts"][0]["error"] and "--accept-new-host-keys" in doc["hosts"][0]["error"]
+    assert _snapshot(deployment) == before
+    code, doc = deployment.json(capsys, "push", "test", "--accept-new-host-keys")
+    assert code == 0
+    assert "new host key recorded" in doc["hosts"][0]["phases"][0]["detail"]
+    assert "ssh-ed25519" in known.read_text()
+    # now it is known: no flag needed
+    assert deployment.kdeploy("push", "test") == 0
+
+
+def test_changed_host_key_is_always_refused(deployment: Deployment, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    key = tmp_path / "other"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    address = deployment.load().hosts["h1"].address
+    known = tmp_path / "known_hosts"
+    known.write_text(f"{address} {key.with_suffix('.pub').read_text().split()[0]} "
+                     f"{key.with_suffix('.pub').read_text().split()[1]}\n")
+    deployment.edit(lambda doc: doc["defaults"].update(known_hosts=str(known)))
+    before = _snapshot(deployment)
+    capsys.readouterr()
+    from kdeploy import cli
+
+    code = cli.main(["push", "test", "--inventory", str(deployment.path), "--accept-new-host-keys"])
+    err = capsys.readouterr().err
+    assert code == 3
+    assert "HOST KEY CHANGED" in err and "Traceback" not in err
+    assert _snapshot(deployment) == before
+
+
+def test_unreachable_host_is_one_line_exit_3(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    deployment.edit(lambda doc: doc["hosts"]["h1"].update(port=2))
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 3
+    assert "unreachable" in doc["hosts"][0]["error"] and "refused" in doc["hosts"][0]["error"].lower()
+
+
+def test_plan_changes_nothing(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    assert deployment.kdeploy("push", "test") == 0
+    (deployment.payload / "new_kernel.py").write_text("X = 1\n")
+    (deployment.payload / "kdeploy_testplugin" / "__init__.py").write_text(
+        (deployment.payload / "kdeploy_testplugin" / "__init__.py").read_text() + "\n# changed\n")
+    deployment.set_service(env={"KDTREE_DEFRAG_SORT": "1"})
+    before = _snapshot(deployment)
+    code, doc = deployment.json(capsys, "plan", "test")
+    assert code == 0
+    plan = doc["hosts"][0]["plan"]
+    assert plan["add"] == ["new_kernel.py"]
+    assert plan["change"] == ["kdeploy_testplugin/__init__.py"]
+    assert plan["restart"] and plan["daemon_reload"]
+    assert '+Environment="KDTREE_DEFRAG_SORT=1"' in plan["unit_diff"]
+    code, doc = deployment.json(capsys, "push", "test", "--dry-run")
+    assert code == 0 and doc["command"] == "plan"
+    assert _snapshot(deployment) == before
+
+
+def test_plan_on_a_fresh_host_creates_nothing(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    code, doc = deployment.json(capsys, "plan", "test")
+    assert code == 0 and doc["hosts"][0]["plan"]["restart"]
+    assert deployment.sh("h1", f"test -e {deployment.service_dir} && echo yes || echo no").strip() == "no"
+
+
+def test_killed_mid_staging_leaves_the_host_unchanged(deployment: Deployment,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert deployment.kdeploy("push", "test") == 0
+    before = _snapshot(deployment)
+    # a payload big enough that staging takes a while
+    (deployment.payload / "weights.bin").write_bytes(os.urandom(1 << 20) * 60)
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--inventory", str(deployment.path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            staging = deployment.sh("h1", f"ls -d {deployment.service_dir}/releases/.staging-* 2>/dev/null",
+                                    check=False)
+            if staging.strip():
+                break
+            assert proc.poll() is None, "push finished before it could be interrupted"
+            time.sleep(0.05)
+        else:
+            pytest.fail("staging never started")
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    time.sleep(1)  # let sshd notice the dropped connection
+    after = _snapshot(deployment)
+    # releases, `current`, the unit and the running service are exactly as before (a half-staged dir may remain)
+    releases_dir = f"{deployment.service_dir}/releases "
+
+    def strip(snap: str) -> list[str]:
+        return [line for line in snap.splitlines() if ".staging-" not in line and not line.startswith(releases_dir)]
+
+    assert strip(after) == strip(before)
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0 and doc["hosts"][0]["result"] == "deployed"
+    assert deployment.sh("h1", f"ls -a {deployment.service_dir}/releases").count(".staging-") == 0
+
+
+def test_full_disk_is_refused_and_leaves_the_host_unchanged(deployment: Deployment,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    small = f"/srv/kdeploy-small-{deployment.service}"
+    deployment.fleet.exec("h1", ["sh", "-c", f"mkdir -p {small} && mount -t tmpfs -o size=4m tmpfs {small}"])
+    try:
+        deployment.set_service(remote_root=small)
+        assert deployment.kdeploy("push", "test") == 0
+        before = _snapshot(deployment)
+        (deployment.payload / "weights.bin").write_bytes(os.urandom(6 << 20))
+        code, doc = deployment.json(capsys, "push", "test")
+        assert code == 7
+        assert doc["hosts"][0]["result"] == "preflight_refused"
+        assert "MiB free" in doc["hosts"][0]["error"]
+        assert _snapshot(deployment) == before
+    finally:
+        deployment.fleet.exec("h1", ["sh", "-c", f"systemctl stop {deployment.service}; umount {small}; "
+                                                 f"rmdir {small}"], check=False)
+
+
+def test_state_parser_reads_a_fresh_host(deployment: Deployment) -> None:
+    host = deployment.load().hosts["h1"]
+    with _connect(deployment) as remote:
+        state = deploy.parse_state(remote.run(deploy.state_script(host)).stdout)
+    assert state.current is None and state.manifest == {} and state.unit_text is None
+    assert state.unit.load == "not-found" and state.free_kb and state.free_kb > 0

@@ -1,0 +1,32 @@
+"""kdeploy/history.py: the commands run for real with bash on a temp service dir, and the parser."""
+
+from __future__ import annotations
+
+import subprocess
+
+from kdeploy.history import append_command, parse, read_command
+
+RECORD = {"time": "2025-01-02T03:04:05Z", "user": "alice", "release": "20250102T030405Z-abcdef01",
+          "result": "deployed", "note": "it's $HOME `id` \"q\" \\ ü"}
+
+
+def sh(command: str) -> str:
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=True, timeout=30).stdout
+
+
+def test_append_and_read_round_trip(tmp_path):
+    sdir = tmp_path / "svc dir"
+    sdir.mkdir()
+    for i in range(5):
+        sh(append_command(str(sdir), {**RECORD, "n": i}))
+    lines = (sdir / "history.jsonl").read_text().splitlines()
+    assert len(lines) == 5                                   # one line per deploy
+    assert parse(sh(read_command(str(sdir), 3))) == [{**RECORD, "n": i} for i in (2, 3, 4)]
+
+
+def test_read_without_history(tmp_path):
+    assert sh(read_command(str(tmp_path / "never-deployed"), 20)) == ""
+
+
+def test_parse_skips_junk():
+    assert parse('{"a": 1}\nnot json\n[1, 2]\n\n{"b": 2}\n{"trunc') == [{"a": 1}, {"b": 2}]

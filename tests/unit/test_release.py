@@ -1,0 +1,438 @@
+"""kdeploy/release.py: manifests, deltas, release ids, pruning, and the stage/activate scripts RUN for real
+with bash in a temp dir that plays the service dir (only systemctl is a fake that records its arguments)."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import tarfile
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from kdeploy.errors import InvalidInput
+from kdeploy.release import (
+    META,
+    Delta,
+    activate_script,
+    build_tarball,
+    diff,
+    manifest_text,
+    parse_manifest,
+    prune_command,
+    release_id,
+    release_meta,
+    releases_to_prune,
+    scan_payload,
+    sha256_text,
+    stage_script,
+)
+from kdeploy.systemd import UNIT_DIR
+
+UNIT = "svc.service"
+T0 = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
+SHA_A = "a" * 64
+SHA_B = "b" * 64
+
+
+def make_tree(root: Path, files: dict[str, bytes | str]) -> Path:
+    for name, data in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(data, str):
+            path.write_text(data)
+        else:
+            path.write_bytes(data)
+    return root
+
+
+# --- scan_payload ------------------------------------------------------------------------------------------
+
+
+def test_scan_payload_hashes_and_skips_caches(tmp_path):
+    root = make_tree(tmp_path / "p", {
+        "pkg/__init__.py": "x = 1\n", "pkg/data.bin": b"\x00\x01", "top.txt": "",
+        "pkg/__pycache__/mod.cpython-311.pyc": b"junk", "pkg/stale.pyc": b"junk", "pkg/opt.pyo": b"junk",
+        ".git/HEAD": "ref", f"{META}/manifest.sha256": "old", "pkg/.mypy_cache/x": "y",
+    })
+    (root / "emptydir").mkdir()
+    payload = scan_payload(root)
+    assert sorted(payload.files) == ["pkg/__init__.py", "pkg/data.bin", "top.txt"]
+    assert payload.files["pkg/__init__.py"].sha256 == sha256_text("x = 1\n")
+    assert payload.files["pkg/data.bin"].size == 2
+    assert payload.size == 6 + 2 + 0
+    assert payload.manifest == {p: f.sha256 for p, f in payload.files.items()}
+
+
+def test_scan_payload_follows_symlinks(tmp_path):
+    outside = make_tree(tmp_path / "outside", {"real.py": "real\n"})
+    root = make_tree(tmp_path / "p", {"a.py": "a\n"})
+    (root / "link.py").symlink_to(outside / "real.py")
+    payload = scan_payload(root)
+    assert payload.files["link.py"].sha256 == sha256_text("real\n")
+
+
+@pytest.mark.parametrize("name", ["new\nline.py", "car\rriage.py", "tab\there.py", "back\\slash.py"])
+def test_scan_payload_rejects_bad_names(tmp_path, name):
+    root = make_tree(tmp_path / "p", {"ok.py": "", name: "x"})
+    with pytest.raises(InvalidInput, match="control characters or backslashes"):
+        scan_payload(root)
+
+
+def test_scan_payload_empty_or_missing(tmp_path):
+    root = make_tree(tmp_path / "p", {"__pycache__/x.pyc": b""})
+    with pytest.raises(InvalidInput, match="payload directory is empty"):
+        scan_payload(root)
+    with pytest.raises(InvalidInput, match="payload directory not found"):
+        scan_payload(tmp_path / "missing")
+
+
+# --- manifests, diff, ids, pruning ------------------------------------------------------------------------------
+
+
+def test_manifest_round_trip():
+    manifest = {"b.py": SHA_B, "a/x y.py": SHA_A, "z/-dash": SHA_A}
+    text = manifest_text(manifest)
+    assert text == f"{SHA_A}  ./a/x y.py\n{SHA_B}  ./b.py\n{SHA_A}  ./z/-dash\n"
+    assert parse_manifest(text) == manifest
+    # junk lines (sha256sum's stderr, a short hash) are ignored
+    assert parse_manifest("garbage\n" + text + "abc  ./short\n") == manifest
+    assert parse_manifest("") == {}
+
+
+def test_manifest_is_what_sha256sum_checks(tmp_path):
+    root = make_tree(tmp_path / "p", {"a.py": "a\n", "d/b c.py": "b\n"})
+    (root / "m").write_text(manifest_text(scan_payload(root).manifest))
+    ok = subprocess.run(["sha256sum", "-c", "--strict", "m"], cwd=root, capture_output=True, text=True, check=False)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    (root / "a.py").write_text("changed\n")
+    bad = subprocess.run(["sha256sum", "-c", "--strict", "m"], cwd=root, capture_output=True, text=True, check=False)
+    assert bad.returncode != 0 and "./a.py: FAILED" in bad.stdout
+
+
+def test_diff():
+    local = {"same": SHA_A, "changed": SHA_B, "added": SHA_A}
+    remote = {"same": SHA_A, "changed": SHA_A, "removed": SHA_B}
+    delta = diff(local, remote)
+    assert delta == Delta(added=["added"], changed=["changed"], removed=["removed"], unchanged=["same"])
+    assert delta.upload == ["added", "changed"]
+    assert not delta.empty
+    assert delta.describe() == "+1 ~1 -1 =1"
+    same = diff(local, local)
+    assert same.empty and same.upload == [] and same.unchanged == sorted(local)
+    first = diff(local, {})
+    assert first.added == sorted(local) and not (first.changed or first.removed)
+
+
+def test_release_id():
+    manifest = {"a.py": SHA_A}
+    rid = release_id(manifest, "unit-1", T0)
+    assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{8}", rid)
+    assert rid.startswith("20250102T030405Z-")
+    assert release_id(manifest, "unit-1", T0) == rid                       # deterministic
+    assert release_id(manifest, "unit-2", T0) != rid                       # the unit text counts
+    assert release_id({"a.py": SHA_B}, "unit-1", T0) != rid                # so does the payload
+    assert release_id(manifest, "unit-1", T0 + timedelta(seconds=1))[:16] == "20250102T030406Z"
+    assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{8}", release_id(manifest, "u"))    # now, in UTC
+
+
+def test_releases_to_prune():
+    ids = [f"2025010{i}T000000Z-0000000{i}" for i in range(1, 8)]     # 7 releases, oldest first
+    shuffled = [ids[3], ids[0], ids[6], ".staging-x", ids[1], ids[5], ids[2], ids[4], ".tmp"]
+    assert releases_to_prune(shuffled, 3, set()) == ids[:4]
+    # a protected (current / previous) release is never pruned, however old
+    assert releases_to_prune(shuffled, 3, {ids[1], ids[6]}) == [ids[0], ids[2], ids[3]]
+    assert releases_to_prune(ids[:3], 3, set()) == []
+    assert releases_to_prune([".staging-1", ".staging-2", ids[0]], 1, set()) == []
+
+
+def test_prune_command():
+    assert prune_command("/opt/k/svc", []) == ""
+    assert prune_command("/opt/my k/svc", ["r1", "r 2"]) == (
+        "rm -rf -- '/opt/my k/svc'/releases/r1 '/opt/my k/svc'/releases/'r 2'")
+
+
+def test_release_meta():
+    meta = release_meta({"b.py": SHA_B, "a.py": SHA_A, "B.py": SHA_A}, "[Unit]\n", UNIT)
+    assert meta["files"] == "./B.py\n./a.py\n./b.py\n"           # byte order, like `LC_ALL=C sort`
+    assert meta["unit.service"] == "[Unit]\n"
+    assert meta["unit.sha256"] == f"{sha256_text('[Unit]' + chr(10))}  {META}/unit.service\n"
+    assert meta["unit.name"] == "svc.service\n"
+    assert parse_manifest(meta["manifest.sha256"]) == {"b.py": SHA_B, "a.py": SHA_A, "B.py": SHA_A}
+
+
+def test_build_tarball_contents(tmp_path):
+    root = make_tree(tmp_path / "p", {"a.py": "a\n", "d/b.py": "b\n", "skip.py": "s\n"})
+    payload = scan_payload(root)
+    data = build_tarball(payload, ["a.py", "d/b.py"], {"x": "meta\n"})
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        assert list(members) == ["a.py", "d/b.py", f"{META}/x"]
+        assert all(m.isfile() and m.uid == 0 for m in members.values())
+        assert members["a.py"].uname == "root"
+        assert members["a.py"].mode & 0o777 == (root / "a.py").stat().st_mode & 0o777
+        assert tar.extractfile("d/b.py").read() == b"b\n"
+
+
+# --- the stage and activate scripts, run for real -----------------------------------------------------------
+
+
+@dataclass
+class Staged:
+    release: str
+    delta: Delta
+    proc: subprocess.CompletedProcess[bytes]
+    tarball: bytes
+
+
+def remote_manifest(sdir: Path) -> dict[str, str] | None:
+    current = sdir / "current"
+    if not current.exists():
+        return None
+    return parse_manifest((current / META / "manifest.sha256").read_text())
+
+
+def stage(sdir: Path, payload_root: Path, *, unit_text: str = "[Unit]\nDescription=v1\n",
+          when: datetime = T0) -> Staged:
+    """What push does: diff against the current release, ship the delta + meta, run stage_script."""
+    payload = scan_payload(payload_root)
+    remote = remote_manifest(sdir)
+    delta = diff(payload.manifest, remote or {})
+    rid = release_id(payload.manifest, unit_text, when)
+    tarball = build_tarball(payload, delta.upload, release_meta(payload.manifest, unit_text, UNIT))
+    return Staged(rid, delta, run_script(stage_script(str(sdir), rid, remote is not None, delta), tarball), tarball)
+
+
+def run_script(script: str, stdin: bytes = b"", env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", script], input=stdin, capture_output=True, timeout=60, check=False,
+                          env=env)
+
+
+@pytest.fixture
+def fake_systemctl(tmp_path):
+    """A `systemctl` that appends its arguments to a log: (env for the script, log path)."""
+    bindir = tmp_path / "fakebin"
+    bindir.mkdir()
+    log = tmp_path / "systemctl.log"
+    tool = bindir / "systemctl"
+    tool.write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+    return env, log
+
+
+def activate(sdir: Path, rid: str, unit_dir: Path, env: dict, install_unit: bool = True):
+    script = activate_script(str(sdir), rid, UNIT, install_unit)
+    if install_unit:
+        assert UNIT_DIR in script
+    # UNIT_DIR is baked in when the script is built: point it at a temp dir before running
+    return run_script(script.replace(UNIT_DIR, str(unit_dir)), env=env)
+
+
+def snapshot(tree: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under tree: (bytes, inode)."""
+    return {p.relative_to(tree).as_posix(): (p.read_bytes(), p.stat().st_ino)
+            for p in sorted(tree.rglob("*")) if p.is_file()}
+
+
+def leftovers(sdir: Path) -> list[str]:
+    return sorted(p.name for p in (sdir / "releases").iterdir() if p.name.startswith(".staging-"))
+
+
+V1 = {"pkg/__init__.py": "init v1\n", "pkg/changed.py": "old\n", "pkg/removed.py": "bye\n",
+      "pkg/sub/same.py": "same\n", "data/blob.bin": bytes(range(256)) * 8, "gone/only.py": "only\n"}
+
+
+def test_first_stage(tmp_path):
+    sdir = tmp_path / "svc"
+    payload_root = make_tree(tmp_path / "payload", V1)
+    staged = stage(sdir, payload_root)
+    assert staged.proc.returncode == 0, staged.proc.stderr.decode()
+    assert staged.proc.stdout.decode().splitlines()[-1] == "STAGED"
+    rel = sdir / "releases" / staged.release
+    assert sorted((sdir / "releases").iterdir()) == [rel]           # no .staging-* left
+    files = snapshot(rel)
+    assert {name: data for name, (data, _) in files.items() if not name.startswith(META)} == {
+        k: v.encode() if isinstance(v, str) else v for k, v in V1.items()}
+    assert sorted(n for n in files if n.startswith(META)) == [
+        f"{META}/files", f"{META}/manifest.sha256", f"{META}/unit.name", f"{META}/unit.service", f"{META}/unit.sha256"]
+    assert (rel / META / "unit.service").read_text() == "[Unit]\nDescription=v1\n"
+    assert parse_manifest((rel / META / "manifest.sha256").read_text()) == scan_payload(payload_root).manifest
+    assert not (sdir / "current").exists()          # staging never switches anything
+
+
+def test_second_stage_hard_links_unchanged_files(tmp_path, fake_systemctl):
+    env, _ = fake_systemctl
+    sdir = tmp_path / "svc"
+    payload_root = make_tree(tmp_path / "payload", V1)
+    first = stage(sdir, payload_root)
+    assert first.proc.returncode == 0, first.proc.stderr.decode()
+    assert activate(sdir, first.release, tmp_path / "units", env, install_unit=False).returncode == 0
+    rel1 = sdir / "releases" / first.release
+    (rel1 / "pkg/__pycache__").mkdir()                                   # what Python writes at run time
+    (rel1 / "pkg/__pycache__/x.cpython-311.pyc").write_bytes(b"bytecode")
+    before = snapshot(rel1)
+
+    (payload_root / "pkg/changed.py").write_text("new\n")
+    (payload_root / "pkg/removed.py").unlink()
+    (payload_root / "gone/only.py").unlink()
+    (payload_root / "gone").rmdir()
+    make_tree(payload_root, {"pkg/added.py": "added\n"})
+    second = stage(sdir, payload_root, when=T0 + timedelta(minutes=1))
+    assert second.proc.returncode == 0, second.proc.stderr.decode()
+    assert second.delta.added == ["pkg/added.py"]
+    assert second.delta.changed == ["pkg/changed.py"]
+    assert second.delta.removed == ["gone/only.py", "pkg/removed.py"]
+    with tarfile.open(fileobj=io.BytesIO(second.tarball)) as tar:        # only the delta travels
+        assert sorted(n for n in tar.getnames() if not n.startswith(META)) == ["pkg/added.py", "pkg/changed.py"]
+
+    rel2 = sdir / "releases" / second.release
+    after = snapshot(rel2)
+    for name in ("pkg/__init__.py", "pkg/sub/same.py", "data/blob.bin"):
+        assert after[name][1] == before[name][1], f"{name} should be a hard link to the previous release"
+    assert after["pkg/changed.py"] == (b"new\n", after["pkg/changed.py"][1])
+    assert after["pkg/changed.py"][1] != before["pkg/changed.py"][1]
+    assert after["pkg/added.py"][0] == b"added\n"
+    assert "pkg/removed.py" not in after and "gone/only.py" not in after
+    assert not (rel2 / "gone").exists()                                  # emptied directories go too
+    assert not (rel2 / "pkg/__pycache__").exists()                       # caches are not carried over
+    assert (rel2 / META / "files").read_text() == "".join(f"./{p}\n" for p in sorted(scan_payload(payload_root).files))
+    assert snapshot(rel1) == before                                       # previous release untouched, byte for byte
+    assert os.readlink(sdir / "current") == f"releases/{first.release}"
+    assert leftovers(sdir) == []
+
+
+def _flip_content(data: bytes) -> bytes:
+    i = data.index(b"old\n")                    # pkg/changed.py's content in the tar stream
+    return data[:i] + b"OLD\n" + data[i + 4:]
+
+
+@pytest.mark.parametrize("case", ["truncated", "garbage", "content-flipped", "manifest-mismatch", "unit-mismatch",
+                                  "file-not-in-manifest", "file-missing"])
+def test_failed_stage_leaves_nothing(tmp_path, case):
+    sdir = tmp_path / "svc"
+    payload_root = make_tree(tmp_path / "payload", V1)
+    good = stage(sdir, payload_root)
+    assert good.proc.returncode == 0
+    payload = scan_payload(payload_root)
+    rid = release_id(payload.manifest, "[Unit]\n", T0 + timedelta(hours=1))
+    meta = release_meta(payload.manifest, "[Unit]\n", UNIT)
+    upload = sorted(payload.files)
+    if case == "manifest-mismatch":
+        meta["manifest.sha256"] = meta["manifest.sha256"].replace(payload.manifest["pkg/changed.py"], SHA_A)
+    elif case == "unit-mismatch":
+        meta["unit.service"] = "[Unit]\nDescription=tampered\n"
+    elif case == "file-not-in-manifest":
+        meta["files"] = meta["files"].replace("./pkg/removed.py\n", "")
+        meta["manifest.sha256"] = "".join(
+            line + "\n" for line in meta["manifest.sha256"].splitlines() if not line.endswith("removed.py"))
+    elif case == "file-missing":
+        upload.remove("pkg/removed.py")
+    tarball = build_tarball(payload, upload, meta)
+    if case == "truncated":
+        tarball = tarball[:1500]
+    elif case == "garbage":
+        tarball = b"\x00not a tar\xff" * 100
+    elif case == "content-flipped":
+        tarball = _flip_content(tarball)
+    # a fresh release (no current): everything comes from the tar
+    proc = run_script(stage_script(str(sdir), rid, False, diff(payload.manifest, {})), tarball)
+    assert proc.returncode != 0
+    assert "STAGED" not in proc.stdout.decode()
+    assert sorted(p.name for p in (sdir / "releases").iterdir()) == [good.release]
+    if case == "file-not-in-manifest":
+        assert "staged files differ from the manifest" in proc.stderr.decode()
+
+
+def test_stage_removes_stale_staging_dirs(tmp_path):
+    sdir = tmp_path / "svc"
+    (sdir / "releases/.staging-20240101T000000Z-deadbeef/pkg").mkdir(parents=True)
+    staged = stage(sdir, make_tree(tmp_path / "payload", {"a.py": "a\n"}))
+    assert staged.proc.returncode == 0
+    assert [p.name for p in (sdir / "releases").iterdir()] == [staged.release]
+
+
+def test_stage_in_a_dir_with_spaces_never_touches_a_sibling(tmp_path):
+    """The cleanup trap must remove `<service dir>/releases/.staging-*`, not a path cut at the space."""
+    sibling = make_tree(tmp_path / "k", {"precious": "keep me\n"})
+    sdir = tmp_path / "k dir" / "svc"
+    payload_root = make_tree(tmp_path / "payload", {"a.py": "a\n"})
+    payload = scan_payload(payload_root)
+    rid = release_id(payload.manifest, "u", T0)
+    tarball = build_tarball(payload, ["a.py"], release_meta(payload.manifest, "u", UNIT))
+    failed = run_script(stage_script(str(sdir), rid, False, diff(payload.manifest, {})), tarball[:700])
+    assert failed.returncode != 0
+    assert (sibling / "precious").read_text() == "keep me\n"
+    assert list((sdir / "releases").iterdir()) == []
+    ok = run_script(stage_script(str(sdir), rid, False, diff(payload.manifest, {})), tarball)
+    assert ok.returncode == 0, ok.stderr.decode()
+    assert (sdir / "releases" / rid / "a.py").read_text() == "a\n"
+
+
+def test_stage_ships_symlinked_files_as_files(tmp_path):
+    outside = make_tree(tmp_path / "elsewhere", {"real.py": "real\n"})
+    payload_root = make_tree(tmp_path / "payload", {"a.py": "a\n"})
+    (payload_root / "link.py").symlink_to(outside / "real.py")
+    sdir = tmp_path / "svc"
+    staged = stage(sdir, payload_root)
+    assert staged.proc.returncode == 0, staged.proc.stderr.decode()
+    shipped = sdir / "releases" / staged.release / "link.py"
+    assert not shipped.is_symlink() and shipped.read_text() == "real\n"
+
+
+def test_activate_installs_unit_and_switches_current(tmp_path, fake_systemctl):
+    env, log = fake_systemctl
+    sdir = tmp_path / "svc"
+    units = tmp_path / "units"
+    units.mkdir()
+    unit_text = "[Unit]\nDescription=v1 \"quoted\" 100%\n"
+    staged = stage(sdir, make_tree(tmp_path / "payload", {"a.py": "a\n"}), unit_text=unit_text)
+    proc = activate(sdir, staged.release, units, env, install_unit=True)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode().splitlines()[-1] == "ACTIVATED"
+    assert os.readlink(sdir / "current") == f"releases/{staged.release}"      # relative
+    assert (sdir / "current" / "a.py").read_text() == "a\n"
+    assert (units / UNIT).read_bytes() == unit_text.encode()
+    assert sorted(p.name for p in units.iterdir()) == [UNIT]                   # no temp file left
+    assert not (sdir / ".current.tmp").exists()
+    assert log.read_text().splitlines() == ["daemon-reload", f"enable --quiet {UNIT}"]
+
+
+def test_activate_without_unit_does_not_reload(tmp_path, fake_systemctl):
+    env, log = fake_systemctl
+    sdir = tmp_path / "svc"
+    units = tmp_path / "units"
+    units.mkdir()
+    (units / UNIT).write_text("live unit\n")
+    payload_root = make_tree(tmp_path / "payload", {"a.py": "a\n"})
+    first = stage(sdir, payload_root)
+    (payload_root / "a.py").write_text("b\n")
+    second = stage(sdir, payload_root, when=T0 + timedelta(seconds=5))
+    assert activate(sdir, first.release, units, env, install_unit=False).returncode == 0
+    assert activate(sdir, second.release, units, env, install_unit=False).returncode == 0
+    assert os.readlink(sdir / "current") == f"releases/{second.release}"
+    assert (sdir / "current" / "a.py").read_text() == "b\n"
+    assert (units / UNIT).read_text() == "live unit\n"
+    assert log.read_text().splitlines() == [f"enable --quiet {UNIT}"] * 2
+
+
+def test_activate_refuses_missing_release_or_tampered_unit(tmp_path, fake_systemctl):
+    env, log = fake_systemctl
+    sdir = tmp_path / "svc"
+    units = tmp_path / "units"
+    units.mkdir()
+    (units / UNIT).write_text("live unit\n")
+    staged = stage(sdir, make_tree(tmp_path / "payload", {"a.py": "a\n"}))
+    assert activate(sdir, "20990101T000000Z-00000000", units, env).returncode != 0
+    assert not (sdir / "current").exists()
+    (sdir / "releases" / staged.release / META / "unit.service").write_text("[Service]\nExecStart=/bin/evil\n")
+    proc = activate(sdir, staged.release, units, env)
+    assert proc.returncode != 0
+    assert (units / UNIT).read_text() == "live unit\n"          # the live unit was not replaced
+    assert sorted(p.name for p in units.iterdir()) == [UNIT]    # and its temp copy is gone
+    assert not (sdir / "current").exists()                      # nor current switched
+    assert not log.exists()                                     # and systemctl never called
