@@ -3,14 +3,23 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 SANDBOX_INVENTORY ?= .sandbox/inventory.yaml
-SYSTEM_PACKAGES := systemd-container openssh-server openssh-client rsync iproute2 util-linux procps python3 python3-venv
 
-.PHONY: system-deps venv lint test demo demo-down bench clean
+.PHONY: system-deps venv lint test demo demo-down clean
 
+# Installs only what is missing: systemd-nspawn, sshd/ssh, ip/tc, nsenter/flock, Debian's python3 + venv.
 system-deps:
-	@if ! command -v systemd-nspawn >/dev/null || ! command -v sshd >/dev/null && [ ! -x /usr/sbin/sshd ] \
-	   || [ ! -x /usr/bin/python3 ]; then \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
+	@missing=""; \
+	command -v systemd-nspawn >/dev/null || missing="$$missing systemd-container"; \
+	command -v systemd-analyze >/dev/null || missing="$$missing systemd"; \
+	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
+	command -v ssh-keygen >/dev/null || missing="$$missing openssh-client"; \
+	command -v ip >/dev/null && command -v tc >/dev/null || missing="$$missing iproute2"; \
+	command -v nsenter >/dev/null && command -v flock >/dev/null || missing="$$missing util-linux"; \
+	[ -x /usr/bin/python3 ] || missing="$$missing python3"; \
+	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
 $(BIN)/kdeploy: pyproject.toml
@@ -19,20 +28,21 @@ $(BIN)/kdeploy: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	@touch $@
 
-venv: $(BIN)/kdeploy
+venv: system-deps $(BIN)/kdeploy
 
 lint: venv
-	$(BIN)/ruff check kdeploy tests kernels bench
+	$(BIN)/ruff check kdeploy tests kernels
 
-test: system-deps venv lint
-	$(BIN)/pytest -q tests
+test: venv lint
+	$(BIN)/python -m pytest -q tests
 
-demo: system-deps venv
+demo: venv
+	$(BIN)/kdeploy sandbox down
 	$(BIN)/kdeploy sandbox up --hosts 2 --inventory-out $(SANDBOX_INVENTORY)
 	$(BIN)/kdeploy push all --inventory $(SANDBOX_INVENTORY)
 	$(BIN)/kdeploy verify all --inventory $(SANDBOX_INVENTORY)
 	$(BIN)/kdeploy history all --inventory $(SANDBOX_INVENTORY)
-	@echo "sandbox left running; tear it down with: $(BIN)/kdeploy sandbox down"
+	@echo "The sandbox is still up: try 'kdeploy plan all -i $(SANDBOX_INVENTORY)'; tear it down with 'make demo-down'."
 
 demo-down: venv
 	$(BIN)/kdeploy sandbox down

@@ -82,11 +82,18 @@ class Ui:
                   get_renderable=self._live_table):
             return fn(self.listener)
 
-    def report(self, report: Report, extra: Callable[[Report], None] | None = None) -> None:
+    def report(self, report: Report, extra: Callable[[Report], None] | None = None, *, table: bool = True) -> None:
+        """The final table (always when a host failed), the per-command ``extra`` view and the summary."""
         if self.as_json:
             sys.stdout.write(json.dumps(report.as_json(), indent=2, default=str) + "\n")
         if extra:
             extra(report)
+        if table or not report.ok:
+            self._table(report)
+        summary = ", ".join(f"{k}={v}" for k, v in report.summary().items())
+        self.err.print(f"{summary}; exit code {report.exit_code}")
+
+    def _table(self, report: Report) -> None:
         table = Table(title=f"kdeploy {report.command}", title_justify="left")
         for col in ("host", "result", "release", "phase", "seconds", "detail"):
             table.add_column(col, overflow="fold")
@@ -102,8 +109,6 @@ class Ui:
         for host in report.hosts:
             for line in host.log:
                 self.err.print(f"  {host.host} | {line}", markup=False)
-        summary = ", ".join(f"{k}={v}" for k, v in report.summary().items())
-        self.err.print(f"{summary}; exit code {report.exit_code}")
 
 
 def _phases_table(ui: Ui, report: Report) -> None:
@@ -194,7 +199,7 @@ def verify(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
     opts = _options(workers=workers, timeout=timeout, accept_new_host_keys=accept_new_host_keys)
     loaded = _load(inventory)
     report = ui.run(lambda listener: fleet.verify(loaded, target, opts, parallel=parallel, listener=listener))
-    ui.report(report, lambda rep: _phases_table(ui, rep))
+    ui.report(report, lambda rep: _phases_table(ui, rep), table=False)
     _exit(report)
 
 
@@ -231,7 +236,7 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
                               rec.get("release") or "-", rec.get("result", ""), str(rec.get("duration", "")))
         ui.err.print(table)
 
-    ui.report(report, show)
+    ui.report(report, show, table=False)
     _exit(report)
 
 
@@ -248,7 +253,7 @@ def _lock(target: str, inventory: Path, as_json: bool, release: bool, force: boo
                       f"({holder['command']})" if holder else ""
                 ui.err.print(f"{host.host}: {info['state']} {who}", markup=False)
 
-    ui.report(report, show)
+    ui.report(report, show, table=False)
     _exit(report)
 
 
@@ -266,14 +271,17 @@ def lock_release(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY
     _lock(target, inventory, as_json, True, force)
 
 
+InstanceOpt = Annotated[int, typer.Option("--instance", min=0, max=9, help="Sandbox number (0-9), for several.")]
+
+
 @sandbox_app.command("up")
 def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, help="How many hosts.")] = 2,
                inventory_out: Annotated[Path, typer.Option("--inventory-out", help="Where to write the inventory.")]
-               = Path(".sandbox/inventory.yaml")) -> None:
+               = Path(".sandbox/inventory.yaml"), instance: InstanceOpt = 0) -> None:
     """Boot local hosts (systemd-nspawn) and write an inventory for them."""
     from kdeploy import sandbox
 
-    box = sandbox.Sandbox()
+    box = sandbox.Sandbox(instance=instance)
     box.check_requirements()
     started = time.monotonic()
     booted = box.up(hosts)
@@ -286,11 +294,11 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
 
 
 @sandbox_app.command("status")
-def sandbox_status(as_json: JsonOpt = False) -> None:
+def sandbox_status(as_json: JsonOpt = False, instance: InstanceOpt = 0) -> None:
     """Show the sandbox hosts and whether each one's systemd is running."""
     from kdeploy import sandbox
 
-    rows = sandbox.Sandbox().status()
+    rows = sandbox.Sandbox(instance=instance).status()
     if as_json:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
@@ -303,11 +311,11 @@ def sandbox_status(as_json: JsonOpt = False) -> None:
 
 
 @sandbox_app.command("down")
-def sandbox_down() -> None:
+def sandbox_down(instance: InstanceOpt = 0) -> None:
     """Stop every sandbox host and remove everything it created."""
     from kdeploy import sandbox
 
-    box = sandbox.Sandbox()
+    box = sandbox.Sandbox(instance=instance)
     box.check_requirements()
     box.down()
     Console(stderr=True).print("sandbox down")
