@@ -20,11 +20,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from kdeploy import fleet
+from kdeploy import fleet, settings
 from kdeploy import inventory as inv
 from kdeploy.demo import demo_service
 from kdeploy.deploy import Options
-from kdeploy.errors import ExitCode, KdeployError
+from kdeploy.errors import ExitCode, InvalidInput, KdeployError
 from kdeploy.render import render_unit
 from kdeploy.report import Report
 
@@ -234,6 +234,88 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
             for rec in host.data.get("history", []):
                 table.add_row(host.host, rec.get("time", ""), rec.get("user", ""), rec.get("controller", ""),
                               rec.get("release") or "-", rec.get("result", ""), str(rec.get("duration", "")))
+        ui.err.print(table)
+
+    ui.report(report, show, table=False)
+    _exit(report)
+
+
+def _edit(edit: settings.Edit, command: str, as_json: bool, no_apply: bool, accept: bool, parallel: int) -> None:
+    ui = Ui(as_json)
+    if not edit.changed:
+        ui.err.print("inventory already says so: nothing to change")
+        if as_json:
+            sys.stdout.write(json.dumps(Report(command, []).as_json()) + "\n")
+        return
+    ui.err.print(edit.diff(), markup=False, end="")
+    if no_apply:
+        settings.write(edit)
+        report = Report(command, [], {"inventory": {"path": str(edit.path), "level": edit.level, "diff": edit.diff(),
+                                                    "rolled_out_to": [], "reverted": False}})
+        ui.err.print(f"{edit.path} updated at {edit.level}; not rolled out (--no-apply): run `kdeploy push all`")
+    else:
+        opts = _options(accept_new_host_keys=accept)
+        report = ui.run(lambda listener: fleet.apply_edit(edit, command, opts, parallel=parallel, listener=listener))
+        facts = report.extra["inventory"]
+        if not facts["rolled_out_to"]:
+            ui.err.print("no host's unit changed: nothing to roll out")
+        elif facts["reverted"]:
+            ui.err.print(f"[red]rollout failed: the edit of {edit.path} was REVERTED[/]; hosts that took it were "
+                         f"pushed the old config again: {facts.get('restored_hosts', {})}")
+    ui.report(report, table=bool(report.hosts))
+    _exit(report)
+
+
+ScopeOpt = Annotated[str | None, typer.Option("--target", "-t", help="Host or group to write at (default: defaults).")]
+NoApplyOpt = Annotated[bool, typer.Option("--no-apply", help="Only edit the inventory; do not roll out.")]
+
+
+@app.command("set-env")
+def set_env(assignments: Annotated[list[str] | None, typer.Argument(help="KEY=VALUE ...", show_default=False)] = None,
+            unset: Annotated[list[str] | None, typer.Option("--unset", help="Remove KEY at the scope.")] = None,
+            target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+            as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
+            parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
+    """Set or unset service environment flags in the inventory and roll them out (gated, reverted on failure)."""
+    pairs = dict(settings.split_assignment(a) for a in assignments or [])
+    if not pairs and not unset:
+        raise InvalidInput("set-env: give KEY=VALUE or --unset KEY")
+    edit = settings.set_env(inventory, pairs, list(unset or []), target)
+    _edit(edit, "set-env", as_json, no_apply, accept_new_host_keys, parallel)
+
+
+@app.command("set")
+def set_(assignments: Annotated[list[str], typer.Argument(help="PATH=VALUE, e.g. hicache.ratio=4.0",
+                                                          show_default=False)],
+         target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+         as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
+         parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
+    """Change typed service settings (hicache.ratio=4.0, gate.workers=8, ...) and roll them out."""
+    edit = settings.set_values(inventory, dict(settings.split_assignment(a) for a in assignments), target)
+    _edit(edit, "set", as_json, no_apply, accept_new_host_keys, parallel)
+
+
+@app.command()
+def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+           accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
+    """One row per host: state, uptime, release, env flags in effect, last deploy, drift."""
+    ui = Ui(as_json)
+    report = fleet.status(_load(inventory), target, _options(accept_new_host_keys=accept_new_host_keys),
+                          parallel=parallel)
+
+    def show(rep: Report) -> None:
+        table = Table(title="kdeploy status", title_justify="left")
+        for col in ("host", "state", "since", "release", "env", "last deploy", "drift"):
+            table.add_column(col, overflow="fold")
+        for host in rep.hosts:
+            st = host.data.get("status")
+            if not st:
+                continue
+            last = st["last_deploy"]
+            deployed = f"{last.get('time')} {last.get('result')} by {last.get('user')}" if last else "-"
+            drifted = "[red]" + "; ".join(st["drift"]) + "[/]" if st["drift"] else "[green]none[/]"
+            table.add_row(host.host, f"{st['active']}/{st['sub']}", st["since"] or "-", host.release or "-",
+                          " ".join(f"{k}={v}" for k, v in st["env"].items()) or "-", deployed, drifted)
         ui.err.print(table)
 
     ui.report(report, show, table=False)

@@ -375,3 +375,57 @@ def lock_host(inventory: Inventory, host: HostConfig, opts: Options, result: Hos
             status = lock.parse_status(remote.run(lock.status_command(sdir), timeout=30).stdout)
         result.data["lock"] = {"state": status.state, "holder": status.info.__dict__ if status.info else None}
     result.finish("ok")
+
+
+def status_script(host: HostConfig) -> str:
+    """The push state plus what status shows: live Environment, last deploy, hand edits in the release."""
+    d = shlex.quote(service_dir(host.service))
+    unit = shlex.quote(unit_filename(host.service))
+    return "\n".join([
+        state_script(host),
+        f"echo @@env; systemctl show -p Environment --value {unit}",
+        f"echo @@last; tail -n 1 {d}/history.jsonl 2>/dev/null",
+        f"echo @@edited; cd {d}/current 2>/dev/null && sha256sum -c --quiet {release.META}/manifest.sha256 2>&1"
+        " | sed 's/: FAILED.*//'",
+        f"echo @@extra; cd {d}/current 2>/dev/null && find . -type f ! -path './{release.META}/*' "
+        f"! -path '*/__pycache__/*' | LC_ALL=C sort | comm -23 - {release.META}/files",
+        "true",
+    ])
+
+
+def drift(local: Local, state: HostState, edited: list[str], extra: list[str]) -> list[str]:
+    """How the host differs from what the inventory would deploy now (empty: no drift)."""
+    found = []
+    if state.current is None:
+        return ["never deployed"]
+    if state.unit_text != local.unit_text:
+        found.append("unit differs from the inventory")
+    if state.unit.need_reload:
+        found.append("unit file changed on disk but not reloaded")
+    delta = release.diff(local.payload.manifest, state.manifest)
+    if not delta.empty:
+        found.append(f"payload differs from the inventory ({delta.describe()})")
+    if edited:
+        found.append(f"release files edited on the host: {', '.join(p.removeprefix('./') for p in edited[:5])}")
+    if extra:
+        found.append(f"extra files in the release: {', '.join(p.removeprefix('./') for p in extra[:5])}")
+    return found
+
+
+def status_host(inventory: Inventory, host: HostConfig, local: Local, opts: Options, result: HostResult) -> None:
+    with connect(inventory, host, result, opts) as remote, result.phase("status") as phase:
+        text = remote.run(status_script(host), timeout=60).stdout
+    sections = lock.split_sections(text)
+    state = parse_state(text)
+    env = systemd.parse_environment(sections.get("env", ""))
+    last = history.parse(sections.get("last", ""))
+    edited = sorted({line for line in sections.get("edited", "").splitlines() if line.startswith("./")})
+    found = drift(local, state, edited, sections.get("extra", "").split())
+    result.release = state.current
+    result.data["status"] = {
+        "active": state.unit.active, "sub": state.unit.sub, "since": state.unit.active_since,
+        "env": {k: v for k, v in env.items() if k not in ("PYTHONPATH", "PYTHONUNBUFFERED")},
+        "last_deploy": last[-1] if last else None, "drift": found,
+    }
+    phase.detail = "; ".join(found) or "in sync with the inventory"
+    result.finish("ok")

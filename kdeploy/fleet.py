@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
 from pathlib import Path
 
-from kdeploy import deploy
+from kdeploy import deploy, inventory, settings
 from kdeploy.deploy import Local, Options
 from kdeploy.errors import KdeployError
 from kdeploy.inventory import HostConfig, Inventory
@@ -109,3 +109,53 @@ def lock(inventory: Inventory, target: str | None, opts: Options | None = None, 
          parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
     step = partial(deploy.lock_host, release_it=release)
     return _each(inventory, target, "lock release" if release else "lock status", step, opts, parallel, listener)
+
+
+def status(inventory: Inventory, target: str | None, opts: Options | None = None, *,
+           parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
+    opts = opts or Options()
+    names = inventory.resolve(target)
+    local = prepare(inventory, names)
+    return fan_out(inventory, names, "status",
+                   lambda host, result: deploy.status_host(inventory, host, local[host.name], opts, result),
+                   parallel=parallel, listener=listener, cancel=opts.cancel)
+
+
+def changed_hosts(old: Inventory, new: Inventory) -> list[str]:
+    """Hosts whose rendered unit or payload an inventory edit changes: the only ones to roll out to."""
+    return [name for name, host in new.hosts.items()
+            if name not in old.hosts or render_unit(old, old.hosts[name]) != render_unit(new, host)
+            or old.payload_dir(old.hosts[name]) != new.payload_dir(host)]
+
+
+def apply_edit(edit: settings.Edit, command: str, opts: Options | None = None, *, parallel: int = DEFAULT_PARALLEL,
+               listener: Listener | None = None) -> Report:
+    """Write an inventory edit and push it to the hosts it changes; a failed rollout reverts the edit.
+
+    Hosts that took the new config are then pushed the old one again, so inventory and hosts agree.
+    """
+    opts = opts or Options()
+    old = inventory.parse(inventory.read_raw(edit.path), edit.path)
+    settings.write(edit)
+    new = inventory.load(edit.path)
+    names = changed_hosts(old, new)
+    facts: dict = {"inventory": {"path": str(edit.path), "level": edit.level, "diff": edit.diff(),
+                                 "rolled_out_to": names, "reverted": False}}
+    if not names:
+        return Report(command, [], facts)
+    report = push(new, ",".join(names), opts, parallel=parallel, listener=listener)
+    report.command, report.extra = command, facts
+    if report.ok:
+        return report
+    settings.write(edit, edit.before)
+    facts["inventory"]["reverted"] = True
+    moved = [h.host for h in report.hosts if h.result == "deployed"]
+    if moved:
+        back = push(old, ",".join(moved), opts, parallel=parallel, listener=listener)
+        facts["inventory"]["restored_hosts"] = {h.host: h.result for h in back.hosts}
+        for host, restored in zip(moved, back.hosts, strict=True):
+            match = next(h for h in report.hosts if h.host == host)
+            match.data["restored"] = restored.result
+            if not restored.ok:
+                match.finish("rollback_failed", f"put back to the old config failed: {restored.error}")
+    return report

@@ -128,6 +128,7 @@ class HostResult:
 class Report:
     command: str
     hosts: list[HostResult]
+    extra: dict = field(default_factory=dict)  # command-level facts, e.g. the inventory edit of set-env
 
     @property
     def exit_code(self) -> int:
@@ -143,4 +144,4 @@ class Report:
 
     def as_json(self) -> dict:
         return {"command": self.command, "ok": self.ok, "exit_code": self.exit_code,
-                "hosts": [h.as_json() for h in self.hosts], "summary": self.summary()}
+                "hosts": [h.as_json() for h in self.hosts], "summary": self.summary(), **self.extra}

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 SHOW_PROPERTIES = ("ActiveState", "SubState", "Result", "NRestarts", "InvocationID", "ExecMainPID",
-                   "ExecMainStatus", "ActiveEnterTimestamp", "LoadState", "UnitFileState")
+                   "ExecMainStatus", "ActiveEnterTimestamp", "LoadState", "UnitFileState", "NeedDaemonReload")
 UNIT_DIR = "/etc/systemd/system"
 _RANK = re.compile(r"\bTP(\d+)\]|\brank[= ](\d+)\b")
 
@@ -26,6 +26,7 @@ class UnitState:
     active_since: str
     load: str
     file_state: str
+    need_reload: bool = False
 
     @property
     def running(self) -> bool:
@@ -64,7 +65,7 @@ def parse_show(text: str) -> UnitState:
         result=props.get("Result", ""), n_restarts=num("NRestarts"), invocation=props.get("InvocationID", ""),
         main_pid=num("ExecMainPID"), main_status=num("ExecMainStatus"),
         active_since=props.get("ActiveEnterTimestamp", ""), load=props.get("LoadState", ""),
-        file_state=props.get("UnitFileState", ""),
+        file_state=props.get("UnitFileState", ""), need_reload=props.get("NeedDaemonReload") == "yes",
     )
 
 

@@ -1,0 +1,140 @@
+"""Edit the inventory in place (``set-env``, ``set``): comments, order and formatting survive.
+
+An edit is computed on the round-trip document, validated exactly as a load would, and only then written
+atomically; a bad value leaves the file byte-for-byte unchanged.
+"""
+
+from __future__ import annotations
+
+import difflib
+import io
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap
+
+from kdeploy import inventory
+from kdeploy.errors import InvalidInput
+
+
+@dataclass(frozen=True)
+class Edit:
+    path: Path
+    before: str
+    after: str
+    level: str
+
+    @property
+    def changed(self) -> bool:
+        return self.before != self.after
+
+    def diff(self) -> str:
+        return "".join(difflib.unified_diff(self.before.splitlines(keepends=True), self.after.splitlines(keepends=True),
+                                            fromfile=f"{self.path} (before)", tofile=f"{self.path} (after)"))
+
+
+def split_assignment(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise InvalidInput(f"{text!r}: expected KEY=VALUE")
+    return key.strip(), value
+
+
+def _yaml() -> YAML:
+    yaml = YAML(typ="rt")
+    yaml.preserve_quotes = True
+    return yaml
+
+
+def _scalar(text: str) -> object:
+    """A value typed the way YAML would read it (``4.0`` float, ``8`` int, ``true`` bool, else str)."""
+    value = YAML(typ="safe").load(text) if text.strip() else text
+    return value if isinstance(value, str | int | float | bool) else text
+
+
+def _level(doc: CommentedMap, inv: inventory.Inventory, scope: str | None) -> tuple[CommentedMap, str]:
+    """The mapping that holds settings for ``scope`` (None: defaults, else a host or a group)."""
+    if scope is None:
+        return _child(doc, "defaults"), "defaults"
+    if scope in inv.hosts:
+        return _child(_child(doc, "hosts"), scope), f"hosts.{scope}"
+    if scope in inv.groups:
+        groups = _child(doc, "groups")
+        if isinstance(groups.get(scope), list):  # short form `name: [h1, h2]` -> mapping with hosts
+            groups[scope] = CommentedMap([("hosts", groups[scope])])
+        return _child(groups, scope), f"groups.{scope}"
+    raise InvalidInput(f"--target {scope!r}: no such host or group (scopes are a host or a group)")
+
+
+def _child(node: CommentedMap, key: str) -> CommentedMap:
+    if node.get(key) is None:
+        node[key] = CommentedMap()
+    child = node[key]
+    if not isinstance(child, dict):
+        raise InvalidInput(f"{key}: expected a mapping in the inventory")
+    return child
+
+
+def _apply(path: Path, scope: str | None, change: object) -> Edit:
+    before = path.read_text() if path.exists() else ""
+    inv = inventory.load(path)
+    doc = inventory.read_raw(path)
+    level, name = _level(doc, inv, scope)
+    change(level, name)  # type: ignore[operator]
+    buf = io.StringIO()
+    _yaml().dump(doc, buf)
+    after = buf.getvalue()
+    inventory.parse(_yaml().load(after), path)  # validate exactly as a load would, before writing anything
+    return Edit(path, before, after, name)
+
+
+def set_env(path: Path, assignments: dict[str, str], unset: list[str], scope: str | None = None) -> Edit:
+    def change(level: CommentedMap, name: str) -> None:
+        env = _child(_child(level, "service"), "env")
+        for key, value in assignments.items():
+            env[key] = value
+        for key in unset:
+            if key not in env:
+                raise InvalidInput(f"--unset {key}: not set at {name} (nothing to remove there)")
+            del env[key]
+        if not env:
+            del level["service"]["env"]
+        if not level["service"]:
+            del level["service"]
+
+    return _apply(path, scope, change)
+
+
+def set_values(path: Path, assignments: dict[str, str], scope: str | None = None) -> Edit:
+    """``hicache.ratio=4.0``-style settings, relative to ``service`` (a leading ``service.`` is allowed)."""
+    def change(level: CommentedMap, name: str) -> None:
+        for dotted, raw in assignments.items():
+            parts = dotted.removeprefix("service.").split(".")
+            if not all(parts):
+                raise InvalidInput(f"{dotted!r}: expected a dotted setting path like hicache.ratio")
+            node = _child(level, "service")
+            for part in parts[:-1]:
+                node = _child(node, part)
+            node[parts[-1]] = _scalar(raw)
+
+    return _apply(path, scope, change)
+
+
+def write(edit: Edit, text: str | None = None) -> None:
+    """Atomic replace (temp file in the same directory + rename), keeping the file's mode."""
+    text = edit.after if text is None else text
+    mode = edit.path.stat().st_mode & 0o777 if edit.path.exists() else 0o644
+    fd, tmp = tempfile.mkstemp(dir=edit.path.parent, prefix=f".{edit.path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, edit.path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
