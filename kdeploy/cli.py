@@ -147,14 +147,19 @@ def push(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_jso
          no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the health gate.")] = False,
          force_restart: Annotated[bool, typer.Option("--force-restart", help="Restart even if unchanged.")] = False,
          dry_run: Annotated[bool, typer.Option("--dry-run", help="Same as `kdeploy plan`.")] = False,
-         lock_wait: LockWaitOpt = 0, workers: WorkersOpt = None, timeout: TimeoutOpt = None) -> None:
+         lock_wait: LockWaitOpt = 0, workers: WorkersOpt = None, timeout: TimeoutOpt = None,
+         canary: Annotated[int, typer.Option("--canary", min=0, help="Hosts that go first, alone, and must pass.")] = 0,
+         batch: Annotated[str | None, typer.Option("--batch", help="N or N%: hosts restarting at once.")] = None,
+         max_fail: Annotated[str | None, typer.Option("--max-fail", help="N or N%: failures before stopping.")] = None,
+         ) -> None:
     """Ship the payload and unit, restart, gate; roll back by itself when the gate fails."""
     if dry_run:
         _plan(target, inventory, as_json, accept_new_host_keys, parallel)
         return
     ui = Ui(as_json)
     opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
-                    lock_wait=lock_wait, workers=workers, timeout=timeout)
+                    lock_wait=lock_wait, workers=workers, timeout=timeout, canary=canary, batch=batch,
+                    max_fail=max_fail)
     loaded = _load(inventory)
     report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report)

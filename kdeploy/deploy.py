@@ -34,6 +34,9 @@ class Options:
     to_release: str | None = None
     force: bool = False
     history_limit: int = 20
+    canary: int = 0
+    batch: str | None = None  # N or N%: hosts restarting at once (default: --parallel)
+    max_fail: str | None = None  # N or N%: failures tolerated before new batches stop (default: no limit)
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -144,62 +147,107 @@ def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Option
         result.finish("planned")
 
 
-def push_host(inventory: Inventory, host: HostConfig, local: Local, opts: Options, result: HostResult) -> None:
-    started = time.monotonic()
-    sdir = service_dir(host.service)
-    with connect(inventory, host, result, opts) as remote:
-        held: lock.HeldLock | None = None
+class HostPush:
+    """One host's push in three steps, so a fleet can stage everywhere before the first restart.
+
+    ``prepare`` connects, takes the lock, reads the state and stages; ``activate`` switches, restarts and
+    gates (rolling back on failure); ``close`` records history, drops a staged-but-never-activated release,
+    releases the lock and disconnects. Between the steps the host holds its lock and connection.
+    """
+
+    def __init__(self, inventory: Inventory, host: HostConfig, local: Local, opts: Options,
+                 result: HostResult) -> None:
+        self.inventory, self.host, self.local, self.opts, self.result = inventory, host, local, opts, result
+        self.remote: Remote | None = None
+        self.held: lock.HeldLock | None = None
+        self.state: HostState | None = None
+        self.target: str | None = None
+        self.unit_changed = False
+        self.staged: str | None = None
+        self.started = time.monotonic()
+
+    @property
+    def pending(self) -> bool:
+        """Prepared and waiting for its turn to restart."""
+        return self.target is not None and not self.result.done
+
+    def prepare(self) -> None:
+        host, local, result = self.host, self.local, self.result
+        sdir = service_dir(host.service)
         try:
+            self.remote = connect(self.inventory, host, result, self.opts)
             with result.phase("preflight") as phase:
-                held = lock.acquire(remote, sdir, wait=opts.lock_wait, then=state_script(host))
-                state = parse_state(held.output)
+                self.held = lock.acquire(self.remote, sdir, wait=self.opts.lock_wait, then=state_script(host))
+                state = self.state = parse_state(self.held.output)
                 delta = release.diff(local.payload.manifest, state.manifest)
                 _check_disk(host, state, sum(local.payload.files[p].size for p in delta.upload))
                 phase.detail = f"lock taken; current {state.current or 'none'}; {state.unit.summary}"
-                if held.stale:
-                    phase.detail += f"; took over STALE lock left by {held.stale.describe()} (holder gone)"
-            _push_locked(remote, host, local, opts, result, state, delta)
+                if self.held.stale:
+                    phase.detail += f"; took over STALE lock left by {self.held.stale.describe()} (holder gone)"
+            self.unit_changed = local.unit_text != state.unit_text
+            changed = not delta.empty or self.unit_changed or state.current is None
+            _check(self.opts)
+            if not changed and state.unit.running and not self.opts.force_restart:
+                with result.phase("stage") as phase:
+                    phase.detail = "nothing changed: no upload, no restart"
+                result.release = state.current
+                result.finish("unchanged")
+                return
+            self.target = state.current
+            if changed:
+                self._stage(delta)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
-            result.fail(exc)  # decided before the history line records it
-        finally:
-            if held is not None:
-                if result.result != "preflight_refused":  # a refused host is left exactly as it was
-                    _finish_remote(remote, host, local, result, started)
-                held.release()
+            result.fail(exc)
 
-
-def _push_locked(remote: Remote, host: HostConfig, local: Local, opts: Options, result: HostResult,
-                 state: HostState, delta: release.Delta) -> None:
-    sdir = service_dir(host.service)
-    unit_changed = local.unit_text != state.unit_text
-    changed = not delta.empty or unit_changed or state.current is None
-    _check(opts)
-    if not changed and state.unit.running and not opts.force_restart:
-        with result.phase("stage") as phase:
-            phase.detail = "nothing changed: no upload, no restart"
-        result.release = state.current
-        result.finish("unchanged")
-        return
-    target = state.current
-    if changed:
-        with result.phase("stage") as phase:
+    def _stage(self, delta: release.Delta) -> None:
+        host, local, state = self.host, self.local, self.state
+        assert self.remote is not None and state is not None
+        with self.result.phase("stage") as phase:
             target = release.release_id(local.payload.manifest, local.unit_text)
             meta = release.release_meta(local.payload.manifest, local.unit_text, unit_filename(host.service))
             tarball = release.build_tarball(local.payload, delta.upload, meta)
-            out = remote.run(release.stage_script(sdir, target, state.current is not None, delta),
-                             stdin=tarball, timeout=600)
+            out = self.remote.run(release.stage_script(service_dir(host.service), target, state.current is not None,
+                                                       delta), stdin=tarball, timeout=600)
             if not out.ok or "STAGED" not in out.stdout:
                 error = out.last_error()
                 if "No space left" in error:
                     raise PreflightRefused(f"disk full on the host, host unchanged: {error}")
                 raise PhaseFailed(f"staging failed, host unchanged: {error}")
+            self.target = self.staged = target
             phase.detail = (f"{target}: {delta.describe()} files, {len(tarball)} bytes sent"
-                            f"{', unit changed' if unit_changed else ''}")
-        _check(opts)
-    result.data["attempted"] = target
-    result.release = target
-    activate_and_gate(remote, host, result, opts, target=target, install_unit=unit_changed,
-                      previous=state.current)
+                            f"{', unit changed' if self.unit_changed else ''}")
+
+    def activate(self) -> None:
+        assert self.remote is not None and self.state is not None and self.target is not None
+        self.result.data["attempted"] = self.target
+        self.result.release = self.target
+        try:
+            _check(self.opts)
+            activate_and_gate(self.remote, self.host, self.result, self.opts, target=self.target,
+                              install_unit=self.unit_changed, previous=self.state.current)
+            self.staged = None
+        except (PhaseFailed, KdeployError, Cancelled) as exc:
+            self.result.fail(exc)
+
+    def skip(self, why: str) -> None:
+        if not self.result.done:
+            self.result.finish("skipped", why)
+
+    def close(self) -> None:
+        try:
+            if self.held is not None and self.remote is not None:
+                if self.result.result == "skipped" and self.staged:
+                    self.result.release = self.state.current if self.state else None
+                    self.remote.run(release.prune_command(service_dir(self.host.service), [self.staged]), timeout=60)
+                elif self.result.result != "preflight_refused":  # a refused host is left exactly as it was
+                    _finish_remote(self.remote, self.host, self.local, self.result, self.started)
+        except KdeployError as exc:
+            self.result.log.append(f"cleanup after the push failed: {exc}")
+        finally:
+            if self.held is not None:
+                self.held.release()
+            if self.remote is not None:
+                self.remote.close()
 
 
 def _check_disk(host: HostConfig, state: HostState, upload_bytes: int) -> None:

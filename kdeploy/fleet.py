@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import traceback
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from kdeploy import deploy, inventory, settings
 from kdeploy.deploy import Local, Options
-from kdeploy.errors import KdeployError
+from kdeploy.errors import InvalidInput, KdeployError
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.release import Payload, scan_payload
 from kdeploy.render import render_unit
@@ -27,35 +28,105 @@ DEFAULT_PARALLEL = 16
 HostFn = Callable[[HostConfig, HostResult], None]
 
 
-def fan_out(inventory: Inventory, names: list[str], command: str, fn: HostFn, *, parallel: int = DEFAULT_PARALLEL,
-            listener: Listener | None = None, cancel: threading.Event | None = None) -> Report:
-    """Run ``fn`` for every host, at most ``parallel`` at once; Ctrl-C stops starting new hosts."""
-    cancel = cancel or threading.Event()
-    results = [HostResult(name, listener=listener) for name in names]
+def run_parallel(jobs: list[tuple[HostResult, Callable[[], None]]], parallel: int,
+                 cancel: threading.Event) -> None:
+    """Run each host's job, at most ``parallel`` at once. Ctrl-C stops starting new jobs (they end
+    ``skipped``); jobs already running finish. One host's bug never takes the others down."""
 
-    def one(result: HostResult) -> None:
+    def one(result: HostResult, job: Callable[[], None]) -> None:
         if cancel.is_set():
-            result.finish("skipped", "not started: interrupted")
+            result.fail(Cancelled("not started: interrupted"))
             return
         try:
-            fn(inventory.hosts[result.host], result)
+            job()
         except (KdeployError, PhaseFailed, Cancelled) as exc:
             result.fail(exc)
-        except Exception as exc:  # one host's bug must not take the others down
+        except Exception as exc:
             result.data["traceback"] = traceback.format_exc()
             result.finish("failed", f"internal error: {type(exc).__name__}: {exc}")
 
-    pool = ThreadPoolExecutor(max_workers=max(1, min(parallel, len(results))), thread_name_prefix="kdeploy")
-    futures = [pool.submit(one, r) for r in results]
+    if not jobs:
+        return
+    pool = ThreadPoolExecutor(max_workers=max(1, min(parallel, len(jobs))), thread_name_prefix="kdeploy")
+    futures = [pool.submit(one, result, job) for result, job in jobs]
     try:
-        while futures and not all(f.done() for f in futures):
+        while not all(f.done() for f in futures):
             wait(futures, timeout=0.2)
     except KeyboardInterrupt:
         cancel.set()
         wait(futures)
     finally:
         pool.shutdown(wait=True)
+
+
+def fan_out(inventory: Inventory, names: list[str], command: str, fn: HostFn, *, parallel: int = DEFAULT_PARALLEL,
+            listener: Listener | None = None, cancel: threading.Event | None = None) -> Report:
+    """Run ``fn`` for every host, at most ``parallel`` at once."""
+    results = [HostResult(name, listener=listener) for name in names]
+    run_parallel([(r, partial(fn, inventory.hosts[r.host], r)) for r in results], parallel,
+                 cancel or threading.Event())
     return Report(command, results)
+
+
+def count(spec: str | None, total: int, default: int) -> int:
+    """``N`` or ``N%`` of ``total`` (at least 1 for a percentage); ``default`` when not given."""
+    if spec is None:
+        return default
+    try:
+        if spec.endswith("%"):
+            pct = float(spec[:-1])
+            if not 0 < pct <= 100:
+                raise ValueError
+            return max(1, math.ceil(total * pct / 100))
+        value = int(spec)
+        if value < 0:
+            raise ValueError
+        return value
+    except ValueError:
+        raise InvalidInput(f"{spec!r}: expected a count N or a percentage N%") from None
+
+
+def plan_batches(names: list[str], canary: int, batch: int) -> list[list[str]]:
+    """Canary hosts alone first, then the rest in batches of at most ``batch``."""
+    batches = [names[:canary]] if canary > 0 and names else []
+    rest = names[canary:] if canary > 0 else names
+    batch = max(1, batch)
+    return batches + [rest[i:i + batch] for i in range(0, len(rest), batch)]
+
+
+def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opts: Options, *, parallel: int,
+            listener: Listener | None = None) -> Report:
+    """Stage on every host in parallel, then restart canary and batches in turn, each gated before the next.
+
+    A failing canary stops the rollout; more than ``max_fail`` failures stop new batches. Hosts that are
+    not started end ``skipped`` with their staged release removed, so they are left as they were.
+    """
+    results = {name: HostResult(name, listener=listener) for name in names}
+    steps = {name: deploy.HostPush(inventory, inventory.hosts[name], local[name], opts, results[name])
+             for name in names}
+    try:
+        run_parallel([(results[n], steps[n].prepare) for n in names], parallel, opts.cancel)
+        failed = sum(1 for r in results.values() if r.done and not r.ok)
+        max_fail = count(opts.max_fail, len(names), len(names))
+        pending = [n for n in names if steps[n].pending]
+        batches = plan_batches(pending, opts.canary, count(opts.batch, len(pending), parallel))
+        for index, batch in enumerate(batches):
+            why = ("interrupted" if opts.cancel.is_set() else
+                   f"max-fail exceeded ({failed} failed > {max_fail})" if failed > max_fail else None)
+            if why:
+                for name in batch:
+                    steps[name].skip(f"not restarted: {why}")
+                continue
+            run_parallel([(results[n], steps[n].activate) for n in batch], len(batch), opts.cancel)
+            batch_failed = sum(1 for n in batch if not results[n].ok)
+            failed += batch_failed
+            if index == 0 and opts.canary and batch_failed:
+                for name in (n for later in batches[1:] for n in later):
+                    steps[name].skip("not restarted: the canary failed")
+                break
+    finally:
+        run_parallel([(results[n], steps[n].close) for n in names], parallel, threading.Event())
+    return Report("push", [results[n] for n in names])
 
 
 def prepare(inventory: Inventory, names: list[str]) -> dict[str, Local]:
@@ -76,10 +147,13 @@ def push(inventory: Inventory, target: str | None, opts: Options | None = None, 
     opts = opts or Options()
     names = inventory.resolve(target)
     local = prepare(inventory, names)
-    step = deploy.plan_host if dry_run else deploy.push_host
-    return fan_out(inventory, names, "plan" if dry_run else "push",
-                   lambda host, result: step(inventory, host, local[host.name], opts, result),
-                   parallel=parallel, listener=listener, cancel=opts.cancel)
+    if dry_run:
+        return fan_out(inventory, names, "plan",
+                       lambda host, result: deploy.plan_host(inventory, host, local[host.name], opts, result),
+                       parallel=parallel, listener=listener, cancel=opts.cancel)
+    for spec in (opts.batch, opts.max_fail):
+        count(spec, 1, 1)  # bad syntax fails before any host is touched
+    return rollout(inventory, names, local, opts, parallel=parallel, listener=listener)
 
 
 def _each(inventory: Inventory, target: str | None, command: str, step: Callable, opts: Options | None,

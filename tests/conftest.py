@@ -20,7 +20,7 @@ from kdeploy import cli, inventory, render
 from kdeploy.demo import demo_service, project_dir
 from kdeploy.sandbox import Sandbox
 
-FLEET_SIZE = 3
+FLEET_SIZE = 8
 TEST_PLUGIN = Path(__file__).parent / "data" / "testplugin"
 TEST_MARKER = "[kdeploy-testplugin] loaded"
 _ports = itertools.count(31000)
@@ -107,7 +107,12 @@ def deployment(fleet: Sandbox, tmp_path: Path, request: pytest.FixtureRequest) -
     path = tmp_path / "inventory.yaml"
     fleet.write_inventory(path, service)
     dep = Deployment(fleet, path, payload, name, hosts, port)
-    dep.edit(lambda doc: doc["groups"].update({"test": {"hosts": hosts}}))
+    def only_these_hosts(doc: dict) -> None:
+        for other in [h for h in doc["hosts"] if h not in hosts]:
+            del doc["hosts"][other]
+        doc["groups"] = {"test": {"hosts": hosts}}
+
+    dep.edit(only_these_hosts)
     try:
         yield dep
     finally:

@@ -1,0 +1,111 @@
+"""set-env, set and status against sandbox hosts: the inventory is the source of truth."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdeploy import cli
+from tests.conftest import Deployment
+
+
+def _with_comment(dep: Deployment) -> None:
+    comment = "# fleet-wide settings: edit with kdeploy set-env\n"
+    dep.path.write_text(dep.path.read_text().replace("defaults:\n", comment + "defaults:\n", 1))
+
+
+@pytest.mark.hosts(2)
+def test_set_env_on_one_host_restarts_only_that_host(deployment: Deployment,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert deployment.kdeploy("push", "test") == 0
+    _with_comment(deployment)
+    h1, h2 = (deployment.show(h, "InvocationID") for h in ("h1", "h2"))
+    code, doc = deployment.json(capsys, "set-env", "KDTREE_DEFRAG_SORT=1", "--target", "h2")
+    assert code == 0, doc
+    assert doc["inventory"]["rolled_out_to"] == ["h2"] and doc["inventory"]["level"] == "hosts.h2"
+    assert [h["host"] for h in doc["hosts"]] == ["h2"] and doc["hosts"][0]["result"] == "deployed"
+    assert deployment.show("h1", "InvocationID") == h1
+    assert deployment.show("h2", "InvocationID") != h2
+    assert "KDTREE_DEFRAG_SORT=1" in deployment.show("h2", "Environment")
+    assert "KDTREE_DEFRAG_SORT" not in deployment.show("h1", "Environment")
+    text = deployment.path.read_text()
+    assert "# fleet-wide settings: edit with kdeploy set-env" in text  # comments survive the edit
+    assert deployment.load().hosts["h2"].service.env == {"KDTREE_DEFRAG_SORT": "1"}
+    # --unset takes it away again, at the same level, and rolls that out
+    code, doc = deployment.json(capsys, "set-env", "--unset", "KDTREE_DEFRAG_SORT", "--target", "h2")
+    assert code == 0 and doc["inventory"]["rolled_out_to"] == ["h2"]
+    assert "KDTREE_DEFRAG_SORT" not in deployment.show("h2", "Environment")
+    assert deployment.load().hosts["h2"].service.env == {}
+
+
+def test_invalid_value_changes_nothing(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    before = deployment.path.read_bytes()
+    for args in (["set-env", "BAD NAME=1"], ["set-env", "X=a\nb"], ["set", "hicache.ratio=0"],
+                 ["set", "hicache.write_policy=write_sometimes"], ["set", "hicache.ration=2"],
+                 ["set-env", "--unset", "NOT_THERE"], ["set-env", "A=1", "--target", "nohost"]):
+        capsys.readouterr()
+        code = cli.main([*args, "--inventory", str(deployment.path)])
+        err = capsys.readouterr().err
+        assert code == 2, args
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert deployment.path.read_bytes() == before
+    assert "did you mean 'ratio'" in cli_error(deployment, capsys, ["set", "hicache.ration=2"])
+
+
+def cli_error(dep: Deployment, capsys: pytest.CaptureFixture[str], args: list[str]) -> str:
+    capsys.readouterr()
+    cli.main([*args, "--inventory", str(dep.path)])
+    return capsys.readouterr().err
+
+
+def test_failed_rollout_reverts_the_inventory_and_the_host(deployment: Deployment,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    deployment.set_service(gate={"workers": 8, "poll_interval": 0.25, "markers": ["[kdeploy-testplugin] loaded"],
+                                 "timeout": 20})
+    assert deployment.kdeploy("push", "test") == 0
+    release = deployment.sh("h1", f"readlink {deployment.service_dir}/current")
+    before = deployment.path.read_bytes()
+    code, doc = deployment.json(capsys, "set-env", "REFSERVER_WRONG_ANSWER=1")
+    assert code == 4, doc
+    assert doc["inventory"]["reverted"] is True
+    assert doc["hosts"][0]["result"] == "rolled_back"
+    assert deployment.path.read_bytes() == before  # inventory and host agree again
+    assert deployment.sh("h1", f"readlink {deployment.service_dir}/current") == release
+    assert "REFSERVER_WRONG_ANSWER" not in deployment.show("h1", "Environment")
+    assert deployment.kdeploy("verify", "test") == 0
+
+
+def test_set_hicache_ratio_changes_exactly_the_execstart_flag(deployment: Deployment,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    deployment.set_service(hicache={"enabled": True, "ratio": 2.0, "write_policy": "write_through"})
+    assert deployment.kdeploy("push", "test") == 0
+    unit = f"/etc/systemd/system/{deployment.service}.service"
+    old = deployment.sh("h1", f"cat {unit}").splitlines()
+    code, doc = deployment.json(capsys, "set", "hicache.ratio=4.0")
+    assert code == 0, doc
+    new = deployment.sh("h1", f"cat {unit}").splitlines()
+    changed = [(a, b) for a, b in zip(old, new, strict=True) if a != b]
+    assert len(changed) == 1
+    before_line, after_line = changed[0]
+    assert before_line.startswith("ExecStart=") and "--hicache-ratio 2.0" in before_line
+    assert after_line == before_line.replace("--hicache-ratio 2.0", "--hicache-ratio 4.0")
+    assert deployment.load().hosts["h1"].service.hicache.ratio == 4.0
+
+
+def test_status_shows_env_last_deploy_and_hand_edits_as_drift(deployment: Deployment,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    deployment.set_service(env={"KDTREE_NSPLIT": "64"})
+    assert deployment.kdeploy("push", "test") == 0
+    code, doc = deployment.json(capsys, "status", "test")
+    st = doc["hosts"][0]["status"]
+    assert code == 0 and st["drift"] == [] and st["active"] == "active"
+    assert st["env"] == {"KDTREE_NSPLIT": "64"}
+    assert st["last_deploy"]["result"] == "deployed"
+    # someone edits the unit and a payload file by hand on the host
+    unit = f"/etc/systemd/system/{deployment.service}.service"
+    deployment.sh("h1", f"sed -i 's/KDTREE_NSPLIT=64/KDTREE_NSPLIT=32/' {unit} && systemctl daemon-reload && "
+                        f"echo '# hotfix' >> {deployment.service_dir}/current/kdeploy_testplugin/__init__.py")
+    code, doc = deployment.json(capsys, "status", "test")
+    drift = doc["hosts"][0]["status"]["drift"]
+    assert "unit differs from the inventory" in drift
+    assert any("kdeploy_testplugin/__init__.py" in d for d in drift)
+    assert doc["hosts"][0]["status"]["env"] == {"KDTREE_NSPLIT": "32"}  # read from the live unit
