@@ -383,7 +383,7 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
                 phase.detail = f"{state.current} -> {target}"
             result.release = target
             activate_and_gate(remote, host, result, opts, target=target, install_unit=True,
-                              previous=state.current, old_invocation=state.unit.invocation)
+                              previous=state.current)
             if result.result == "deployed":
                 result.finish("restored")
         finally:

@@ -96,7 +96,7 @@ def test_completion_match():
 
 def test_completion_mismatch():
     reason = completion_verdict([" Lyon.", " Lyon."], r"\bParis\b")
-    assert reason == "answer ' Lyon.' does not match '\\\\bParis\\\\b'"
+    assert reason == "answer ' Lyon.' does not match /\\bParis\\b/"
     assert completion_verdict(["Parisian"], r"\bParis\b") is not None
 
 

@@ -38,7 +38,7 @@ def raw_props(name: str) -> dict[str, str]:
 def test_show_command():
     assert show_command("sglang-kimi.service") == (
         "systemctl show sglang-kimi.service -p ActiveState,SubState,Result,NRestarts,InvocationID,ExecMainPID,"
-        "ExecMainStatus,ActiveEnterTimestamp,LoadState,UnitFileState --no-pager")
+        "ExecMainStatus,ActiveEnterTimestamp,LoadState,UnitFileState,NeedDaemonReload --no-pager")
     assert "'a b.service'" in show_command("a b.service")
 
 
