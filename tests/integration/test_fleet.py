@@ -1,0 +1,139 @@
+"""Fleet rollouts on 8 sandbox hosts: batches, canary, max-fail, a failing host, an unreachable one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kdeploy import fleet
+from kdeploy.deploy import Options
+from tests.conftest import Deployment
+
+ALL = [f"h{i}" for i in range(1, 9)]
+
+
+def _state(dep: Deployment, host: str) -> tuple[str, str, str]:
+    """(current release, release dirs, InvocationID): what a skipped host must keep."""
+    d = dep.service_dir
+    return (dep.sh(host, f"readlink {d}/current").strip(), dep.sh(host, f"ls -a {d}/releases").strip(),
+            dep.show(host, "InvocationID"))
+
+
+def _bump(dep: Deployment, value: str) -> None:
+    (dep.payload / "rev.txt").write_text(value)
+
+
+def _bad(dep: Deployment, *hosts: str) -> None:
+    def change(doc: dict) -> None:
+        for host in hosts:
+            doc["hosts"][host]["service"] = {"env": {"REFSERVER_WRONG_ANSWER": "1"}}
+    dep.edit(change)
+
+
+def _windows(dep: Deployment, host: str, since: float) -> tuple[float, float]:
+    """From the host's journal: when systemd began stopping the old run and when the new one was ready."""
+    out = dep.sh(host, f"journalctl -u {dep.service} -o json --output-fields=MESSAGE --since=@{int(since)}")
+    stop = ready = None
+    for line in out.splitlines():
+        rec = json.loads(line)
+        t = int(rec["__REALTIME_TIMESTAMP"]) / 1e6
+        msg = rec.get("MESSAGE", "")
+        if isinstance(msg, str) and msg.startswith("Stopping") and stop is None:
+            stop = t
+        if isinstance(msg, str) and "fired up and ready to roll" in msg and stop is not None:
+            ready = t
+    assert stop is not None and ready is not None, out[-2000:]
+    return stop, ready
+
+
+@pytest.mark.hosts(8)
+def test_batches_of_two_never_restart_more_than_two_at_once(deployment: Deployment,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert deployment.kdeploy("push", "test", "--no-verify") == 0
+    start = float(deployment.sh("h1", "date +%s.%N"))
+    _bump(deployment, "2")
+    code, doc = deployment.json(capsys, "push", "test", "--batch", "2")
+    assert code == 0 and doc["summary"] == {"hosts": 8, "deployed": 8}
+    windows = [_windows(deployment, h, start - 1) for h in ALL]
+    events = sorted([(a, 1) for a, _ in windows] + [(b, -1) for _, b in windows])
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    print(f"peak concurrent restarts: {peak}")
+    assert peak <= 2
+    assert peak == 2  # and batching did run two at once
+
+
+@pytest.mark.hosts(8)
+def test_one_bad_host_is_rolled_back_and_the_rest_deploy(deployment: Deployment,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert deployment.kdeploy("push", "test", "--no-verify") == 0
+    _bad(deployment, "h5")
+    _bump(deployment, "2")
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 4
+    results = {h["host"]: h["result"] for h in doc["hosts"]}
+    assert results.pop("h5") == "rolled_back"
+    assert set(results.values()) == {"deployed"}
+    assert doc["summary"] == {"hosts": 8, "deployed": 7, "rolled_back": 1}
+
+
+@pytest.mark.hosts(8)
+def test_max_fail_stops_the_rollout_and_leaves_the_rest_unchanged(deployment: Deployment,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert deployment.kdeploy("push", "test", "--no-verify") == 0
+    _bad(deployment, "h1", "h2")
+    _bump(deployment, "2")
+    before = {h: _state(deployment, h) for h in ALL[2:]}
+    code, doc = deployment.json(capsys, "push", "test", "--batch", "1", "--max-fail", "1")
+    assert code == 4
+    results = {h["host"]: h["result"] for h in doc["hosts"]}
+    assert results["h1"] == results["h2"] == "rolled_back"
+    assert {results[h] for h in ALL[2:]} == {"skipped"}
+    assert all("max-fail" in h["error"] for h in doc["hosts"][2:])
+    for host in ALL[2:]:
+        assert _state(deployment, host) == before[host]  # no restart, no new release left behind
+
+
+@pytest.mark.hosts(8)
+def test_canary_failure_touches_no_other_host(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    assert deployment.kdeploy("push", "test", "--no-verify") == 0
+    _bad(deployment, "h1")
+    _bump(deployment, "2")
+    before = {h: _state(deployment, h) for h in ALL[1:]}
+    code, doc = deployment.json(capsys, "push", "test", "--canary", "1")
+    assert code == 4
+    results = {h["host"]: h["result"] for h in doc["hosts"]}
+    assert results["h1"] == "rolled_back"
+    assert {results[h] for h in ALL[1:]} == {"skipped"}
+    for host in ALL[1:]:
+        assert _state(deployment, host) == before[host]
+
+
+@pytest.mark.hosts(8)
+def test_an_unreachable_host_does_not_stop_the_others(deployment: Deployment) -> None:
+    assert deployment.kdeploy("push", "test", "--no-verify") == 0
+    _bump(deployment, "2")
+    deployment.fleet.cut("h4")
+    try:
+        report = fleet.push(deployment.load(), "test", Options(verify=False))
+    finally:
+        deployment.fleet.heal("h4")
+    results = {h.host: h.result for h in report.hosts}
+    assert results.pop("h4") == "unreachable"
+    assert set(results.values()) == {"deployed"}
+    assert report.exit_code == 3
+    assert "unreachable" in report.hosts[3].error
+
+
+def test_batch_and_canary_plans() -> None:
+    names = [f"h{i}" for i in range(1, 11)]
+    assert fleet.plan_batches(names, 1, 4) == [["h1"], names[1:5], names[5:9], names[9:]]
+    assert fleet.plan_batches(names, 0, 5) == [names[:5], names[5:]]
+    assert fleet.count("25%", 10, 3) == 3 and fleet.count("1%", 10, 3) == 1 and fleet.count(None, 10, 3) == 3
+    assert fleet.count("2", 10, 3) == 2
+    for bad in ("x", "-1", "0%", "150%"):
+        with pytest.raises(Exception, match="expected a count"):
+            fleet.count(bad, 10, 3)
