@@ -7,6 +7,7 @@ With ``--json`` the only thing on stdout is one JSON document.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 import time
@@ -18,6 +19,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from kdeploy import fleet, settings
@@ -104,7 +106,7 @@ class Ui:
             colour = "green" if host.ok else "red"
             table.add_row(host.host, f"[{colour}]{host.result}[/]", host.release or "-",
                           last.name if last else "-", f"{seconds:.1f}",
-                          host.error or (last.detail if last else ""))
+                          escape(host.error or (last.detail if last else "")))
         self.err.print(table)
         for host in report.hosts:
             for line in host.log:
@@ -117,7 +119,7 @@ def _phases_table(ui: Ui, report: Report) -> None:
         for col in ("phase", "ok", "seconds", "detail"):
             table.add_column(col, overflow="fold")
         for p in host.phases:
-            table.add_row(p.name, "[green]ok[/]" if p.ok else "[red]FAIL[/]", f"{p.seconds:.2f}", p.detail)
+            table.add_row(p.name, "[green]ok[/]" if p.ok else "[red]FAIL[/]", f"{p.seconds:.2f}", escape(p.detail))
         ui.err.print(table)
 
 
@@ -318,9 +320,9 @@ def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
                 continue
             last = st["last_deploy"]
             deployed = f"{last.get('time')} {last.get('result')} by {last.get('user')}" if last else "-"
-            drifted = "[red]" + "; ".join(st["drift"]) + "[/]" if st["drift"] else "[green]none[/]"
+            drifted = "[red]" + escape("; ".join(st["drift"])) + "[/]" if st["drift"] else "[green]none[/]"
             table.add_row(host.host, f"{st['active']}/{st['sub']}", st["since"] or "-", host.release or "-",
-                          " ".join(f"{k}={v}" for k, v in st["env"].items()) or "-", deployed, drifted)
+                          escape(" ".join(f"{k}={v}" for k, v in st["env"].items())) or "-", deployed, drifted)
         ui.err.print(table)
 
     ui.report(report, show, table=False)
@@ -411,6 +413,7 @@ def sandbox_down(instance: InstanceOpt = 0) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: maps every error to one line and the documented exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
+    logging.getLogger("paramiko").setLevel(logging.CRITICAL)  # its channel-refused noise; errors come as ours
     debug = "--debug" in args
     if debug:
         args.remove("--debug")

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import difflib
 import shlex
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from kdeploy import gate, history, lock, release, systemd
-from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused
+from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused, Unreachable
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.remote import Remote
 from kdeploy.render import current_path, service_dir, unit_filename
@@ -48,10 +47,6 @@ class HostState:
     releases: list[str]
     unit: systemd.UnitState
     free_kb: int | None
-
-    @property
-    def unit_sha(self) -> str | None:
-        return release.sha256_text(self.unit_text) if self.unit_text is not None else None
 
     def previous(self) -> str | None:
         """The release before ``current`` (what a rollback returns to)."""
@@ -226,21 +221,41 @@ class HostPush:
             activate_and_gate(self.remote, self.host, self.result, self.opts, target=self.target,
                               install_unit=self.unit_changed, previous=self.state.current)
             self.staged = None
+        except Unreachable as exc:
+            self._reconnect_and_roll_back(exc)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
             self.result.fail(exc)
 
-    def skip(self, why: str) -> None:
+    def _reconnect_and_roll_back(self, lost: Unreachable) -> None:
+        """The link dropped after the switch began: reconnect once and put the old release back."""
+        assert self.state is not None
+        if not any(p.name == "activate" for p in self.result.phases):
+            self.result.fail(lost)
+            return
+        try:
+            remote = connect(self.inventory, self.host, self.result, self.opts)
+        except Unreachable as exc:
+            self.result.finish("unreachable", f"connection lost after switching to {self.target}; reconnect "
+                                              f"failed ({exc}): the host may be on the new, ungated release")
+            return
+        self.remote.close()
+        self.remote = remote
+        rollback_after_failure(remote, self.host, self.result, self.opts, self.state.current,
+                               f"connection lost during the deploy ({lost})")
+
+    def skip(self, why: str, result: str = "skipped") -> None:
         if not self.result.done:
-            self.result.finish("skipped", why)
+            self.result.finish(result, why)
 
     def close(self) -> None:
         try:
             if self.held is not None and self.remote is not None:
-                if self.result.result == "skipped" and self.staged:
+                if self.result.result in ("skipped", "interrupted") and self.staged:
                     self.result.release = self.state.current if self.state else None
                     self.remote.run(release.prune_command(service_dir(self.host.service), [self.staged]), timeout=60)
                 elif self.result.result != "preflight_refused":  # a refused host is left exactly as it was
-                    _finish_remote(self.remote, self.host, self.local, self.result, self.started)
+                    _finish_remote(self.remote, self.host, self.result, self.started,
+                                   self.state.releases if self.state else [], self.local)
         except KdeployError as exc:
             self.result.log.append(f"cleanup after the push failed: {exc}")
         finally:
@@ -301,13 +316,13 @@ def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts
             gate.run_gate(remote, host.service, result, workers=opts.workers, timeout=opts.timeout,
                           invocation=invocation)
     except PhaseFailed as exc:
-        rollback_after_failure(remote, host, result, previous, exc.detail)
+        rollback_after_failure(remote, host, result, opts, previous, exc.detail)
         return
     result.finish("deployed")
 
 
-def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult, previous: str | None,
-                           why: str) -> None:
+def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult, opts: Options,
+                           previous: str | None, why: str) -> None:
     sdir = service_dir(host.service)
     unit = shlex.quote(unit_filename(host.service))
     with result.phase("rollback") as phase:
@@ -328,7 +343,8 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
                 raise PhaseFailed(f"re-activating {previous} failed: {out.last_error()}")
             sub = HostResult(result.host)
             invocation = restart_and_follow(remote, host, sub, host.service.unit.timeout_stop_sec + 60)
-            gate.run_gate(remote, host.service, sub, invocation=invocation)
+            gate.run_gate(remote, host.service, sub, workers=opts.workers, timeout=opts.timeout,
+                          invocation=invocation)
         except (PhaseFailed, KdeployError) as exc:
             phase.ok = False
             phase.detail = (f"gate failed ({why}); rollback to {previous} FAILED: {exc}; "
@@ -341,34 +357,36 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
         result.finish("rolled_back", why)
 
 
-def _finish_remote(remote: Remote, host: HostConfig, local: Local, result: HostResult, started: float) -> None:
+def _finish_remote(remote: Remote, host: HostConfig, result: HostResult, started: float, releases: list[str],
+                   local: Local | None = None) -> None:
     """Append the history line and prune old releases, in one round trip, best effort."""
     sdir = service_dir(host.service)
     attempted = result.data.get("attempted")
+    who = lock.holder_info()
     entry = {
         "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "user": lock.holder_info().user, "controller": socket.gethostname(),
-        "payload_hash": release.sha256_text(release.manifest_text(local.payload.manifest))[:16],
-        "unit_hash": release.sha256_text(local.unit_text)[:16],
+        "user": who.user, "controller": who.controller, "command": who.command,
+        "payload_hash": release.sha256_text(release.manifest_text(local.payload.manifest))[:16] if local else None,
+        "unit_hash": release.sha256_text(local.unit_text)[:16] if local else None,
         "duration": round(time.monotonic() - started, 2),
         "result": result.result, "release": result.release, "attempted": attempted, "error": result.error,
     }
+    protect = {str(result.release), str(attempted)}
+    prune = release.releases_to_prune(sorted(set(releases) | {str(attempted)} - {"None"}),
+                                      host.service.keep_releases, protect)
     try:
-        listing = remote.run(f"ls -1 {shlex.quote(sdir)}/releases 2>/dev/null; readlink {shlex.quote(sdir)}/current",
-                             timeout=30).stdout.split()
-        current = listing[-1].rsplit("/", 1)[-1] if listing else ""
-        protect = {current, str(result.release), str(attempted)}
-        prune = release.releases_to_prune(listing[:-1], host.service.keep_releases, protect)
-        commands = [history.append_command(sdir, entry), release.prune_command(sdir, prune)]
-        remote.run("; ".join(c for c in commands if c), timeout=60)
+        remote.run("; ".join(c for c in (history.append_command(sdir, entry), release.prune_command(sdir, prune)) if c),
+                   timeout=60)
     except KdeployError:
         result.log.append("could not record history (connection lost)")
 
 
 def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
     """Re-activate an older release (and its unit), restart and gate."""
+    started = time.monotonic()
     with connect(inventory, host, result, opts) as remote:
         held = None
+        state = None
         try:
             with result.phase("preflight") as phase:
                 held = lock.acquire(remote, service_dir(host.service), wait=opts.lock_wait,
@@ -386,8 +404,12 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
                               previous=state.current)
             if result.result == "deployed":
                 result.finish("restored")
+        except (PhaseFailed, KdeployError, Cancelled) as exc:
+            result.fail(exc)
         finally:
             if held is not None:
+                if state is not None and result.result not in ("invalid", "preflight_refused"):
+                    _finish_remote(remote, host, result, started, state.releases)
                 held.release()
 
 

@@ -18,11 +18,12 @@ class ExitCode(IntEnum):
     ROLLBACK_FAILED = 5
     LOCKED = 6
     PREFLIGHT = 7
+    INTERRUPTED = 130
 
 
-# When hosts end differently, the most severe code is the command's: 5 > 4 > 3 > 7 > 6 > 1 > 0.
-_SEVERITY = [ExitCode.OK, ExitCode.INTERNAL, ExitCode.LOCKED, ExitCode.PREFLIGHT, ExitCode.UNREACHABLE,
-             ExitCode.ROLLED_BACK, ExitCode.ROLLBACK_FAILED]
+# When hosts end differently, the most severe code is the command's: 5 > 4 > 3 > 7 > 6 > 1 > 130 > 0.
+_SEVERITY = [ExitCode.OK, ExitCode.INTERRUPTED, ExitCode.INTERNAL, ExitCode.LOCKED, ExitCode.PREFLIGHT,
+             ExitCode.UNREACHABLE, ExitCode.ROLLED_BACK, ExitCode.ROLLBACK_FAILED]
 
 
 def most_severe(codes: list[int]) -> ExitCode:

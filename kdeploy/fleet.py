@@ -105,28 +105,39 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
     steps = {name: deploy.HostPush(inventory, inventory.hosts[name], local[name], opts, results[name])
              for name in names}
     try:
-        run_parallel([(results[n], steps[n].prepare) for n in names], parallel, opts.cancel)
-        failed = sum(1 for r in results.values() if r.done and not r.ok)
-        max_fail = count(opts.max_fail, len(names), len(names))
-        pending = [n for n in names if steps[n].pending]
-        batches = plan_batches(pending, opts.canary, count(opts.batch, len(pending), parallel))
-        for index, batch in enumerate(batches):
-            why = ("interrupted" if opts.cancel.is_set() else
-                   f"max-fail exceeded ({failed} failed > {max_fail})" if failed > max_fail else None)
-            if why:
-                for name in batch:
-                    steps[name].skip(f"not restarted: {why}")
-                continue
-            run_parallel([(results[n], steps[n].activate) for n in batch], len(batch), opts.cancel)
-            batch_failed = sum(1 for n in batch if not results[n].ok)
-            failed += batch_failed
-            if index == 0 and opts.canary and batch_failed:
-                for name in (n for later in batches[1:] for n in later):
-                    steps[name].skip("not restarted: the canary failed")
-                break
+        _rollout(names, steps, results, opts, parallel)
+    except KeyboardInterrupt:  # between batches: what has not started is skipped, the report still prints
+        opts.cancel.set()
+        for step in steps.values():
+            step.skip("not restarted: interrupted", "interrupted")
     finally:
         run_parallel([(results[n], steps[n].close) for n in names], parallel, threading.Event())
     return Report("push", [results[n] for n in names])
+
+
+def _rollout(names: list[str], steps: dict[str, deploy.HostPush], results: dict[str, HostResult], opts: Options,
+             parallel: int) -> None:
+    run_parallel([(results[n], steps[n].prepare) for n in names], parallel, opts.cancel)
+    failed = sum(1 for r in results.values() if r.done and not r.ok)
+    max_fail = count(opts.max_fail, len(names), len(names))
+    pending = [n for n in names if steps[n].pending]
+    batches = plan_batches(pending, opts.canary, count(opts.batch, len(pending), parallel))
+    for index, batch in enumerate(batches):
+        if opts.cancel.is_set():
+            for name in batch:
+                steps[name].skip("not restarted: interrupted", "interrupted")
+            continue
+        if failed > max_fail:
+            for name in batch:
+                steps[name].skip(f"not restarted: max-fail exceeded ({failed} failed > {max_fail})")
+            continue
+        run_parallel([(results[n], steps[n].activate) for n in batch], len(batch), opts.cancel)
+        batch_failed = sum(1 for n in batch if not results[n].ok)
+        failed += batch_failed
+        if index == 0 and opts.canary and batch_failed:
+            for name in (n for later in batches[1:] for n in later):
+                steps[name].skip("not restarted: the canary failed")
+            return
 
 
 def prepare(inventory: Inventory, names: list[str]) -> dict[str, Local]:

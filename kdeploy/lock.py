@@ -24,6 +24,7 @@ from kdeploy.remote import Remote
 
 READY = "@@ready"
 HELD_RC = 75
+RELEASE_WAIT = 5.0
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,10 @@ class HeldLock:
     stale: LockInfo | None
 
     def release(self) -> None:
+        """Close the holder's stdin and wait briefly for it to clean up; a dead link must not hang us."""
         try:
             self.channel.shutdown_write()
-            self.channel.recv_exit_status()
+            self.channel.status_event.wait(RELEASE_WAIT)
         except (OSError, paramiko.SSHException, EOFError):
             pass
         finally:

@@ -17,7 +17,7 @@ RESULT_CODES = {
     "rolled_back": ExitCode.ROLLED_BACK, "unhealthy": ExitCode.ROLLED_BACK,
     "rollback_failed": ExitCode.ROLLBACK_FAILED, "unreachable": ExitCode.UNREACHABLE,
     "locked": ExitCode.LOCKED, "preflight_refused": ExitCode.PREFLIGHT, "skipped": ExitCode.OK,
-    "failed": ExitCode.INTERNAL, "invalid": ExitCode.INVALID,
+    "failed": ExitCode.INTERNAL, "invalid": ExitCode.INVALID, "interrupted": ExitCode.INTERRUPTED,
 }
 
 
@@ -51,7 +51,7 @@ def classify(exc: BaseException) -> str:
     if isinstance(exc, PreflightRefused):
         return "preflight_refused"
     if isinstance(exc, Cancelled):
-        return "skipped"
+        return "interrupted"
     if isinstance(exc, KdeployError) and exc.exit_code == ExitCode.INVALID:
         return "invalid"
     return "failed"

@@ -29,7 +29,7 @@ SEVERITY = [5, 4, 3, 7, 6, 1, 0]
 def test_exit_code_values():
     assert {c.name: int(c) for c in ExitCode} == {"OK": 0, "INTERNAL": 1, "INVALID": 2, "UNREACHABLE": 3,
                                                    "ROLLED_BACK": 4, "ROLLBACK_FAILED": 5, "LOCKED": 6,
-                                                   "PREFLIGHT": 7}
+                                                   "PREFLIGHT": 7, "INTERRUPTED": 130}
 
 
 @pytest.mark.parametrize(("higher", "lower"), list(itertools.combinations(SEVERITY, 2)))
