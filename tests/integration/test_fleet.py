@@ -137,3 +137,25 @@ def test_batch_and_canary_plans() -> None:
     for bad in ("x", "-1", "0%", "150%"):
         with pytest.raises(Exception, match="expected a count"):
             fleet.count(bad, 10, 3)
+
+
+@pytest.mark.hosts(8)
+def test_a_host_cut_off_mid_rollout_ends_unreachable_on_its_old_release(deployment: Deployment) -> None:
+    assert deployment.kdeploy("push", "test", "--no-verify") == 0
+    _bump(deployment, "2")
+    before = _state(deployment, "h4")
+
+    def cut_h4_once_staged(host: str, phase: str, status: str) -> None:
+        if (host, phase, status) == ("h4", "stage", "ok"):
+            deployment.fleet.cut("h4")
+
+    try:
+        report = fleet.push(deployment.load(), "test", Options(verify=False), listener=cut_h4_once_staged)
+    finally:
+        deployment.fleet.heal("h4")
+    results = {h.host: h.result for h in report.hosts}
+    assert results.pop("h4") == "unreachable", report.hosts[3].error
+    assert set(results.values()) == {"deployed"}
+    assert report.exit_code == 3
+    current, _, invocation = _state(deployment, "h4")
+    assert (current, invocation) == (before[0], before[2])  # never switched: still the old release and run
