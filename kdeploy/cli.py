@@ -375,7 +375,7 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
     started = time.monotonic()
     booted = box.up(hosts)
     box.write_inventory(inventory_out, demo_service())
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True, highlight=False)
     err.print(f"{len(booted)} hosts up in {time.monotonic() - started:.1f}s: "
               + ", ".join(f"{h.name}={h.address}" for h in booted))
     err.print(f"inventory: {inventory_out}   ssh: ssh -i {box.key_path} -o UserKnownHostsFile={box.known_hosts_path}"
