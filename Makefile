@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 SANDBOX_INVENTORY ?= .sandbox/inventory.yaml
 
-.PHONY: system-deps venv lint test demo demo-down clean
+.PHONY: system-deps venv lint test demo demo-down bench clean
 
 # Installs only what is missing: systemd-nspawn, sshd/ssh, ip/tc, nsenter/flock, Debian's python3 + venv.
 system-deps:
@@ -37,6 +37,7 @@ test: venv lint
 	$(BIN)/python -m pytest -q tests
 
 demo: venv
+	$(BIN)/python -m kdeploy.sglang_env
 	$(BIN)/kdeploy sandbox down
 	$(BIN)/kdeploy sandbox up --hosts 2 --inventory-out $(SANDBOX_INVENTORY)
 	$(BIN)/kdeploy push all --inventory $(SANDBOX_INVENTORY)
@@ -46,6 +47,12 @@ demo: venv
 
 demo-down: venv
 	$(BIN)/kdeploy sandbox down
+
+# Benchmarks (docs/benchmarks.md): sandbox fleets of 1, 4, 8, 16 hosts; kdeploy vs Ansible vs the hand workflow.
+# Writes bench/results/latest.json and bench/results/deploy-time.png; takes ~20-25 min on 2 cores.
+bench: venv
+	@$(BIN)/python -c 'import ansible, matplotlib, pyinstrument' 2>/dev/null && test -x $(BIN)/py-spy || $(BIN)/pip install -q -r bench/requirements.txt
+	$(BIN)/python bench/run.py
 
 clean:
 	rm -rf $(VENV) .sandbox

@@ -150,6 +150,7 @@ def push(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_jso
          force_restart: Annotated[bool, typer.Option("--force-restart", help="Restart even if unchanged.")] = False,
          dry_run: Annotated[bool, typer.Option("--dry-run", help="Same as `kdeploy plan`.")] = False,
          lock_wait: LockWaitOpt = 0, workers: WorkersOpt = None, timeout: TimeoutOpt = None,
+         skip_preflight: Annotated[bool, typer.Option("--skip-preflight", help="Skip the preflight checks.")] = False,
          canary: Annotated[int, typer.Option("--canary", min=0, help="Hosts that go first, alone, and must pass.")] = 0,
          batch: Annotated[str | None, typer.Option("--batch", help="N or N%: hosts restarting at once.")] = None,
          max_fail: Annotated[str | None, typer.Option("--max-fail", help="N or N%: failures before stopping.")] = None,
@@ -161,7 +162,7 @@ def push(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_jso
     ui = Ui(as_json)
     opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
                     lock_wait=lock_wait, workers=workers, timeout=timeout, canary=canary, batch=batch,
-                    max_fail=max_fail)
+                    max_fail=max_fail, skip_preflight=skip_preflight)
     loaded = _load(inventory)
     report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report)
@@ -221,6 +222,23 @@ def rollback(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as
     loaded = _load(inventory)
     report = ui.run(lambda listener: fleet.rollback(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report)
+    _exit(report)
+
+
+@app.command()
+def probe(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+          accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
+    """What each host's service python offers the payload: SGLang version, plugin loader, hooks, registry."""
+    ui = Ui(as_json)
+    report = fleet.probe(_load(inventory), target, _options(accept_new_host_keys=accept_new_host_keys),
+                         parallel=parallel)
+
+    def show(rep: Report) -> None:
+        for host in rep.hosts:
+            if "probe" in host.data:
+                ui.err.print(f"{host.host}: {host.data['probe']['summary']}", markup=False)
+
+    ui.report(report, show, table=False)
     _exit(report)
 
 

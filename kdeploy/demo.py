@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kdeploy import markers
-from kdeploy.sandbox import HOST_VENV
+from kdeploy import markers, sglang_env
+from kdeploy.sandbox import HOST_VENV, SGLANG_HOST_VENV
 
 REFSERVER_MODULE = "kdeploy_refserver"
 
@@ -16,22 +16,34 @@ def project_dir() -> Path:
     return here if (here / "templates").is_dir() else Path.cwd()
 
 
-def demo_service(project: Path | None = None, **overrides: object) -> dict:
+def demo_service(project: Path | None = None, *, sglang: bool | None = None, **overrides: object) -> dict:
+    """The demo service. ``sglang``: run the reference server with the sandbox's real SGLang venv
+    (:data:`SGLANG_HOST_VENV`), where the kdtree extension really installs its Tier-0 defrag and verify
+    override, so the gate counts the default markers. None: when the SGLang venv is built (a sandbox
+    brought up with ``Sandbox(sglang=None)`` then binds it) and the payload is kernels/kdtree, whose markers
+    need SGLang; another payload (the tests' plugin) gets the small venv, where 8 workers start in ~1 s
+    instead of ~20 s (each imports torch and SGLang to build its KV allocator). Without SGLang on the hosts
+    the kdtree markers honestly read "skipped" and the gate counts the per-worker "plugin loaded" line."""
     project = project or project_dir()
+    kdtree_payload = project / "kernels" / "kdtree"
+    if sglang is None:
+        payload = Path(str(overrides.get("payload", kdtree_payload)))
+        sglang = payload.resolve() == kdtree_payload.resolve() and sglang_env.is_ready()
+    gate: dict = {"workers": 8, "poll_interval": 0.25}
+    if not sglang:
+        gate["markers"] = [markers.PLUGIN_LOADED]
     service: dict = {
         "name": "sglang-demo",
         "template": str(project / "templates" / "sglang.service.j2"),
-        "python": f"{HOST_VENV}/bin/python",
+        "python": f"{SGLANG_HOST_VENV if sglang else HOST_VENV}/bin/python",
         "module": REFSERVER_MODULE,
-        "payload": str(project / "kernels" / "kdtree"),
+        "payload": str(kdtree_payload),
         "remote_root": "/srv/kdeploy",
         "env": {"KDTREE_VERIFY": "on", "KDTREE_NSPLIT": "64", "KDTREE_DEFRAG_SORT": "1"},
         "sglang": {"model_path": "/models/Kimi-K2.6", "served_model_name": "kimi-k2.6", "tp": 8,
                    "attention_backend": "kdtree"},
-        "unit": {"timeout_start_sec": 120, "timeout_stop_sec": 20, "restart_sec": 2},
-        # Until the sandbox hosts carry the real SGLang package, the kdtree markers honestly read "skipped";
-        # the demo gate counts the per-worker "plugin loaded" marker instead.
-        "gate": {"workers": 8, "poll_interval": 0.25, "markers": [markers.PLUGIN_LOADED]},
+        "unit": {"timeout_start_sec": 180 if sglang else 120, "timeout_stop_sec": 20, "restart_sec": 2},
+        "gate": gate,
     }
     service.update(overrides)
     return service

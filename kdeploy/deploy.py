@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from kdeploy import gate, history, lock, release, systemd
+from kdeploy import gate, history, lock, probe, release, systemd
 from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused, Unreachable
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.remote import Remote
@@ -36,6 +36,7 @@ class Options:
     canary: int = 0
     batch: str | None = None  # N or N%: hosts restarting at once (default: --parallel)
     max_fail: str | None = None  # N or N%: failures tolerated before new batches stop (default: no limit)
+    skip_preflight: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -46,7 +47,6 @@ class HostState:
     unit_text: str | None
     releases: list[str]
     unit: systemd.UnitState
-    free_kb: int | None
 
     def previous(self) -> str | None:
         """The release before ``current`` (what a rollback returns to)."""
@@ -67,8 +67,6 @@ def state_script(host: HostConfig) -> str:
         f"if [ -f {unit} ]; then echo @@unit; cat {unit}; echo; fi",
         f"echo @@releases; ls -1 {d}/releases 2>/dev/null",
         f"echo @@show; {systemd.show_command(unit_filename(host.service))}",
-        f"echo @@df; df -Pk {d} 2>/dev/null || df -Pk {shlex.quote(host.service.remote_root)} 2>/dev/null"
-        f" || df -Pk / 2>/dev/null",
         "true",
     ])
 
@@ -78,19 +76,12 @@ def parse_state(text: str) -> HostState:
     unit_text = sections.get("unit")
     if unit_text is not None and unit_text.endswith("\n"):
         unit_text = unit_text[:-1]
-    free_kb = None
-    df_lines = sections.get("df", "").splitlines()
-    if len(df_lines) >= 2:
-        fields = df_lines[-1].split()
-        if len(fields) >= 4 and fields[3].isdigit():
-            free_kb = int(fields[3])
     return HostState(
         current=sections.get("current", "").strip() or None,
         manifest=release.parse_manifest(sections.get("manifest", "")),
         unit_text=None if unit_text is None else unit_text + "\n",
         releases=[r for r in sections.get("releases", "").split() if r],
         unit=systemd.parse_show(sections.get("show", "")),
-        free_kb=free_kb,
     )
 
 
@@ -172,11 +163,15 @@ class HostPush:
         try:
             self.remote = connect(self.inventory, host, result, self.opts)
             with result.phase("preflight") as phase:
-                self.held = lock.acquire(self.remote, sdir, wait=self.opts.lock_wait, then=state_script(host))
+                checks = "" if self.opts.skip_preflight else preflight_command(host)
+                self.held = lock.acquire(self.remote, sdir, wait=self.opts.lock_wait,
+                                         then=f"{checks}\n{state_script(host)}")
                 state = self.state = parse_state(self.held.output)
                 delta = release.diff(local.payload.manifest, state.manifest)
-                _check_disk(host, state, sum(local.payload.files[p].size for p in delta.upload))
                 phase.detail = f"lock taken; current {state.current or 'none'}; {state.unit.summary}"
+                if checks:
+                    upload = sum(local.payload.files[p].size for p in delta.upload)
+                    phase.detail += "; " + preflight_verdict(host, self.held.output, upload)
                 if self.held.stale:
                     phase.detail += f"; took over STALE lock left by {self.held.stale.describe()} (holder gone)"
             self.unit_changed = local.unit_text != state.unit_text
@@ -265,11 +260,34 @@ class HostPush:
                 self.remote.close()
 
 
-def _check_disk(host: HostConfig, state: HostState, upload_bytes: int) -> None:
-    need_kb = upload_bytes // 1024 * 2 + 1024
-    if state.free_kb is not None and state.free_kb < need_kb:
-        raise PreflightRefused(f"{host.name}: only {state.free_kb // 1024} MiB free under "
-                               f"{host.service.remote_root}, the upload needs {need_kb // 1024} MiB")
+def preflight_command(host: HostConfig) -> str:
+    sv = host.service
+    return probe.preflight_command(python=sv.python, unit=unit_filename(sv), port=sv.sglang.port,
+                                   remote_root=sv.remote_root)
+
+
+def preflight_checks(host: HostConfig, output: str, upload_bytes: int) -> list[probe.Check]:
+    """Every preflight check of one host. A service that does not launch SGLang itself (the sandbox's
+    reference server) only gets a warning when SGLang is missing or incompatible."""
+    sv = host.service
+    hc = sv.hicache
+    checks = list(probe.parse_preflight(
+        output, unit=unit_filename(sv), port=sv.sglang.port, tp=sv.sglang.tp, payload_bytes=upload_bytes,
+        hicache_enabled=hc.enabled, hicache_ratio=hc.ratio, hicache_size_gb=hc.size_gb,
+        device_kv_gb_per_rank=hc.device_kv_gb_per_rank).all_checks())
+    if not sv.module.startswith("sglang.") and checks[0].status == "fail":
+        checks[0] = probe.Check("sglang", "warn", f"service runs {sv.module}, not SGLang: {checks[0].detail}")
+    return checks
+
+
+def preflight_verdict(host: HostConfig, output: str, upload_bytes: int) -> str:
+    """One line of every check; a failing one refuses the host (exit 7) before anything changes."""
+    checks = preflight_checks(host, output, upload_bytes)
+    failed = [c for c in checks if c.status == "fail"]
+    if failed:
+        raise PreflightRefused(f"{host.name}: preflight refused: " + "; ".join(f"{c.name}: {c.detail}" for c in failed))
+    return "preflight " + ", ".join(f"{c.name} {c.status}" for c in checks) + "".join(
+        f"; {c.name}: {c.detail}" for c in checks if c.status == "warn")
 
 
 def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, timeout: float) -> str:
@@ -499,3 +517,13 @@ def status_host(inventory: Inventory, host: HostConfig, local: Local, opts: Opti
     }
     phase.detail = "; ".join(found) or "in sync with the inventory"
     result.finish("ok")
+
+
+def probe_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
+    """What the host's service python offers the payload (SGLang version, loader, hooks, registry)."""
+    with connect(inventory, host, result, opts) as remote, result.phase("probe") as phase:
+        out = remote.run(probe.probe_command(host.service.python), timeout=60)
+        report = probe.parse_probe(out.stdout, out.stderr, out.rc)
+        phase.detail = report.summary()
+    result.data["probe"] = report.to_json()
+    result.finish("ok" if report.compatible else "incompatible", None if report.compatible else report.summary())

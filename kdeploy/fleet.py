@@ -185,6 +185,11 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
     return _each(inventory, target, "rollback", deploy.rollback_host, opts, parallel, listener)
 
 
+def probe(inventory: Inventory, target: str | None, opts: Options | None = None, *,
+          parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
+    return _each(inventory, target, "probe", deploy.probe_host, opts, parallel, listener)
+
+
 def history(inventory: Inventory, target: str | None, opts: Options | None = None, *,
             parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
     return _each(inventory, target, "history", deploy.history_host, opts, parallel, listener)

@@ -20,6 +20,14 @@ What it reproduces from SGLang, as far as a deploy tool can observe it:
   ``Load weight end. ...``, ``KV Cache is allocated. #tokens: N, K size: X GB, V size: X GB`` and
   ``Memory pool end. ...``, reports ready to the main process and stays alive until told to stop or until
   the main process dies (it watches its pipe to the parent and its parent pid).
+* KV allocator: when the real ``sglang`` package is importable (the sandbox's SGLang venv), each worker then
+  does what SGLang's ModelRunner does: it builds a real ``TokenToKVPoolAllocator`` (#tokens as logged,
+  bfloat16, device "cpu", no KV cache) with ``need_sort`` computed as SGLang does (``--disaggregation-mode``
+  prefill or decode, so False in normal serving), and logs its class and final value:
+  ``KV allocator TokenToKVPoolAllocator need_sort=True``. Without sglang it logs
+  ``KV allocator skipped: sglang not importable (...)``. torch and sglang are imported only there, lazily.
+  After the plugins ran, hooks that plugins registered with SGLang's ``HookRegistry`` are applied (as
+  ``load_plugins()`` does) when that module is loaded.
 * Logs: stdout, one flushed line per event, ``[YYYY-MM-DD HH:MM:SS] msg`` in the main process and
   ``[YYYY-MM-DD HH:MM:SS TP3] msg`` in worker rank 3 (the TP tag only when tp_size > 1, like SGLang).
   Readiness is logged as ``The server is fired up and ready to roll!``.
@@ -176,7 +184,26 @@ def load_plugins(tag: str | None = None) -> list[str]:
             _log(f"Failed to execute general plugin: {name}: {type(exc).__name__}: {exc}", tag)
             raise
         _log(f"Executed general plugin: {name}", tag)
+    hook_registry = sys.modules.get("sglang.srt.plugins.hook_registry")
+    if hook_registry is not None:      # a plugin registered SGLang hooks: apply them, as load_plugins() does
+        hook_registry.HookRegistry.apply_hooks()
     return [name for name, _ in loaded]
+
+
+def build_kv_allocator(tokens: int, disaggregation_mode: str, tag: str | None = None) -> tuple[str, bool] | None:
+    """Build the KV allocator like SGLang's ModelRunner (only when sglang is importable): returns
+    (class name, need_sort) and logs them; None (and a ``skipped`` line) without sglang."""
+    try:
+        import torch
+        from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    except Exception as exc:  # ImportError, or a broken install: the reference server still serves
+        _log(f"KV allocator skipped: sglang not importable ({type(exc).__name__}: {exc})", tag)
+        return None
+    need_sort = disaggregation_mode in ("decode", "prefill")   # SGLang's kv_cache_configurator
+    allocator = TokenToKVPoolAllocator(size=tokens, dtype=torch.bfloat16, device="cpu", kvcache=None,
+                                       need_sort=need_sort)
+    _log(f"KV allocator {type(allocator).__name__} need_sort={allocator.need_sort}", tag)
+    return type(allocator).__name__, bool(allocator.need_sort)
 
 
 # ----------------------------------------------------------------------------------------------- workers
@@ -226,6 +253,7 @@ def _scheduler_main(rank: int, tp_size: int, conn, cfg: dict) -> None:
         sys.exit(1)
     tokens, half_gb = _kv_numbers(cfg)
     _log(f"KV Cache is allocated. #tokens: {tokens}, K size: {half_gb:.2f} GB, V size: {half_gb:.2f} GB", tag)
+    build_kv_allocator(tokens, cfg.get("disaggregation_mode", "null"), tag)
     if cfg["enable_hierarchical_cache"]:
         host_gb = cfg["hicache_size"] if cfg["hicache_size"] else cfg["hicache_ratio"] * 2 * half_gb
         _log(f"Allocating {host_gb:.2f} GB host memory for hierarchical KV cache.", tag)
@@ -315,6 +343,7 @@ def _build_parser():
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--quantization")
     p.add_argument("--page-size", type=positive_int, default=1)
+    p.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"), default="null")
     p.add_argument("--chunked-prefill-size", type=int)
     p.add_argument("--max-running-requests", type=positive_int)
     p.add_argument("--max-total-tokens", type=positive_int)
@@ -652,7 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = multiprocessing.get_context("spawn")
     cfg = {"mem_fraction_static": args.mem_fraction_static,
            "enable_hierarchical_cache": args.enable_hierarchical_cache,
-           "hicache_ratio": args.hicache_ratio, "hicache_size": args.hicache_size}
+           "hicache_ratio": args.hicache_ratio, "hicache_size": args.hicache_size,
+           "disaggregation_mode": args.disaggregation_mode}
     procs: list = []
     conns: list = []
     t0 = time.monotonic()

@@ -16,7 +16,8 @@ RESULT_CODES = {
     "restored": ExitCode.OK, "ok": ExitCode.OK,
     "rolled_back": ExitCode.ROLLED_BACK, "unhealthy": ExitCode.ROLLED_BACK,
     "rollback_failed": ExitCode.ROLLBACK_FAILED, "unreachable": ExitCode.UNREACHABLE,
-    "locked": ExitCode.LOCKED, "preflight_refused": ExitCode.PREFLIGHT, "skipped": ExitCode.OK,
+    "locked": ExitCode.LOCKED, "preflight_refused": ExitCode.PREFLIGHT, "incompatible": ExitCode.PREFLIGHT,
+    "skipped": ExitCode.OK,
     "failed": ExitCode.INTERNAL, "invalid": ExitCode.INVALID, "interrupted": ExitCode.INTERRUPTED,
 }
 

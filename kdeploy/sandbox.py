@@ -3,7 +3,9 @@
 Every host boots the machine's own OS (``-D / --volatile=yes``): ``/`` is a tmpfs, ``/usr`` is the
 machine's (read-only), ``/etc`` is an overlay whose upper dir is per host, ``/srv`` and ``/opt`` are
 bound per host and survive a reboot of the host. A venv built from ``/usr/bin/python3`` is bound
-read-only at :data:`HOST_VENV` in every host.
+read-only at :data:`HOST_VENV` in every host. Optionally (``Sandbox(sglang=...)``) the cached CPU SGLang
+venv of :mod:`kdeploy.sglang_env` (the real ``sglang==0.5.23``, also built from ``/usr/bin/python3``) is
+bound read-only at :data:`SGLANG_HOST_VENV`; both venvs carry the reference server as ``kdeploy_refserver``.
 
 Network: a bridge ``kdbr<i>`` with 10.213.<i>.1/24 on the machine, per host a network namespace and a
 veth pair ``kd<i>-h<I>`` <-> ``eth0`` with address 10.213.<i>.(10+I). There is no default route inside:
@@ -29,6 +31,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -46,6 +49,7 @@ from kdeploy.errors import SandboxError
 
 DEFAULT_DIR = Path(os.environ.get("KDEPLOY_SANDBOX_DIR", "/var/lib/kdeploy-sandbox"))
 HOST_VENV = "/opt/kdeploy-sandbox/venv"
+SGLANG_HOST_VENV = "/opt/kdeploy-sandbox/sglang"
 MAX_HOSTS = 200
 MAX_INSTANCE = 9
 INSTALL_HINT = "apt-get install systemd-container openssh-server"
@@ -260,7 +264,10 @@ def _ssh_banner(address: str, timeout: float = 0.5) -> bool:
 class Sandbox:
     """One sandbox instance: N nspawn hosts on their own bridge, driven from this machine."""
 
-    def __init__(self, root: Path = DEFAULT_DIR, instance: int = 0) -> None:
+    def __init__(self, root: Path = DEFAULT_DIR, instance: int = 0, *, sglang: bool | None = None) -> None:
+        """``sglang``: bind the CPU SGLang venv into the hosts at :data:`SGLANG_HOST_VENV` on ``up()``:
+        True builds it first when needed (minutes, once), None binds it when it is already built, False
+        never (tests that do not need it stay fast)."""
         if isinstance(instance, bool) or not isinstance(instance, int) or not 0 <= instance <= MAX_INSTANCE:
             raise SandboxError(f"sandbox instance must be 0..{MAX_INSTANCE}, got {instance!r}")
         self.root = Path(root).absolute()
@@ -273,6 +280,7 @@ class Sandbox:
         self.known_hosts_path = self.state_dir / "known_hosts"
         self.ssh_config_path = self.state_dir / "ssh_config"
         self.venv_path = self.cache_dir / "venv"
+        self.sglang = sglang
         self.bridge = f"kdbr{instance}"
         self.network = ipaddress.ip_network(f"10.213.{instance}.0/24")
         self.gateway = f"10.213.{instance}.1"
@@ -309,6 +317,30 @@ class Sandbox:
         except (OSError, ValueError, KeyError, TypeError):
             return []
         return [self._host(i) for i in range(1, count + 1)]
+
+    def sglang_venv(self) -> Path | None:
+        """The SGLang venv bound into the hosts of the running sandbox, or None."""
+        try:
+            path = json.loads((self.state_dir / "meta.json").read_text()).get("sglang")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return Path(path) if isinstance(path, str) and path else None
+
+    def _resolve_sglang(self) -> Path | None:
+        """The SGLang venv to bind on up(), per ``self.sglang`` (see ``__init__``)."""
+        from kdeploy import sglang_env
+
+        if self.sglang is False:
+            return None
+        if self.sglang is None and not sglang_env.is_ready():
+            return None
+        try:
+            path = sglang_env.ensure_venv(log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        except sglang_env.SglangEnvError as exc:
+            raise SandboxError(str(exc)) from None
+        if ":" in str(path):
+            raise SandboxError(f"the SGLang venv path must not contain ':' (systemd-nspawn bind syntax): {path}")
+        return path
 
     def _nspawn_pid(self, host: SandboxHost) -> int | None:
         child = self._children.get(host.name)
@@ -450,13 +482,13 @@ class Sandbox:
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise
-            self._install_refserver()
+            self._install_refserver(self.venv_path)
 
-    def _install_refserver(self) -> None:
+    def _install_refserver(self, venv: Path) -> None:
         source = Path(__file__).with_name("refserver.py")
         if not source.is_file():
             return
-        purelib = _run([str(self.venv_path / "bin" / "python"), "-c",
+        purelib = _run([str(venv / "bin" / "python"), "-c",
                         "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
         target = Path(purelib) / "kdeploy_refserver.py"
         data = source.read_bytes()
@@ -536,15 +568,20 @@ class Sandbox:
         if self.leftovers():
             self._teardown()          # a crashed or half-dead earlier run of this instance
         hosts = [self._host(i) for i in range(1, n + 1)]
+        sglang = self._resolve_sglang()    # may build it first (minutes, once): before the boot deadline
         deadline = time.monotonic() + timeout
         try:
             self._ensure_cache()
+            if sglang is not None:
+                with self._lock():
+                    self._install_refserver(sglang)
             self._check_subnet_free()
             with self._lock():
                 self._raise_inotify()
                 self._create_bridge()
             self.state_dir.mkdir(parents=True)
-            _write(self.state_dir / "meta.json", json.dumps({"hosts": n, "instance": self.instance}) + "\n")
+            _write(self.state_dir / "meta.json", json.dumps({"hosts": n, "instance": self.instance,
+                                                              "sglang": str(sglang) if sglang else None}) + "\n")
             self._prepare_network(hosts)
             pub = self.key_path.with_name(self.key_path.name + ".pub").read_text()
             host_keys = _parallel(lambda h: self._prepare_etc(h, hosts, pub), hosts)
@@ -589,11 +626,12 @@ class Sandbox:
         d = self._host_dir(host)
         etc = d / "etc"
         for sub in (etc / "ssh" / "sshd_config.d", etc / "ssh" / "authorized_keys", etc / "systemd" / "system",
-                    d / "srv", d / "opt" / "kdeploy-sandbox" / "venv"):
+                    d / "srv", d / "opt" / "kdeploy-sandbox" / "venv", d / "opt" / "kdeploy-sandbox" / "sglang"):
             sub.mkdir(parents=True, exist_ok=True)
         for path in (d, etc, etc / "ssh", etc / "ssh" / "sshd_config.d", etc / "ssh" / "authorized_keys",
                      etc / "systemd", etc / "systemd" / "system", d / "srv", d / "opt",
-                     d / "opt" / "kdeploy-sandbox", d / "opt" / "kdeploy-sandbox" / "venv"):
+                     d / "opt" / "kdeploy-sandbox", d / "opt" / "kdeploy-sandbox" / "venv",
+                     d / "opt" / "kdeploy-sandbox" / "sglang"):
             path.chmod(0o755)    # they become /etc, /srv, /opt inside: sshd's StrictModes checks them
         _write(etc / "hostname", f"{host.name}\n")
         _write(etc / "machine-id", f"{uuid.uuid4().hex}\n", 0o444)
@@ -651,6 +689,9 @@ class Sandbox:
                 "--register=no", "--keep-unit", "--resolv-conf=off", "--timezone=off", "--link-journal=no",
                 f"--bind={d / 'srv'}:/srv", f"--bind={d / 'opt'}:/opt",
                 f"--bind-ro={self.venv_path}:{HOST_VENV}", "systemd.firstboot=off"]
+        sglang = self.sglang_venv()
+        if sglang is not None:
+            argv.insert(-1, f"--bind-ro={sglang}:{SGLANG_HOST_VENV}")
         with open(d / "console.log", "ab") as log:
             log.write(f"--- kdeploy sandbox: boot {host.name} at {time.strftime('%F %T')} ---\n".encode())
             log.flush()
@@ -787,6 +828,10 @@ class Sandbox:
         hosts = self.hosts()
         if not hosts:
             raise SandboxError(f"sandbox {self.instance} is not up: kdeploy sandbox up first")
+        python = str(service.get("python", ""))
+        if python.startswith(SGLANG_HOST_VENV + "/") and self.sglang_venv() is None:
+            raise SandboxError(f"the service runs {python}, but sandbox {self.instance} has no SGLang venv: "
+                               "bring it up with Sandbox(sglang=True) or use demo_service(sglang=False)")
         defaults = CommentedMap()
         defaults["user"] = "root"
         defaults["port"] = 22

@@ -3,10 +3,11 @@
 It is built with Debian's ``/usr/bin/python3`` (the only interpreter the sandbox hosts see) and holds
 ``torch==2.13.0`` (the CPU wheel pip finds on this machine's disk), ``sglang==0.5.23`` without its
 dependencies, and only the dependencies needed to import what the kdtree extension touches: the allocators
-(``sglang.srt.mem_cache.allocator`` and all its submodules), the plugin loader and ``HookRegistry`` (``sglang.srt.plugins``), the
-``--attention-backend`` choices (``sglang.srt.arg_groups.choices``) and the attention-backend registry
-(``sglang.srt.layers.attention.attention_registry``). Each of :data:`DEPENDENCIES` was measured to be
-needed for that (blocking any one of them breaks one of those imports).
+(``sglang.srt.mem_cache.allocator`` and all its submodules), the plugin loader and ``HookRegistry``
+(``sglang.srt.plugins``), the ``--attention-backend`` choices (``sglang.srt.arg_groups.choices``) and the
+attention-backend registry (``sglang.srt.layers.attention.attention_registry``). Each of
+:data:`DEPENDENCIES` was measured to be needed for that (blocking any one of them breaks one of those
+imports).
 
 The attention registry imports SGLang's model-config registry, which imports torchvision at module level
 in multimodal helpers. PyPI's torchvision is built against CUDA torch and does not import beside the CPU
@@ -57,8 +58,9 @@ DEPENDENCIES = (
 SHIM_VERSION = "1"
 MIN_PIP = (22, 3)          # pip --python
 BUILD_TIMEOUT = 1800.0     # seconds per pip step
-CHECK_IMPORTS = ("sglang.srt.mem_cache.allocator", "sglang.srt.mem_cache.allocator.swa", "sglang.srt.plugins", "sglang.srt.plugins.hook_registry",
-                 "sglang.srt.arg_groups.choices", "sglang.srt.layers.attention.attention_registry")
+CHECK_IMPORTS = ("sglang.srt.mem_cache.allocator", "sglang.srt.mem_cache.allocator.swa", "sglang.srt.plugins",
+                 "sglang.srt.plugins.hook_registry", "sglang.srt.arg_groups.choices",
+                 "sglang.srt.layers.attention.attention_registry")
 
 _TORCHVISION_SHIM = '''\
 """Import shim for torchvision, written by kdeploy.sglang_env into its CPU SGLang venv (not torchvision).

@@ -31,7 +31,7 @@ _names = itertools.count(1)
 def fleet() -> Iterator[Sandbox]:
     """The first free sandbox instance (0-6), so two test runs on one machine do not collide."""
     for instance in range(7):
-        box = Sandbox(instance=instance)
+        box = Sandbox(instance=instance, sglang=False)
         box.check_requirements()
         if box.hosts():
             continue
@@ -100,7 +100,7 @@ def deployment(fleet: Sandbox, tmp_path: Path, request: pytest.FixtureRequest) -
     port = next(_ports)
     payload = tmp_path / "payload"
     shutil.copytree(TEST_PLUGIN, payload, ignore=shutil.ignore_patterns("__pycache__"))
-    service = demo_service(project_dir(), name=name, payload=str(payload))
+    service = demo_service(project_dir(), sglang=False, name=name, payload=str(payload))
     service["sglang"] = {**service["sglang"], "port": port}
     service["gate"] = {"workers": 8, "poll_interval": 0.25, "markers": [TEST_MARKER], "timeout": 60}
     service["env"] = {}

@@ -55,7 +55,8 @@ def _attention_state() -> dict:
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
     from sglang.srt.layers.attention import attention_registry as registry
 
-    state = {"choices": ATTENTION_BACKEND_CHOICES.count("kdtree"), "registered": "kdtree" in registry.ATTENTION_BACKENDS}
+    state = {"choices": ATTENTION_BACKEND_CHOICES.count("kdtree"),
+             "registered": "kdtree" in registry.ATTENTION_BACKENDS}
     factory = registry.ATTENTION_BACKENDS.get("kdtree")
     if factory is not None:
         state["doc"] = factory.__doc__ or ""
@@ -84,7 +85,7 @@ def worker(conn, spec: dict) -> None:
         _call_entry_points()
         _call_entry_points()
     elif spec.get("import_targets"):
-        import sglang.srt.layers.attention.attention_registry  # noqa: F401
+        import sglang.srt.layers.attention.attention_registry
         import sglang.srt.mem_cache.allocator  # noqa: F401
 
         if spec.get("then_load_plugins"):

@@ -130,7 +130,8 @@ def test_bad_nsplit_fails_at_start_with_one_line(sglang_python: str, nsplit: str
 def test_sitecustomize_fallback_installs_once_without_the_plugin_loader(sglang_python: str):
     """KDTREE_LOADER=sitecustomize: post-import hooks install everything as SGLang's modules get imported;
     a later load_plugins() (which also calls the entry point) does not install anything twice."""
-    run = run_harness(sglang_python, {"workers": [{"import_targets": True, "then_load_plugins": True}]}, {**ON, "KDTREE_LOADER": "sitecustomize"})
+    options = {"workers": [{"import_targets": True, "then_load_plugins": True}]}
+    run = run_harness(sglang_python, options, {**ON, "KDTREE_LOADER": "sitecustomize"})
     assert run.returncode == 0, run.stdout + run.stderr
     worker = run.result["workers"][0]
     assert_defragmented(worker["scenario"])

@@ -1,0 +1,70 @@
+"""push preflight and probe on sandbox hosts: each refusal exits 7 and leaves the host as it was."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import Deployment
+from tests.integration.test_safety import _snapshot
+
+
+def _refused(dep: Deployment, capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    before = _snapshot(dep)
+    code, doc = dep.json(capsys, "push", "test", *args)
+    host = doc["hosts"][0]
+    assert code == 7 and host["result"] == "preflight_refused", host
+    assert _snapshot(dep) == before
+    return host["error"]
+
+
+def test_preflight_passes_and_reports_each_check(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0
+    detail = next(p for p in doc["hosts"][0]["phases"] if p["name"] == "preflight")["detail"]
+    # the sandbox has no GPUs and its reference server is not SGLang: warnings, not failures
+    for check in ("sglang warn", "disk pass", "gpus warn", "hicache pass", "port pass"):
+        assert check in detail, detail
+    assert "nvidia-smi" in detail
+
+
+def test_port_held_by_another_process_is_refused(deployment: Deployment,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert deployment.kdeploy("push", "test") == 0
+    deployment.set_service(sglang={"model_path": "/models/Kimi-K2.6", "served_model_name": "kimi-k2.6", "tp": 8,
+                                   "port": deployment.port + 500})
+    deployment.sh("h1", f"systemd-run --unit=squatter-{deployment.service} --quiet "
+                        f"/usr/bin/python3 -m http.server {deployment.port + 500} --bind 127.0.0.1; sleep 1")
+    try:
+        error = _refused(deployment, capsys)
+        assert f"port {deployment.port + 500} held by" in error and "python" in error
+        # --skip-preflight is the explicit way past it (the gate then fails on the wrong server)
+    finally:
+        deployment.sh("h1", f"systemctl stop squatter-{deployment.service}", check=False)
+
+
+def test_hicache_that_does_not_fit_in_host_ram_is_refused(deployment: Deployment,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    deployment.set_service(hicache={"enabled": True, "ratio": 4.0, "device_kv_gb_per_rank": 4096})
+    error = _refused(deployment, capsys)
+    assert "hicache: ratio 4.0 needs 8 x" in error and "GiB" in error
+
+
+def test_sglang_launcher_without_sglang_is_refused(deployment: Deployment,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    deployment.set_service(module="sglang.launch_server")
+    error = _refused(deployment, capsys)
+    assert "sglang not installed" in error
+
+
+def test_skip_preflight_goes_past_a_failing_check(deployment: Deployment,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    deployment.set_service(hicache={"enabled": True, "ratio": 4.0, "device_kv_gb_per_rank": 4096})
+    code, doc = deployment.json(capsys, "push", "test", "--skip-preflight")
+    assert code == 0 and doc["hosts"][0]["result"] == "deployed"
+
+
+def test_probe_without_sglang_says_not_installed(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    code, doc = deployment.json(capsys, "probe", "test")
+    host = doc["hosts"][0]
+    assert code == 7 and host["result"] == "incompatible"
+    assert host["probe"]["installed"] is False and "sglang not installed" in host["probe"]["summary"]
