@@ -76,7 +76,8 @@ def test_failed_rollout_reverts_the_inventory_and_the_host(deployment: Deploymen
 
 def test_set_hicache_ratio_changes_exactly_the_execstart_flag(deployment: Deployment,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    deployment.set_service(hicache={"enabled": True, "ratio": 2.0, "write_policy": "write_through"})
+    deployment.set_service(hicache={"enabled": True, "ratio": 2.0, "write_policy": "write_through",
+                                    "device_kv_gb_per_rank": 0.1})  # so the host-RAM preflight check fits
     assert deployment.kdeploy("push", "test") == 0
     unit = f"/etc/systemd/system/{deployment.service}.service"
     old = deployment.sh("h1", f"cat {unit}").splitlines()
