@@ -73,13 +73,11 @@ def state_script(host: HostConfig) -> str:
 
 def parse_state(text: str) -> HostState:
     sections = lock.split_sections(text)
-    unit_text = sections.get("unit")
-    if unit_text is not None and unit_text.endswith("\n"):
-        unit_text = unit_text[:-1]
+    unit_text = sections.get("unit")  # `cat unit; echo` ends it with one extra empty line
     return HostState(
         current=sections.get("current", "").strip() or None,
         manifest=release.parse_manifest(sections.get("manifest", "")),
-        unit_text=None if unit_text is None else unit_text + "\n",
+        unit_text=None if unit_text is None else unit_text.removesuffix("\n") + "\n",
         releases=[r for r in sections.get("releases", "").split() if r],
         unit=systemd.parse_show(sections.get("show", "")),
     )

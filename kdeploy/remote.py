@@ -44,10 +44,6 @@ def fingerprint(key: paramiko.PKey) -> str:
     return f"{key.get_name()} SHA256:{key.fingerprint.removeprefix('SHA256:')}"
 
 
-def known_hosts_name(address: str, port: int) -> str:
-    return address if port == 22 else f"[{address}]:{port}"
-
-
 class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
     """Unknown keys: refuse, or record them when trust-on-first-use was asked for."""
 

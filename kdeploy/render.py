@@ -6,6 +6,7 @@ systemd's own rules, so the template only lays them out and no value can break o
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -85,16 +86,21 @@ def quote_env_assignment(name: str, value: str) -> str:
     return f'"{escaped}"'
 
 
-def _environment() -> jinja2.Environment:
-    return jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                              trim_blocks=True, lstrip_blocks=True, autoescape=False)
+_ENVIRONMENT = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                                  trim_blocks=True, lstrip_blocks=True, autoescape=False)
+
+
+@functools.lru_cache(maxsize=32)
+def _template(source: str) -> jinja2.Template:
+    """Compiled once per template text, not once per host (the same template serves a whole fleet)."""
+    return _ENVIRONMENT.from_string(source)
 
 
 def render_unit(inventory: Inventory, host: HostConfig) -> str:
     service = host.service
     path = inventory.local_path(service.template)
     try:
-        template = _environment().from_string(path.read_text())
+        template = _template(path.read_text())
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot read unit template: {exc.strerror}") from None
     return template.render(
