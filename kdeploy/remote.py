@@ -1,4 +1,4 @@
-"""One SSH connection per host, reused for every step: commands, streamed uploads and HTTP.
+"""One SSH connection per host, reused for every step: commands, streamed uploads, HTTP (``kdeploy.tunnel``).
 
 Host keys are always verified against known_hosts. An unknown key is refused unless the caller trusts
 on first use (then it is recorded); a changed key is always refused. Every failure to reach a host
@@ -12,14 +12,16 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpcore
-import httpx
 import paramiko
 
 from kdeploy.errors import Unreachable
 from kdeploy.inventory import HostConfig
 
 KEEPALIVE_SECONDS = 15
+# AES-GCM first: its tag is checked inside `cryptography`, while paramiko's default (aes128-ctr +
+# hmac-sha2-256) verifies every received packet's MAC in Python. Hosts without GCM get the rest, in
+# paramiko's order.
+PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 DEFAULT_KNOWN_HOSTS = Path("~/.ssh/known_hosts")
 _KNOWN_HOSTS_LOCK = threading.Lock()
 
@@ -94,6 +96,7 @@ class Remote:
                 key_filename=str(identity_file) if identity_file else None,
                 allow_agent=True, look_for_keys=identity_file is None,
                 timeout=timeout, banner_timeout=timeout, auth_timeout=timeout, channel_timeout=timeout,
+                transport_factory=_transport,
             )
         except paramiko.BadHostKeyException as exc:
             client.close()
@@ -156,11 +159,6 @@ class Remote:
             raise Unreachable(f"{self.host.name}: connection lost: {exc or type(exc).__name__}") from None
         return channel
 
-    def http(self, port: int, *, timeout: float = 10.0) -> httpx.Client:
-        """An httpx client whose connections are direct-tcpip channels to 127.0.0.1:port on the host."""
-        return httpx.Client(transport=_ChannelTransport(self, port), base_url=f"http://127.0.0.1:{port}",
-                            timeout=timeout)
-
     def close(self) -> None:
         self.client.close()
 
@@ -171,9 +169,21 @@ class Remote:
         self.close()
 
 
+def _transport(sock: socket.socket, disabled_algorithms: dict | None = None) -> paramiko.Transport:
+    transport = paramiko.Transport(sock, disabled_algorithms=disabled_algorithms)
+    options = transport.get_security_options()
+    options.ciphers = PREFERRED_CIPHERS + tuple(c for c in options.ciphers if c not in PREFERRED_CIPHERS)
+    return transport
+
+
 def _socket(address: str, port: int, timeout: float) -> socket.socket:
-    """A TCP connection that notices a dead link (silently dropped packets) within about 30 s."""
+    """A TCP connection that notices a dead link (silently dropped packets) within about 30 s.
+
+    TCP_NODELAY: every step is a small request waiting for a small answer; with Nagle's algorithm and the
+    host's delayed ACKs each round trip stalled about 40 ms (measured: 49 ms per command, 4.4 ms without).
+    """
     sock = socket.create_connection((address, port), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 30000)):
         if hasattr(socket, name):
@@ -189,82 +199,3 @@ def _drain(channel: paramiko.Channel) -> tuple[bytes, bytes]:
     while chunk := channel.recv_stderr(65536):
         err += chunk
     return bytes(out), bytes(err)
-
-
-class _ChannelStream(httpcore.NetworkStream):
-    def __init__(self, channel: paramiko.Channel) -> None:
-        self.channel = channel
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        self.channel.settimeout(timeout)
-        try:
-            return self.channel.recv(max_bytes)
-        except TimeoutError as exc:
-            raise httpcore.ReadTimeout(str(exc)) from exc
-        except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise httpcore.ReadError(str(exc)) from exc
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self.channel.settimeout(timeout)
-        try:
-            self.channel.sendall(buffer)
-        except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise httpcore.WriteError(str(exc)) from exc
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def get_extra_info(self, info: str) -> object:
-        return None
-
-
-class _ChannelBackend(httpcore.NetworkBackend):
-    def __init__(self, remote: Remote, port: int) -> None:
-        self.remote = remote
-        self.port = port
-
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                    socket_options: object = None) -> httpcore.NetworkStream:
-        try:
-            channel = self.remote.transport.open_channel(
-                "direct-tcpip", ("127.0.0.1", self.port), ("127.0.0.1", 0), timeout=timeout)
-        except paramiko.ChannelException as exc:
-            raise httpcore.ConnectError(f"127.0.0.1:{self.port} on {self.remote.host.name}: {exc.text}") from exc
-        except (OSError, paramiko.SSHException, EOFError, Unreachable) as exc:
-            raise httpcore.ConnectError(str(exc)) from exc
-        return _ChannelStream(channel)
-
-
-class _ChannelTransport(httpx.BaseTransport):
-    """httpx over SSH: no service port has to be reachable from the network."""
-
-    def __init__(self, remote: Remote, port: int) -> None:
-        self.pool = httpcore.ConnectionPool(network_backend=_ChannelBackend(remote, port), max_connections=4)
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        try:
-            response = self.pool.handle_request(httpcore.Request(
-                method=request.method,
-                url=httpcore.URL(scheme=request.url.raw_scheme, host=request.url.raw_host,
-                                 port=request.url.port, target=request.url.raw_path),
-                headers=request.headers.raw,
-                content=request.stream,
-                extensions=request.extensions,
-            ))
-            try:
-                content = response.read()
-            finally:
-                response.close()  # hands the channel back to the pool
-        except httpcore.TimeoutException as exc:
-            raise httpx.TimeoutException(str(exc), request=request) from exc
-        except httpcore.ConnectError as exc:
-            raise httpx.ConnectError(str(exc), request=request) from exc
-        except httpcore.NetworkError as exc:
-            raise httpx.NetworkError(str(exc), request=request) from exc
-        except httpcore.ProtocolError as exc:
-            raise httpx.RemoteProtocolError(str(exc), request=request) from exc
-        return httpx.Response(status_code=response.status, headers=response.headers, content=content,
-                              extensions=response.extensions)
-
-    def close(self) -> None:
-        self.pool.close()
