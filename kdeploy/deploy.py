@@ -241,21 +241,27 @@ class HostPush:
             self.result.finish(result, why)
 
     def close(self) -> None:
+        """Record and clean up through the lock holder (no extra round trip), then let go of the host."""
         try:
             if self.held is not None and self.remote is not None:
-                if self.result.result in ("skipped", "interrupted") and self.staged:
-                    self.result.release = self.state.current if self.state else None
-                    self.remote.run(release.prune_command(service_dir(self.host.service), [self.staged]), timeout=60)
-                elif self.result.result != "preflight_refused":  # a refused host is left exactly as it was
-                    _finish_remote(self.remote, self.host, self.result, self.started,
-                                   self.state.releases if self.state else [], self.local)
+                finish = self._finish_command()
+                if not self.held.release(finish) and finish:  # the holder's link died (we reconnected)
+                    self.remote.run(finish, timeout=60)
         except KdeployError as exc:
-            self.result.log.append(f"cleanup after the push failed: {exc}")
+            self.result.log.append(f"could not record history or clean up after the push: {exc}")
         finally:
-            if self.held is not None:
-                self.held.release()
             if self.remote is not None:
                 self.remote.close()
+
+    def _finish_command(self) -> str:
+        sdir = service_dir(self.host.service)
+        if self.result.result in ("skipped", "interrupted") and self.staged:
+            self.result.release = self.state.current if self.state else None
+            return release.prune_command(sdir, [self.staged])
+        if self.result.result == "preflight_refused":  # a refused host is left exactly as it was
+            return ""
+        return finish_command(self.host, self.result, self.started, self.state.releases if self.state else [],
+                              self.local)
 
 
 def preflight_command(host: HostConfig) -> str:
@@ -288,32 +294,21 @@ def preflight_verdict(host: HostConfig, output: str, upload_bytes: int) -> str:
         f"; {c.name}: {c.detail}" for c in checks if c.status == "warn")
 
 
-def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, timeout: float) -> str:
-    """``restart --no-block``, then follow the unit through deactivating until a new run starts.
-
-    The run being replaced is read in the same round trip as the restart, so a run systemd started by
-    itself in the meantime (Restart=on-failure) is not mistaken for ours.
-    """
+def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, timeout: float) -> systemd.UnitState:
+    """Restart and wait for the new run on the host (``systemd.restart_command``); its state feeds the gate."""
     unit = unit_filename(host.service)
     with result.phase("restart") as phase:
-        out = remote.run(f"systemctl show -p InvocationID --value {shlex.quote(unit)} && "
-                         f"systemctl restart --no-block {shlex.quote(unit)}", timeout=60)
+        out = remote.run(systemd.restart_command(unit, timeout, min(0.1, host.service.gate.poll_interval)),
+                         timeout=timeout + 30)
         if not out.ok:
             raise PhaseFailed(f"systemctl restart failed: {out.last_error()}")
-        old_invocation = out.stdout.strip()
-        start = time.monotonic()
-        seen_stopping = False
-        while True:
-            state = systemd.parse_show(remote.run(systemd.show_command(unit), timeout=30).stdout)
-            seen_stopping |= state.active == "deactivating"
-            if state.invocation and state.invocation != old_invocation and state.active != "deactivating":
-                waited = time.monotonic() - start
-                phase.detail = (f"new invocation {state.invocation[:12]} {state.summary}"
-                                + (f" after a {waited:.1f}s stop" if seen_stopping else ""))
-                return state.invocation
-            if time.monotonic() - start > timeout:
-                raise PhaseFailed(f"no new run of {unit} after {timeout:.0f}s (still {state.summary})")
-            time.sleep(min(0.25, host.service.gate.poll_interval))
+        restarted = systemd.parse_restart(out.stdout)
+        state = restarted.state
+        if not restarted.followed:
+            raise PhaseFailed(f"no new run of {unit} after {timeout:.0f}s (still {state.summary})")
+        phase.detail = (f"new invocation {state.invocation[:12]} {state.summary}"
+                        + (" after the old run stopped" if restarted.stopping else ""))
+        return state
 
 
 def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts: Options, *, target: str,
@@ -327,10 +322,9 @@ def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts
             if not out.ok:
                 raise PhaseFailed(f"activation failed: {out.last_error()}")
             phase.detail = f"current -> {target}" + ("; unit installed, daemon-reload" if install_unit else "")
-        invocation = restart_and_follow(remote, host, result, host.service.unit.timeout_stop_sec + 60)
+        started = restart_and_follow(remote, host, result, host.service.unit.timeout_stop_sec + 60)
         if opts.verify:
-            gate.run_gate(remote, host.service, result, workers=opts.workers, timeout=opts.timeout,
-                          invocation=invocation)
+            gate.run_gate(remote, host.service, result, workers=opts.workers, timeout=opts.timeout, started=started)
     except PhaseFailed as exc:
         rollback_after_failure(remote, host, result, opts, previous, exc.detail)
         return
@@ -358,9 +352,8 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
             if not out.ok:
                 raise PhaseFailed(f"re-activating {previous} failed: {out.last_error()}")
             sub = HostResult(result.host)
-            invocation = restart_and_follow(remote, host, sub, host.service.unit.timeout_stop_sec + 60)
-            gate.run_gate(remote, host.service, sub, workers=opts.workers, timeout=opts.timeout,
-                          invocation=invocation)
+            started = restart_and_follow(remote, host, sub, host.service.unit.timeout_stop_sec + 60)
+            gate.run_gate(remote, host.service, sub, workers=opts.workers, timeout=opts.timeout, started=started)
         except (PhaseFailed, KdeployError) as exc:
             phase.ok = False
             phase.detail = (f"gate failed ({why}); rollback to {previous} FAILED: {exc}; "
@@ -373,9 +366,9 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
         result.finish("rolled_back", why)
 
 
-def _finish_remote(remote: Remote, host: HostConfig, result: HostResult, started: float, releases: list[str],
-                   local: Local | None = None) -> None:
-    """Append the history line and prune old releases, in one round trip, best effort."""
+def finish_command(host: HostConfig, result: HostResult, started: float, releases: list[str],
+                   local: Local | None = None) -> str:
+    """Append the history line and prune old releases (sent to the lock holder, run under the lock)."""
     sdir = service_dir(host.service)
     attempted = result.data.get("attempted")
     who = lock.holder_info()
@@ -390,11 +383,7 @@ def _finish_remote(remote: Remote, host: HostConfig, result: HostResult, started
     protect = {str(result.release), str(attempted)}
     prune = release.releases_to_prune(sorted(set(releases) | {str(attempted)} - {"None"}),
                                       host.service.keep_releases, protect)
-    try:
-        remote.run("; ".join(c for c in (history.append_command(sdir, entry), release.prune_command(sdir, prune)) if c),
-                   timeout=60)
-    except KdeployError:
-        result.log.append("could not record history (connection lost)")
+    return "\n".join(c for c in (history.append_command(sdir, entry), release.prune_command(sdir, prune)) if c)
 
 
 def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
@@ -424,9 +413,8 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
             result.fail(exc)
         finally:
             if held is not None:
-                if state is not None and result.result not in ("invalid", "preflight_refused"):
-                    _finish_remote(remote, host, result, started, state.releases)
-                held.release()
+                recorded = state is not None and result.result not in ("invalid", "preflight_refused")
+                held.release(finish_command(host, result, started, state.releases) if recorded else "")
 
 
 def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:

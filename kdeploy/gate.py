@@ -5,12 +5,12 @@ Decisions are small pure functions over what the host returned; ``run_gate`` onl
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-
-import httpx
+from typing import TYPE_CHECKING
 
 from kdeploy import systemd
 from kdeploy.inventory import Service
@@ -18,9 +18,16 @@ from kdeploy.remote import Remote
 from kdeploy.render import unit_filename
 from kdeploy.report import HostResult, PhaseFailed
 
+if TYPE_CHECKING:
+    from kdeploy.tunnel import ServiceHttp
+
 RANK_LINE = "Load weight end."
 JOURNAL_TAIL = 12
 MARKER_GRACE = 15.0  # seconds after readiness for late workers' markers
+# While /health is not 200 yet, the unit is read at most this often (each read is a round trip and a
+# process on the host): a death is still reported within about a second, and a model that loads for
+# ten minutes does not cost the host 2,400 `systemctl show` runs.
+UNIT_CHECK_EVERY = 1.0
 
 
 @dataclass(frozen=True)
@@ -103,8 +110,14 @@ def _show(remote: Remote, unit: str) -> systemd.UnitState:
 
 
 def run_gate(remote: Remote, service: Service, result: HostResult, *, workers: int | None = None,
-             timeout: float | None = None, invocation: str | None = None) -> None:
-    """Run the four phases; raises PhaseFailed at the first failing one."""
+             timeout: float | None = None, started: systemd.UnitState | None = None) -> None:
+    """Run the four phases; raises PhaseFailed at the first failing one.
+
+    ``started`` is the unit's state right after a restart (its invocation is the run under test); without
+    it the gate reads the unit and checks whatever runs now.
+    """
+    from kdeploy import tunnel  # httpx loads only when a gate runs
+
     unit = unit_filename(service)
     gate = service.gate
     interval = gate.poll_interval
@@ -112,9 +125,9 @@ def run_gate(remote: Remote, service: Service, result: HostResult, *, workers: i
     workers = workers or service.workers
 
     with result.phase("unit") as phase:
-        state = _show(remote, unit)
+        state = started or _show(remote, unit)
         restarts = state.n_restarts
-        invocation = invocation or state.invocation
+        invocation = state.invocation
         while True:
             verdict = unit_verdict(state, invocation, restarts)
             if verdict.failed:
@@ -126,22 +139,26 @@ def run_gate(remote: Remote, service: Service, result: HostResult, *, workers: i
                 raise PhaseFailed(f"not running after the gate timeout: {verdict.detail}")
             time.sleep(interval)
             state = _show(remote, unit)
+            invocation = invocation or state.invocation
 
     port = service.sglang.port
-    with remote.http(port, timeout=min(10.0, max(2.0, interval * 4))) as http:
+    with tunnel.ServiceHttp(remote, port, timeout=min(10.0, max(2.0, interval * 4))) as http:
         with result.phase("ready") as phase:
             polls = 0
+            next_unit_check = 0.0
             while True:
                 polls += 1
-                status = _probe(http, gate.ready_path)
+                status = http.status(gate.ready_path)
                 if status == 200:
                     phase.detail = f"GET {gate.ready_path} 200 after {polls} polls"
                     break
-                state = _show(remote, unit)
-                verdict = unit_verdict(state, invocation, restarts)
-                if verdict.failed:
-                    raise PhaseFailed(f"service died while starting: {verdict.detail}",
-                                      _tail(remote, state.invocation or invocation))
+                if time.monotonic() >= next_unit_check:
+                    next_unit_check = time.monotonic() + max(interval, UNIT_CHECK_EVERY)
+                    state = _show(remote, unit)
+                    verdict = unit_verdict(state, invocation, restarts)
+                    if verdict.failed:
+                        raise PhaseFailed(f"service died while starting: {verdict.detail}",
+                                          _tail(remote, state.invocation or invocation))
                 if time.monotonic() > deadline:
                     raise PhaseFailed(f"GET {gate.ready_path} not 200 within the gate timeout (last: {status})")
                 time.sleep(interval)
@@ -174,22 +191,14 @@ def run_gate(remote: Remote, service: Service, result: HostResult, *, workers: i
             time.sleep(interval)
 
 
-def _probe(http: httpx.Client, path: str) -> int | str:
-    try:
-        return http.get(path).status_code
-    except httpx.HTTPError as exc:
-        return type(exc).__name__
-
-
-def _complete(http: httpx.Client, model: str, prompt: str, max_tokens: int) -> str:
+def _complete(http: ServiceHttp, model: str, prompt: str, max_tokens: int) -> str:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    status, text = http.post_json("/v1/completions", body, timeout=120)
+    if status is None:
+        raise PhaseFailed(f"POST /v1/completions failed: {text}")
+    if status != 200:
+        raise PhaseFailed(f"POST /v1/completions -> HTTP {status}: {text[:120]!r}")
     try:
-        response = http.post("/v1/completions", json=body, timeout=120)
-    except httpx.HTTPError as exc:
-        raise PhaseFailed(f"POST /v1/completions failed: {type(exc).__name__}: {exc}") from None
-    if response.status_code != 200:
-        raise PhaseFailed(f"POST /v1/completions -> HTTP {response.status_code}: {response.text[:120]!r}")
-    try:
-        return str(response.json()["choices"][0]["text"])
+        return str(json.loads(text)["choices"][0]["text"])
     except (ValueError, KeyError, IndexError, TypeError):
-        raise PhaseFailed(f"POST /v1/completions: unexpected response {response.text[:120]!r}") from None
+        raise PhaseFailed(f"POST /v1/completions: unexpected response {text[:120]!r}") from None

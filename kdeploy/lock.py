@@ -23,8 +23,10 @@ from kdeploy.errors import LockHeld, Unreachable
 from kdeploy.remote import Remote
 
 READY = "@@ready"
+END = "@@end"
 HELD_RC = 75
 RELEASE_WAIT = 5.0
+FINISH_WAIT = 60.0
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,11 @@ def parse_info(text: str) -> LockInfo | None:
 
 
 def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: str = "") -> str:
-    """Take the lock, record who holds it, run ``then`` (the state read), then hold until stdin closes."""
+    """Take the lock, record who holds it, run ``then`` (the state read), then hold until stdin closes.
+
+    What arrives on stdin is the finish script (history, pruning), run under the lock as the holder's last
+    act; only if it arrived whole (ends with ``@@end``): a dropped link must not run half a ``rm``.
+    """
     d = shlex.quote(service_dir)
     # Escape first, then put in the one unescaped $$ (a "$$" inside the command must stay literal).
     record = _dq(json.dumps({**info.__dict__, "remote_pid": "__PID__"})).replace('\\"__PID__\\"', "$$")
@@ -77,7 +83,8 @@ def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: st
         "echo @@then",
         then,
         f"echo {READY}",
-        "cat >/dev/null",
+        "finish=$(cat)",
+        f"case $finish in *{END}) (eval \"${{finish%{END}}}\") ;; esac",
         f"[ \"$(cat {d}/lock.json 2>/dev/null)\" = \"$info\" ] && rm -f {d}/lock.json",
         "exit 0",
     ]) + "\n"
@@ -108,13 +115,22 @@ class HeldLock:
     output: str
     stale: LockInfo | None
 
-    def release(self) -> None:
-        """Close the holder's stdin and wait briefly for it to clean up; a dead link must not hang us."""
+    def release(self, finish: str = "") -> bool:
+        """Hand the holder ``finish``, close its stdin and wait for it; a dead link must not hang us.
+
+        False when the holder's connection was already gone, so ``finish`` never ran there.
+        """
         try:
+            transport = self.channel.get_transport()
+            if transport is None or not transport.is_active() or self.channel.closed:
+                return False
+            if finish:
+                self.channel.sendall(f"{finish}\n{END}\n".encode())
             self.channel.shutdown_write()
-            self.channel.status_event.wait(RELEASE_WAIT)
+            self.channel.status_event.wait(FINISH_WAIT if finish else RELEASE_WAIT)
+            return True
         except (OSError, paramiko.SSHException, EOFError):
-            pass
+            return False
         finally:
             self.channel.close()
 

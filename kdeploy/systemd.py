@@ -46,6 +46,48 @@ def show_command(unit: str) -> str:
     return f"systemctl show {shlex.quote(unit)} -p {','.join(SHOW_PROPERTIES)} --no-pager"
 
 
+# Runs on the host: wait until the unit has an invocation other than $1 and is not stopping.
+_FOLLOW = """old=$1 unit=$2 seen=
+while :; do
+  s=$(systemctl show "$unit" -p ActiveState,InvocationID) || exit 1
+  inv=${s#*InvocationID=}; inv=${inv%%[!0-9a-f]*}
+  case $s in
+    *ActiveState=deactivating*) [ -n "$seen" ] || echo @@stopping; seen=1 ;;
+    *) [ -n "$inv" ] && [ "$inv" != "$old" ] && exit 0 ;;
+  esac
+  sleep $3
+done"""
+
+
+def restart_command(unit: str, timeout: float, poll: float) -> str:
+    """``restart --no-block``, then follow the unit ON THE HOST until a new run starts: one round trip.
+
+    The run being replaced is read before the restart, so a run systemd started by itself in the
+    meantime (Restart=on-failure) is not mistaken for ours. Prints ``@@stopping`` once if the old run was
+    seen deactivating, ``@@followed`` with the wait's exit status (124: timed out), then the unit's state.
+    """
+    u = shlex.quote(unit)
+    return "\n".join([
+        f"old=$(systemctl show -p InvocationID --value {u}) && systemctl restart --no-block {u} || exit 1",
+        f"timeout {int(timeout)} sh -c {shlex.quote(_FOLLOW)} follow \"$old\" {u} {poll:g}",
+        "rc=$?; echo @@followed; echo $rc",
+        f"echo @@show; {show_command(unit)}",
+    ])
+
+
+@dataclass(frozen=True)
+class Restarted:
+    state: UnitState
+    stopping: bool  # the old run was seen deactivating
+    followed: bool  # a new run started before the timeout
+
+
+def parse_restart(text: str) -> Restarted:
+    head, sep, show = text.partition("@@show\n")
+    lines = head.splitlines()
+    return Restarted(parse_show(show), "@@stopping" in lines, bool(sep) and lines[-2:] == ["@@followed", "0"])
+
+
 def parse_show(text: str) -> UnitState:
     """Parse ``systemctl show -p ...`` (it prints in its own order, not the order asked)."""
     props: dict[str, str] = {}

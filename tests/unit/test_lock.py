@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kdeploy.lock import (
+    END,
     HELD_RC,
     READY,
     LockInfo,
@@ -59,9 +60,9 @@ class Holder:
                 self.out += chunk
         return self.out.decode()
 
-    def finish(self) -> tuple[int, str]:
-        """Close stdin (what a closed SSH channel does) and collect the rest."""
-        out, _ = self.proc.communicate(timeout=SAFETY)
+    def finish(self, stdin: bytes = b"") -> tuple[int, str]:
+        """Send ``stdin``, close it (what a closed SSH channel does) and collect the rest."""
+        out, _ = self.proc.communicate(stdin, timeout=SAFETY)
         self.out += out
         return self.proc.returncode, self.out.decode()
 
@@ -153,6 +154,22 @@ def test_acquire_hold_contend_release(tmp_path, holders):
     assert split_sections(third.read_until(READY))["stale"] == ""
     assert read_record(sdir)["user"] == "bob"
     assert third.finish()[0] == 0
+
+
+def test_finish_script_runs_under_the_lock_only_when_it_arrived_whole(tmp_path, holders):
+    sdir = tmp_path / "svc"
+    probe = f"flock -n {sdir}/.lock true && echo free >> {tmp_path}/seen || echo held >> {tmp_path}/seen"
+    whole = holders(sdir)
+    whole.read_until(READY)
+    rc, _ = whole.finish(f"{probe}\ninfo=clobbered\n{END}\n".encode())
+    assert rc == 0 and (tmp_path / "seen").read_text() == "held\n"   # ran, while the lock was still held
+    assert not (sdir / "lock.json").exists()                          # and could not clobber the holder's own state
+
+    cut = holders(sdir)
+    cut.read_until(READY)
+    rc, _ = cut.finish(f"{probe}\n{END[:3]}".encode())               # the link dropped mid-send
+    assert rc == 0 and (tmp_path / "seen").read_text() == "held\n"   # nothing of it ran
+    assert not (sdir / "lock.json").exists()
 
 
 def test_killed_holder_leaves_a_stale_lock(tmp_path, holders):

@@ -16,7 +16,9 @@ from kdeploy.systemd import (
     journal_command,
     parse_environment,
     parse_journal,
+    parse_restart,
     parse_show,
+    restart_command,
     show_command,
 )
 
@@ -33,6 +35,30 @@ def raw_props(name: str) -> dict[str, str]:
 
 
 # --- systemctl show -------------------------------------------------------------------------------------
+
+
+def test_restart_command_quotes_the_unit_and_bounds_the_wait():
+    cmd = restart_command("a b.service", 80, 0.1)
+    assert "systemctl restart --no-block 'a b.service'" in cmd
+    assert "timeout 80 sh -c " in cmd and cmd.count("'a b.service'") == 4
+
+
+def test_parse_restart_followed_through_a_slow_stop():
+    restarted = parse_restart(captured("restart_followed.txt"))
+    assert restarted.followed and restarted.stopping
+    assert restarted.state.running and len(restarted.state.invocation) == 32
+
+
+def test_parse_restart_timed_out_while_the_old_run_stops():
+    restarted = parse_restart(captured("restart_timed_out.txt"))
+    assert not restarted.followed and restarted.stopping
+    assert restarted.state.active == "deactivating"
+
+
+@pytest.mark.parametrize("text", ["", "@@followed\n", "@@followed\n0", "garbage\n@@show\n"])
+def test_parse_restart_truncated_output_is_not_followed(text):
+    restarted = parse_restart(text)
+    assert not restarted.followed and restarted.state.active == "unknown"
 
 
 def test_show_command():

@@ -18,6 +18,9 @@ Files written:
 * ``show_restart_limit.txt`` ``kdcap-burst``: restarts quickly until the start limit -> failed, NRestarts=3
                             (systemd 252 keeps Result=exit-code here, not start-limit-hit)
 * ``show_not_found.txt``    ``kdcap-nope``: no such unit
+* ``restart_followed.txt``  ``systemd.restart_command`` on ``kdcap-slow`` (its run takes 2 s to stop after TERM):
+                            saw it deactivating, then its new run
+* ``restart_timed_out.txt`` the same with a 1 s timeout: the wait gives up while the old run still stops
 * ``journal_running.jsonl`` journal of kdcap-run's invocation (``journal_command(id)``)
 * ``journal_running_grep.jsonl`` the same through ``journal_command(id, grep=[markers..., RANK_LINE])``
 * ``journal_failed.jsonl``  journal of kdcap-fail's invocation
@@ -99,6 +102,8 @@ UNITS = {
     "kdcap-burst.service": ("[Unit]\nDescription=kdeploy capture\nStartLimitIntervalSec=60\nStartLimitBurst=3\n\n"
                             "[Service]\nType=simple\nExecStart=/bin/sh -c 'exit 1'\nRestart=on-failure\n"
                             "RestartSec=100ms\n"),
+    "kdcap-slow.service": unit("Type=simple\nExecStart=/bin/sh -c 'trap \"sleep 2; exit 0\" TERM; "
+                               "while :; do sleep 0.1; done'"),
     "kdcap-env.service": unit(
         "Type=oneshot\nRemainAfterExit=yes\n"
         + "".join(f"Environment={quote_env_assignment(k, v)}\n" for k, v in TRICKY_ENV.items())
@@ -145,7 +150,8 @@ def capture(box: Sandbox) -> None:
         box.exec(HOST, ["/bin/sh", "-c", f"cat > /etc/systemd/system/{name}"], input=text)
         save(f"units/{name}", text)
     sh("systemctl daemon-reload")
-    sh("systemctl start kdcap-run kdcap-env; systemctl start --no-block kdcap-fail kdcap-loop kdcap-burst")
+    sh("systemctl start kdcap-run kdcap-env kdcap-slow; "
+       "systemctl start --no-block kdcap-fail kdcap-loop kdcap-burst")
 
     run = wait("kdcap-run running", lambda: (s := state("kdcap-run.service")).running and s)
     journal = systemd.journal_command(run.invocation)
@@ -167,6 +173,10 @@ def capture(box: Sandbox) -> None:
     save("show_restart_limit.txt", show("kdcap-burst.service"))
 
     save("show_not_found.txt", show("kdcap-nope.service"))
+
+    save("restart_followed.txt", sh(systemd.restart_command("kdcap-slow.service", 30, 0.1)))
+    wait("kdcap-slow running", lambda: state("kdcap-slow.service").running)
+    save("restart_timed_out.txt", sh(systemd.restart_command("kdcap-slow.service", 1, 0.1)))
 
     env = state("kdcap-env.service")
     save("environment.txt", sh("systemctl show kdcap-env.service -p Environment --value"))
