@@ -24,7 +24,6 @@ from rich.table import Table
 
 from kdeploy import fleet, settings
 from kdeploy import inventory as inv
-from kdeploy.demo import demo_service
 from kdeploy.deploy import Options
 from kdeploy.errors import ExitCode, InvalidInput, KdeployError
 from kdeploy.render import render_unit
@@ -386,13 +385,13 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
                inventory_out: Annotated[Path, typer.Option("--inventory-out", help="Where to write the inventory.")]
                = Path(".sandbox/inventory.yaml"), instance: InstanceOpt = 0) -> None:
     """Boot local hosts (systemd-nspawn) and write an inventory for them."""
-    from kdeploy import sandbox
+    from kdeploy import demo, sandbox
 
     box = sandbox.Sandbox(instance=instance)
     box.check_requirements()
     started = time.monotonic()
     booted = box.up(hosts)
-    box.write_inventory(inventory_out, demo_service())
+    box.write_inventory(inventory_out, demo.demo_service())
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     err.print(f"{len(booted)} hosts up in {time.monotonic() - started:.1f}s: "
               + ", ".join(f"{h.name}={h.address}" for h in booted))
