@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -159,3 +163,34 @@ def test_a_host_cut_off_mid_rollout_ends_unreachable_on_its_old_release(deployme
     assert report.exit_code == 3
     current, _, invocation = _state(deployment, "h4")
     assert (current, invocation) == (before[0], before[2])  # never switched: still the old release and run
+
+
+@pytest.mark.hosts(2)
+def test_ctrl_c_mid_rollout_finishes_the_running_batch_and_leaves_the_rest_unchanged(
+        deployment: Deployment) -> None:
+    assert deployment.kdeploy("push", "test", "--no-verify") == 0
+    deployment.set_service(env={"REFSERVER_SLOW_START": "3"})  # h1's gate is still waiting when Ctrl-C comes
+    _bump(deployment, "2")
+    h1_before = deployment.show("h1", "InvocationID")
+    h2_before = _state(deployment, "h2")
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1", "--json",
+                             "--inventory", str(deployment.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while deployment.show("h1", "InvocationID") == h1_before:
+            assert proc.poll() is None and time.monotonic() < deadline, "h1 was never restarted"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    doc = json.loads(out)
+    results = {h["host"]: h for h in doc["hosts"]}
+    assert proc.returncode == doc["exit_code"] == 130, err
+    assert results["h1"]["result"] == "deployed"          # the batch that was restarting finished, gated
+    assert results["h2"]["result"] == "interrupted" and "interrupted" in results["h2"]["error"]
+    assert _state(deployment, "h2") == h2_before           # no restart, its staged release removed
+    assert deployment.sh("h2", f"ls {deployment.service_dir}/lock.json 2>&1", check=False).endswith(
+        "No such file or directory\n")                      # and its lock let go
