@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 RANK_LINE = "Load weight end."
 JOURNAL_TAIL = 12
 MARKER_GRACE = 15.0  # seconds after readiness for late workers' markers
-# While /health is not 200 yet, the unit is read at most this often (each read is a round trip and a
-# process on the host): a death is still reported within about a second, and a model that loads for
-# ten minutes does not cost the host 2,400 `systemctl show` runs.
+# While /health is not 200 yet, the unit is read at once when its main process exits (a watcher on the
+# host says so) and otherwise at most this often: each read is a round trip and a process on the host,
+# and a model that loads for ten minutes must not cost the host 2,400 `systemctl show` runs.
 UNIT_CHECK_EVERY = 1.0
 
 
@@ -105,6 +105,16 @@ def _tail(remote: Remote, invocation: str) -> list[str]:
     return [line.message for line in systemd.parse_journal(out.stdout)]
 
 
+def exit_watch_command(pid: int, seconds: float) -> str:
+    """Ends when process ``pid`` exits: one idle channel instead of polling the unit over SSH.
+
+    It also ends with the SSH connection that started it (its parent, the sshd session) or after
+    ``seconds``, so it never outlives the deploy.
+    """
+    return (f"p=$PPID n=0; while [ -d /proc/{int(pid)} ] && [ -d /proc/$p ] && [ $n -lt {int(seconds * 10) + 1} ]; "
+            "do sleep 0.1; n=$((n+1)); done")
+
+
 def _show(remote: Remote, unit: str) -> systemd.UnitState:
     return systemd.parse_show(remote.run(systemd.show_command(unit), timeout=30).stdout)
 
@@ -144,24 +154,30 @@ def run_gate(remote: Remote, service: Service, result: HostResult, *, workers: i
     port = service.sglang.port
     with tunnel.ServiceHttp(remote, port, timeout=min(10.0, max(2.0, interval * 4))) as http:
         with result.phase("ready") as phase:
-            polls = 0
-            next_unit_check = 0.0
-            while True:
-                polls += 1
-                status = http.status(gate.ready_path)
-                if status == 200:
-                    phase.detail = f"GET {gate.ready_path} 200 after {polls} polls"
-                    break
-                if time.monotonic() >= next_unit_check:
-                    next_unit_check = time.monotonic() + max(interval, UNIT_CHECK_EVERY)
-                    state = _show(remote, unit)
-                    verdict = unit_verdict(state, invocation, restarts)
-                    if verdict.failed:
-                        raise PhaseFailed(f"service died while starting: {verdict.detail}",
-                                          _tail(remote, state.invocation or invocation))
-                if time.monotonic() > deadline:
-                    raise PhaseFailed(f"GET {gate.ready_path} not 200 within the gate timeout (last: {status})")
-                time.sleep(interval)
+            watch = remote.start(exit_watch_command(state.main_pid, deadline - time.monotonic()))
+            try:
+                polls = 0
+                exited = False  # the main process is gone: from then on the unit is read at every poll
+                next_unit_check = time.monotonic() + UNIT_CHECK_EVERY
+                while True:
+                    polls += 1
+                    status = http.status(gate.ready_path)
+                    if status == 200:
+                        phase.detail = f"GET {gate.ready_path} 200 after {polls} polls"
+                        break
+                    exited = exited or watch.exit_status_ready()
+                    if exited or time.monotonic() >= next_unit_check:
+                        next_unit_check = time.monotonic() + max(interval, UNIT_CHECK_EVERY)
+                        state = _show(remote, unit)
+                        verdict = unit_verdict(state, invocation, restarts)
+                        if verdict.failed:
+                            raise PhaseFailed(f"service died while starting: {verdict.detail}",
+                                              _tail(remote, state.invocation or invocation))
+                    if time.monotonic() > deadline:
+                        raise PhaseFailed(f"GET {gate.ready_path} not 200 within the gate timeout (last: {status})")
+                    time.sleep(interval)
+            finally:
+                watch.close()
 
         with result.phase("completion") as phase:
             model = service.sglang.served_model_name or service.sglang.model_path

@@ -8,6 +8,7 @@ except where the point is that the gate fails fast regardless of its timeout.
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -137,6 +138,39 @@ def test_crash_loop_is_detected_and_rolled_back(deployment: Deployment, capsys: 
     assert failed["name"] in ("unit", "ready"), failed
     assert "crash loop" in failed["detail"] or "died" in failed["detail"], failed
     assert failed["seconds"] < 20
+
+
+def test_main_process_killed_while_loading_is_reported_at_once(deployment: Deployment,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    previous = push_good(deployment, capsys)
+    deployment.set_service(env={"REFSERVER_SLOW_START": "30"}, gate=gate(90))
+    marks: dict[str, float] = {}
+
+    def watchers() -> str:
+        return deployment.sh("h1", "pgrep -fc '[w]hile \\[ -d /proc/' || true").strip()
+
+    def kill_main() -> None:
+        time.sleep(1.5)  # well inside `ready`, past its first once-a-second unit read
+        marks["watchers"] = watchers()
+        marks["killed"] = time.time()
+        deployment.sh("h1", f"systemctl kill -s KILL --kill-whom=main {deployment.service}")
+
+    def listener(host: str, name: str, status: str) -> None:
+        if (name, status) == ("ready", "start"):
+            threading.Thread(target=kill_main, daemon=True).start()
+        if (name, status) == ("ready", "fail"):
+            marks["reported"] = time.time()
+
+    report = fleet.push(deployment.load(), "test", Options(), listener=listener)
+    host = report.hosts[0]
+    assert host.result == "rolled_back" and host.release == previous, report.as_json()
+    assert "service died while starting" in host.error
+    latency = marks["reported"] - marks["killed"]
+    print(f"main process killed -> gate failed in {latency:.3f}s (poll interval 0.25s)")
+    assert 0 < latency < 2.0
+    # the exit watchers on the host end with the deploy's connection (within their 0.1 s sleep)
+    time.sleep(0.5)
+    assert (marks["watchers"], watchers()) == ("1", "0")
 
 
 def test_slow_start_passes_and_readiness_is_noticed_at_once(deployment: Deployment) -> None:

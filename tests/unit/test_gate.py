@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from kdeploy.gate import RANK_LINE, MarkerVerdict, UnitVerdict, completion_verdict, marker_verdict, unit_verdict
+from kdeploy.gate import (
+    RANK_LINE,
+    MarkerVerdict,
+    UnitVerdict,
+    completion_verdict,
+    exit_watch_command,
+    marker_verdict,
+    unit_verdict,
+)
 from kdeploy.markers import DEFRAG, VERIFY_OVERRIDE
 from kdeploy.systemd import JournalLine, UnitState, parse_journal, parse_show
 
@@ -170,3 +182,53 @@ def test_markers_on_real_journal():
     assert marker_verdict(without, MARKERS, 4) == MarkerVerdict(
         False, False, f"{VERIFY_OVERRIDE!r} in 3/4 workers, missing TP2 (pid {tp2})")
     assert marker_verdict(lines, MARKERS, 3).final                       # 4 seen where 3 expected
+
+
+# --- exit_watch_command (run by a real sh; the process it watches is a local one) --------------------------------
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def test_exit_watch_ends_when_the_process_exits():
+    target = subprocess.Popen(["sleep", "60"])
+    watch = subprocess.Popen(["sh", "-c", exit_watch_command(target.pid, 60)])
+    try:
+        time.sleep(0.5)
+        assert watch.poll() is None                  # still watching a live process
+        target.kill()
+        target.wait()
+        watch.wait(timeout=5)                        # ...and ends once it is gone
+    finally:
+        target.kill()
+        watch.kill()
+
+
+def test_exit_watch_ends_after_its_time():
+    watch = subprocess.Popen(["sh", "-c", exit_watch_command(os.getpid(), 0.3)])
+    try:
+        watch.wait(timeout=10)
+    finally:
+        watch.kill()
+
+
+def test_exit_watch_ends_with_the_session_that_started_it():
+    """Its parent stands for the sshd session: when the connection goes, the watcher goes too."""
+    session = subprocess.Popen(["sh", "-c", f"sh -c '{exit_watch_command(os.getpid(), 60)}' & echo $!; wait"],
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        watcher = int(session.stdout.readline())
+        time.sleep(0.3)
+        assert not _gone(watcher)
+        session.send_signal(signal.SIGKILL)
+        session.wait()
+        deadline = time.monotonic() + 5
+        while not _gone(watcher):
+            assert time.monotonic() < deadline, "the watcher outlived its session"
+            time.sleep(0.05)
+    finally:
+        os.killpg(session.pid, signal.SIGKILL)
