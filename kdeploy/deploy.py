@@ -161,21 +161,22 @@ class HostPush:
         try:
             self.remote = connect(self.inventory, host, result, self.opts)
             with result.phase("preflight") as phase:
-                checks = "" if self.opts.skip_preflight else preflight_command(host)
-                self.held = lock.acquire(self.remote, sdir, wait=self.opts.lock_wait,
-                                         then=f"{checks}\n{state_script(host)}")
+                self.held = lock.acquire(self.remote, sdir, wait=self.opts.lock_wait, then=state_script(host))
                 state = self.state = parse_state(self.held.output)
                 delta = release.diff(local.payload.manifest, state.manifest)
+                self.unit_changed = local.unit_text != state.unit_text
+                changed = not delta.empty or self.unit_changed or state.current is None
+                no_op = not changed and state.unit.running and not self.opts.force_restart
                 phase.detail = f"lock taken; current {state.current or 'none'}; {state.unit.summary}"
-                if checks:
-                    upload = sum(local.payload.files[p].size for p in delta.upload)
-                    phase.detail += "; " + preflight_verdict(host, self.held.output, upload)
                 if self.held.stale:
                     phase.detail += f"; took over STALE lock left by {self.held.stale.describe()} (holder gone)"
-            self.unit_changed = local.unit_text != state.unit_text
-            changed = not delta.empty or self.unit_changed or state.current is None
+                # The checks start the service's python, nvidia-smi and journalctl: only worth it before a change.
+                if not no_op and not self.opts.skip_preflight:
+                    upload = sum(local.payload.files[p].size for p in delta.upload)
+                    out = self.remote.run(preflight_command(host), timeout=120)
+                    phase.detail += "; " + preflight_verdict(host, out.stdout, upload)
             _check(self.opts)
-            if not changed and state.unit.running and not self.opts.force_restart:
+            if no_op:
                 with result.phase("stage") as phase:
                     phase.detail = "nothing changed: no upload, no restart"
                 result.release = state.current

@@ -25,6 +25,11 @@ def test_preflight_passes_and_reports_each_check(deployment: Deployment, capsys:
     for check in ("sglang warn", "disk pass", "gpus warn", "hicache pass", "port pass"):
         assert check in detail, detail
     assert "nvidia-smi" in detail
+    # a no-op push does not run them (nor the service's python, nvidia-smi, journalctl)
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0 and doc["hosts"][0]["result"] == "unchanged"
+    detail = next(p for p in doc["hosts"][0]["phases"] if p["name"] == "preflight")["detail"]
+    assert "lock taken" in detail and "preflight" not in detail and "disk" not in detail, detail
 
 
 def test_port_held_by_another_process_is_refused(deployment: Deployment,
