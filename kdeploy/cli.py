@@ -99,8 +99,7 @@ class Ui:
         for col in ("host", "result", "release", "phase", "seconds", "detail"):
             table.add_column(col, overflow="fold")
         for host in report.hosts:
-            failed = next((p for p in host.phases if not p.ok), None)
-            last = failed or (host.phases[-1] if host.phases else None)
+            last = host.failed_phase() or (host.phases[-1] if host.phases else None)
             seconds = sum(p.seconds for p in host.phases)
             colour = "green" if host.ok else "red"
             table.add_row(host.host, f"[{colour}]{host.result}[/]", host.release or "-",

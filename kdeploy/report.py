@@ -113,8 +113,8 @@ class HostResult:
         if not self.done:
             self.finish(classify(exc), getattr(exc, "detail", None) or str(exc))
 
-    def failed_phase(self) -> str | None:
-        return next((p.name for p in self.phases if not p.ok), None)
+    def failed_phase(self) -> Phase | None:
+        return next((p for p in self.phases if not p.ok), None)
 
     def as_json(self) -> dict:
         out = {"host": self.host, "ok": self.ok, "result": self.result, "release": self.release,

@@ -92,7 +92,7 @@ def test_phase_failed_marks_phase_and_propagates():
     assert result.phases[0].ok is False
     assert result.phases[0].detail == "failed/failed result=exit-code"
     assert result.log == ["last journal line"]
-    assert result.failed_phase() == "unit"
+    assert result.failed_phase().name == "unit"
     with pytest.raises(Unreachable), result.phase("connect"):
         raise Unreachable("h1: no route to host")
     assert (result.phases[1].ok, result.phases[1].detail) == (False, "h1: no route to host")
