@@ -598,7 +598,7 @@ PROFILE_SNIPPET = r"""
 import json, sys, threading, time
 from collections import Counter
 from pathlib import Path
-from kdeploy import fleet, inventory, remote, lock
+from kdeploy import fleet, inventory, remote, lock, tunnel
 
 calls = []
 mutex = threading.Lock()
@@ -619,15 +619,16 @@ def wrap(cls, name, kind):
 wrap(remote.Remote, "run", "run")
 wrap(remote.Remote, "start", "start")
 orig_release = lock.HeldLock.release
-def release(self):
+def release(self, finish=""):
+    transport = self.channel.get_transport()
+    name = transport.getpeername()[0] if transport else "?"
     t0 = time.perf_counter()
     try:
-        return orig_release(self)
+        return orig_release(self, finish)
     finally:
-        name = self.channel.get_transport().getpeername()[0] if self.channel.get_transport() else "?"
         host = next((h.name for h in inv.hosts.values() if h.address == name), name)
         with mutex:
-            calls.append((host, "unlock", "close the lock holder's channel, wait for its exit",
+            calls.append((host, "unlock", "finish script to the lock holder, close its stdin, wait for its exit",
                           round(time.perf_counter() - t0, 4)))
 lock.HeldLock.release = release
 orig_connect = remote.Remote.connect.__func__
@@ -639,7 +640,7 @@ def connect(cls, host, **kw):
         with mutex:
             calls.append((host.name, "connect", f"{host.user}@{host.address}", round(time.perf_counter() - t0, 4)))
 remote.Remote.connect = classmethod(connect)
-orig_tcp = remote._ChannelBackend.connect_tcp
+orig_tcp = tunnel._ChannelBackend.connect_tcp
 def connect_tcp(self, *a, **kw):
     t0 = time.perf_counter()
     try:
@@ -648,7 +649,7 @@ def connect_tcp(self, *a, **kw):
         with mutex:
             calls.append((self.remote.host.name, "http", f"direct-tcpip channel to 127.0.0.1:{self.port}",
                           round(time.perf_counter() - t0, 4)))
-remote._ChannelBackend.connect_tcp = connect_tcp
+tunnel._ChannelBackend.connect_tcp = connect_tcp
 
 inv = None
 t0 = time.perf_counter()
@@ -681,11 +682,19 @@ def _library_push(f: Fleet) -> dict:
 
 def _kind(call: dict) -> str:
     what = call["what"]
+    if call["kind"] == "start":
+        return "main-process exit watcher (1 idle channel)" if what.startswith("p=$PPID") else \
+            "lock + state read (1 channel)"
     if call["kind"] != "run":
-        return {"connect": "SSH connect (TCP, key exchange, auth)", "start": "lock + state read (1 channel)",
-                "unlock": "lock release (channel close)", "http": "HTTP request channel (gate)"}[call["kind"]]
+        return {"connect": "SSH connect (TCP, key exchange, auth)",
+                "unlock": "history + prune + lock release (on the lock's channel)",
+                "http": "HTTP request channel (gate)"}[call["kind"]]
     if what.startswith("systemctl show"):
-        return "unit state poll (systemctl show)"
+        return "unit state read (systemctl show)"
+    if what.startswith("old=$(systemctl show"):
+        return "restart, followed on the host"
+    if what.startswith("echo '@@kdeploy"):
+        return "preflight checks"
     if what.startswith("journalctl"):
         return "journal read (markers)"
     if what.startswith("set -eu") or what.startswith("umask"):
@@ -714,9 +723,9 @@ def round_trip_summary(lib: dict) -> dict:
 def profile_noop(f: Fleet) -> dict:
     """Why a no-op push takes what it takes: interpreter + imports, then per-host round trips."""
     prof = {}
-    # 1. import cost of the CLI process (python -X importtime), top modules by cumulative time
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "kdeploy", "--help"], capture_output=True,
-                          text=True, check=False)
+    # 1. import cost of the CLI process (python -X importtime) in a no-op push, top modules by cumulative time
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "kdeploy", "push", "all", "--inventory",
+                           str(f.inv), "--json"], capture_output=True, text=True, check=False)
     rows = []
     for line in proc.stderr.splitlines():
         m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
