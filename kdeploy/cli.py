@@ -26,6 +26,7 @@ from kdeploy import fleet, settings
 from kdeploy import inventory as inv
 from kdeploy.deploy import Options
 from kdeploy.errors import ExitCode, InvalidInput, KdeployError
+from kdeploy.lock import LockInfo
 from kdeploy.render import render_unit
 from kdeploy.report import Report
 
@@ -353,9 +354,7 @@ def _lock(target: str, inventory: Path, as_json: bool, release: bool, force: boo
         for host in rep.hosts:
             info = host.data.get("lock")
             if info:
-                holder = info["holder"]
-                who = f"{holder['user']}@{holder['controller']} pid {holder['pid']} since {holder['since']} " \
-                      f"({holder['command']})" if holder else ""
+                who = LockInfo(**info["holder"]).describe() if info["holder"] else ""
                 ui.err.print(f"{host.host}: {info['state']} {who}", markup=False)
 
     ui.report(report, show, table=False)

@@ -31,7 +31,7 @@ HostFn = Callable[[HostConfig, HostResult], None]
 def run_parallel(jobs: list[tuple[HostResult, Callable[[], None]]], parallel: int,
                  cancel: threading.Event) -> None:
     """Run each host's job, at most ``parallel`` at once. Ctrl-C stops starting new jobs (they end
-    ``skipped``); jobs already running finish. One host's bug never takes the others down."""
+    ``interrupted``); jobs already running finish. One host's bug never takes the others down."""
 
     def one(result: HostResult, job: Callable[[], None]) -> None:
         if cancel.is_set():
