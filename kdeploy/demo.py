@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kdeploy import markers, sglang_env
+from kdeploy import sglang_env
 from kdeploy.sandbox import HOST_VENV, SGLANG_HOST_VENV
 
 REFSERVER_MODULE = "kdeploy_refserver"
+# What each kdtree worker logs even where SGLang is missing (its other markers then read "skipped").
+PLUGIN_LOADED = "[kdtree] plugin loaded"
 
 
 def project_dir() -> Path:
@@ -31,7 +33,7 @@ def demo_service(project: Path | None = None, *, sglang: bool | None = None, **o
         sglang = payload.resolve() == kdtree_payload.resolve() and sglang_env.is_ready()
     gate: dict = {"workers": 8, "poll_interval": 0.25}
     if not sglang:
-        gate["markers"] = [markers.PLUGIN_LOADED]
+        gate["markers"] = [PLUGIN_LOADED]
     service: dict = {
         "name": "sglang-demo",
         "template": str(project / "templates" / "sglang.service.j2"),

@@ -14,12 +14,16 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from kdeploy import gate, history, lock, probe, release, systemd
+from kdeploy import gate, history, lock, probe, provisional, release, systemd
 from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused, Unreachable
+from kdeploy.gatespec import GateSpec, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.remote import Remote
-from kdeploy.render import current_path, service_dir, unit_filename
+from kdeploy.render import service_dir, unit_filename
 from kdeploy.report import Cancelled, HostResult, PhaseFailed
+from kdeploy.state import HostState, decide, parse_state, split_sections, state_script
+
+RELOCK_WAIT = 30.0  # after a reconnect: the host's own revert may be holding the lock while it runs
 
 
 @dataclass
@@ -38,49 +42,6 @@ class Options:
     max_fail: str | None = None  # N or N%: failures tolerated before new batches stop (default: no limit)
     skip_preflight: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass(frozen=True)
-class HostState:
-    current: str | None
-    manifest: dict[str, str]
-    unit_text: str | None
-    releases: list[str]
-    unit: systemd.UnitState
-
-    def previous(self) -> str | None:
-        """The release before ``current`` (what a rollback returns to)."""
-        ordered = sorted(r for r in self.releases if not r.startswith("."))
-        if self.current not in ordered:
-            return ordered[-1] if ordered else None
-        index = ordered.index(self.current)
-        return ordered[index - 1] if index > 0 else None
-
-
-def state_script(host: HostConfig) -> str:
-    """Read everything push and plan decide on, without changing anything."""
-    d = shlex.quote(service_dir(host.service))
-    unit = shlex.quote(f"{systemd.UNIT_DIR}/{unit_filename(host.service)}")
-    return "\n".join([
-        f"echo @@current; r=$(readlink {d}/current 2>/dev/null) && basename \"$r\"",
-        f"echo @@manifest; cat {d}/current/{release.META}/manifest.sha256 2>/dev/null",
-        f"if [ -f {unit} ]; then echo @@unit; cat {unit}; echo; fi",
-        f"echo @@releases; ls -1 {d}/releases 2>/dev/null",
-        f"echo @@show; {systemd.show_command(unit_filename(host.service))}",
-        "true",
-    ])
-
-
-def parse_state(text: str) -> HostState:
-    sections = lock.split_sections(text)
-    unit_text = sections.get("unit")  # `cat unit; echo` ends it with one extra empty line
-    return HostState(
-        current=sections.get("current", "").strip() or None,
-        manifest=release.parse_manifest(sections.get("manifest", "")),
-        unit_text=None if unit_text is None else unit_text.removesuffix("\n") + "\n",
-        releases=[r for r in sections.get("releases", "").split() if r],
-        unit=systemd.parse_show(sections.get("show", "")),
-    )
 
 
 def connect(inventory: Inventory, host: HostConfig, result: HostResult, opts: Options) -> Remote:
@@ -108,6 +69,19 @@ class Local:
 
     unit_text: str
     payload: release.Payload
+    spec: GateSpec  # what this push's gate checks; stored with the release it stages
+
+
+def inventory_spec(inventory: Inventory, host: HostConfig, opts: Options) -> GateSpec:
+    """The gate the inventory asks for now (with --workers/--timeout), for runs that have no stored one."""
+    return gate_spec(host.service, load_payload_gate(inventory.payload_dir(host)), workers=opts.workers,
+                     timeout=opts.timeout)
+
+
+def _overridden(spec: GateSpec, opts: Options) -> GateSpec:
+    """A stored spec with this command's --workers/--timeout, where given."""
+    update = {k: v for k, v in (("workers", opts.workers), ("timeout", opts.timeout)) if v}
+    return spec.model_copy(update=update) if update else spec
 
 
 def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Options, result: HostResult) -> None:
@@ -116,16 +90,15 @@ def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Option
         with result.phase("preflight") as phase:
             state = parse_state(remote.run(state_script(host), timeout=60).stdout)
             phase.detail = f"current {state.current or 'none'}, unit {state.unit.summary}"
-        delta = release.diff(local.payload.manifest, state.manifest)
-        unit_changed = local.unit_text != state.unit_text
-        restart = bool(not delta.empty or unit_changed or opts.force_restart or not state.unit.running
-                       or state.current is None)
+        decision = decide(local.payload.manifest, local.unit_text, state, force_restart=opts.force_restart)
+        delta = decision.delta
         unit_diff = "".join(difflib.unified_diff(
             (state.unit_text or "").splitlines(keepends=True), local.unit_text.splitlines(keepends=True),
             fromfile=f"{host.name}:{unit_filename(host.service)}", tofile="rendered"))
         result.data["plan"] = {
             "add": delta.added, "change": delta.changed, "remove": delta.removed,
-            "unit_diff": unit_diff, "daemon_reload": unit_changed, "restart": restart,
+            "unit_diff": unit_diff, "daemon_reload": decision.install_unit, "restart": decision.restart,
+            "reasons": decision.reasons,
         }
         result.release = state.current
         result.finish("planned")
@@ -146,8 +119,9 @@ class HostPush:
         self.held: lock.HeldLock | None = None
         self.state: HostState | None = None
         self.target: str | None = None
-        self.unit_changed = False
+        self.install_unit = False
         self.staged: str | None = None
+        self.switch: provisional.Pending | None = None  # armed by activate()
         self.started = time.monotonic()
 
     @property
@@ -163,16 +137,18 @@ class HostPush:
             with result.phase("preflight") as phase:
                 self.held = lock.acquire(self.remote, sdir, wait=self.opts.lock_wait, then=state_script(host))
                 state = self.state = parse_state(self.held.output)
-                delta = release.diff(local.payload.manifest, state.manifest)
-                self.unit_changed = local.unit_text != state.unit_text
-                changed = not delta.empty or self.unit_changed or state.current is None
-                no_op = not changed and state.unit.running and not self.opts.force_restart
+                decision = decide(local.payload.manifest, local.unit_text, state,
+                                  force_restart=self.opts.force_restart)
+                self.install_unit = decision.install_unit
+                no_op = decision.no_op
                 phase.detail = f"lock taken; current {state.current or 'none'}; {state.unit.summary}"
+                if decision.reasons:
+                    phase.detail += "; " + "; ".join(decision.reasons)
                 if self.held.stale:
                     phase.detail += f"; took over STALE lock left by {self.held.stale.describe()} (holder gone)"
                 # The checks start the service's python, nvidia-smi and journalctl: only worth it before a change.
                 if not no_op and not self.opts.skip_preflight:
-                    upload = sum(local.payload.files[p].size for p in delta.upload)
+                    upload = sum(local.payload.files[p].size for p in decision.delta.upload)
                     out = self.remote.run(preflight_command(host), timeout=120)
                     phase.detail += "; " + preflight_verdict(host, out.stdout, upload)
             _check(self.opts)
@@ -183,8 +159,8 @@ class HostPush:
                 result.finish("unchanged")
                 return
             self.target = state.current
-            if changed:
-                self._stage(delta)
+            if decision.stage:
+                self._stage(decision.delta)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
             result.fail(exc)
 
@@ -193,7 +169,8 @@ class HostPush:
         assert self.remote is not None and state is not None
         with self.result.phase("stage") as phase:
             target = release.release_id(local.payload.manifest, local.unit_text)
-            meta = release.release_meta(local.payload.manifest, local.unit_text, unit_filename(host.service))
+            meta = release.release_meta(local.payload.manifest, local.unit_text, unit_filename(host.service),
+                                        local.spec.to_json())
             tarball = release.build_tarball(local.payload, delta.upload, meta)
             out = self.remote.run(release.stage_script(service_dir(host.service), target, state.current is not None,
                                                        delta), stdin=tarball, timeout=600)
@@ -204,38 +181,69 @@ class HostPush:
                 raise PhaseFailed(f"staging failed, host unchanged: {error}")
             self.target = self.staged = target
             phase.detail = (f"{target}: {delta.describe()} files, {len(tarball)} bytes sent"
-                            f"{', unit changed' if self.unit_changed else ''}")
+                            f"{', unit changed' if self.install_unit else ''}")
 
     def activate(self) -> None:
         assert self.remote is not None and self.state is not None and self.target is not None
-        self.result.data["attempted"] = self.target
         self.result.release = self.target
         try:
             _check(self.opts)
+            previous = self.state.confirmed
+            self.switch = provisional.new_pending(previous, self.target, revert_after(self.host, self.local.spec))
             activate_and_gate(self.remote, self.host, self.result, self.opts, target=self.target,
-                              install_unit=self.unit_changed, previous=self.state.current)
+                              install_unit=self.install_unit, pending=self.switch, spec=self.local.spec,
+                              previous_spec=self._spec_of(previous))
             self.staged = None
         except Unreachable as exc:
             self._reconnect_and_roll_back(exc)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
             self.result.fail(exc)
 
-    def _reconnect_and_roll_back(self, lost: Unreachable) -> None:
-        """The link dropped after the switch began: reconnect once and put the old release back."""
+    def _spec_of(self, release_id: str | None) -> GateSpec:
+        """How ``release_id`` was gated when it was deployed; this push's spec for releases kdeploy staged
+        before it stored one (less its config line, which reflects the new settings)."""
         assert self.state is not None
+        stored = self.state.gates.get(release_id or "")
+        return stored or self.local.spec.model_copy(update={"config_line": None, "config": {}})
+
+    def _reconnect_and_roll_back(self, lost: Unreachable) -> None:
+        """The link dropped after the switch began: reconnect, take the lock again, and put the last confirmed
+        release back, unless the host already did so by itself."""
+        assert self.state is not None and self.switch is not None and self.remote is not None
         if not any(p.name == "activate" for p in self.result.phases):
             self.result.fail(lost)
             return
+        pending = self.switch
         try:
             remote = connect(self.inventory, self.host, self.result, self.opts)
         except Unreachable as exc:
             self.result.finish("unreachable", f"connection lost after switching to {self.target}; reconnect "
-                                              f"failed ({exc}): the host may be on the new, ungated release")
+                                              f"failed ({exc}); the host goes back to "
+                                              f"{pending.previous or 'nothing (first deploy)'} by itself at "
+                                              f"{time.strftime('%H:%M:%S', time.localtime(pending.deadline))}")
             return
         self.remote.close()
         self.remote = remote
-        rollback_after_failure(remote, self.host, self.result, self.opts, self.state.current,
-                               f"connection lost during the deploy ({lost})")
+        sdir = service_dir(self.host.service)
+        try:
+            with self.result.phase("relock") as phase:
+                if self.held is not None and self.held.remote_pid:
+                    remote.run(lock.end_holder_command(sdir, self.held.remote_pid), timeout=30)
+                self.held = lock.acquire(remote, sdir, wait=RELOCK_WAIT, then=state_script(self.host))
+                state = parse_state(self.held.output)
+                phase.detail = f"lock taken again; current {state.current or 'none'}"
+        except KdeployError as exc:
+            self.held = None
+            self.result.finish("unreachable", f"connection lost after switching to {self.target}; {exc}; the "
+                                              "host goes back by itself at the deadline unless confirmed")
+            return
+        if state.pending is None or state.pending.token != pending.token:
+            self.result.release = state.current
+            self.result.finish("rolled_back", f"connection lost during the deploy ({lost}); the host had already "
+                                              f"gone back to {state.current or 'nothing'} by itself")
+            return
+        rollback_after_failure(remote, self.host, self.result, self.opts, pending,
+                               f"connection lost during the deploy ({lost})", self._spec_of(pending.previous))
 
     def skip(self, why: str, result: str = "skipped") -> None:
         if not self.result.done:
@@ -261,8 +269,10 @@ class HostPush:
             return release.prune_command(sdir, [self.staged])
         if self.result.result == "preflight_refused":  # a refused host is left exactly as it was
             return ""
-        return finish_command(self.host, self.result, self.started, self.state.releases if self.state else [],
-                              self.local)
+        state = self.state
+        keep = {state.current, state.confirmed} if state else set()
+        return finish_command(self.host, self.result, self.started, state.releases if state else [], self.local,
+                              keep)
 
 
 def preflight_command(host: HostConfig) -> str:
@@ -312,29 +322,66 @@ def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, tim
         return state
 
 
-def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts: Options, *, target: str,
-                      install_unit: bool, previous: str | None) -> None:
-    """Switch to ``target``, restart, gate; on a failed gate return to ``previous`` by itself."""
+def revert_after(host: HostConfig, spec: GateSpec) -> float:
+    """Seconds the host waits for the confirmation before it reverts by itself."""
+    return host.service.gate.revert_after or provisional.deadline_seconds(host.service.unit.timeout_stop_sec,
+                                                                          spec.timeout)
+
+
+def _activate(remote: Remote, host: HostConfig, result: HostResult, target: str, install_unit: bool,
+              pending: provisional.Pending, name: str = "activate") -> None:
+    """Arm the host's revert, then switch ``current`` (and the unit): one round trip."""
     sdir = service_dir(host.service)
     unit = unit_filename(host.service)
+    arm = provisional.arm_script(sdir, unit, provisional.timer_unit(host.service.name), pending,
+                                 host.service.on_first_deploy_failure)
+    with result.phase(name) as phase:
+        out = remote.run(release.activate_script(sdir, target, unit, install_unit, arm), timeout=120)
+        if not out.ok:
+            raise PhaseFailed(f"switching to {target} failed: {out.last_error()}")
+        phase.detail = (f"current -> {target}" + ("; unit installed, daemon-reload" if install_unit else "")
+                        + f"; reverts to {pending.previous or 'nothing'} by itself unless confirmed within "
+                          f"{max(0, pending.deadline - time.time()):.0f}s")
+
+
+def confirm(remote: Remote, host: HostConfig, result: HostResult, pending: provisional.Pending) -> None:
+    """Keep the switch: disarm the host's revert (it acts only on a ``pending`` that is still ours)."""
+    with result.phase("confirm") as phase:
+        out = remote.run(provisional.confirm_command(service_dir(host.service),
+                                                     provisional.timer_unit(host.service.name), pending.token),
+                         timeout=60)
+        if "CONFIRMED" not in out.stdout:
+            raise PhaseFailed(f"the switch to {pending.target} was no longer pending: the host reverted by itself "
+                              f"or another deploy took over ({out.last_error() if not out.ok else 'LOST'})")
+        phase.detail = f"{pending.target} kept; revert disarmed"
+
+
+def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts: Options, *, target: str,
+                      install_unit: bool, pending: provisional.Pending, spec: GateSpec,
+                      previous_spec: GateSpec) -> None:
+    """Switch to ``target`` provisionally, restart, gate, confirm; on a failed gate go back to the last
+    confirmed release (``pending.previous``) by itself."""
+    result.data["attempted"] = target
     try:
-        with result.phase("activate") as phase:
-            out = remote.run(release.activate_script(sdir, target, unit, install_unit), timeout=120)
-            if not out.ok:
-                raise PhaseFailed(f"activation failed: {out.last_error()}")
-            phase.detail = f"current -> {target}" + ("; unit installed, daemon-reload" if install_unit else "")
+        _activate(remote, host, result, target, install_unit, pending)
         started = restart_and_follow(remote, host, result, host.service.unit.timeout_stop_sec + 60)
         if opts.verify:
-            gate.run_gate(remote, host.service, result, workers=opts.workers, timeout=opts.timeout, started=started)
+            gate.run_gate(remote, spec, result, release=target, started=started)
     except PhaseFailed as exc:
-        rollback_after_failure(remote, host, result, opts, previous, exc.detail)
+        rollback_after_failure(remote, host, result, opts, pending, exc.detail, previous_spec)
         return
+    confirm(remote, host, result, pending)
     result.finish("deployed")
 
 
 def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult, opts: Options,
-                           previous: str | None, why: str) -> None:
-    sdir = service_dir(host.service)
+                           pending: provisional.Pending, why: str, spec: GateSpec) -> None:
+    """Back to the last confirmed release, gated as it was deployed (``spec``), then disarm the revert.
+
+    The revert is re-armed for the rollback's own restart and gate, so a controller that dies now still
+    leaves the host going back by itself. Its phases are reported as ``rollback <phase>``.
+    """
+    previous = pending.previous
     unit = shlex.quote(unit_filename(host.service))
     with result.phase("rollback") as phase:
         if previous is None:
@@ -343,19 +390,20 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
                 state = "stopped and disabled"
             else:
                 state = "left running as it is"
+            _disarm(remote, host, result, pending)
             phase.ok = False
             phase.detail = f"first deploy failed ({why}); nothing to roll back to: service {state}"
             result.finish("rollback_failed", phase.detail)
             return
+        again = provisional.new_pending(previous, previous, revert_after(host, spec), pending.token)
         try:
-            out = remote.run(release.activate_script(sdir, previous, unit_filename(host.service), True),
-                             timeout=120)
-            if not out.ok:
-                raise PhaseFailed(f"re-activating {previous} failed: {out.last_error()}")
-            sub = HostResult(result.host)
-            started = restart_and_follow(remote, host, sub, host.service.unit.timeout_stop_sec + 60)
-            gate.run_gate(remote, host.service, sub, workers=opts.workers, timeout=opts.timeout, started=started)
+            with result.prefixed("rollback "):
+                _activate(remote, host, result, previous, True, again)
+                started = restart_and_follow(remote, host, result, host.service.unit.timeout_stop_sec + 60)
+                gate.run_gate(remote, spec, result, release=previous, started=started)
+                confirm(remote, host, result, again)
         except (PhaseFailed, KdeployError) as exc:
+            _disarm(remote, host, result, again)
             phase.ok = False
             phase.detail = (f"gate failed ({why}); rollback to {previous} FAILED: {exc}; "
                             f"host needs a human: current -> {previous}, unit of {previous} installed")
@@ -367,9 +415,22 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
         result.finish("rolled_back", why)
 
 
+def _disarm(remote: Remote, host: HostConfig, result: HostResult, pending: provisional.Pending) -> None:
+    """The controller decided the host's end state itself: no revert may act on it later."""
+    try:
+        remote.run(provisional.confirm_command(service_dir(host.service), provisional.timer_unit(host.service.name),
+                                               pending.token), timeout=60)
+    except KdeployError as exc:
+        result.log.append(f"could not disarm the host's revert timer: {exc}")
+
+
 def finish_command(host: HostConfig, result: HostResult, started: float, releases: list[str],
-                   local: Local | None = None) -> str:
-    """Append the history line and prune old releases (sent to the lock holder, run under the lock)."""
+                   local: Local | None = None, keep: set[str | None] = frozenset()) -> str:
+    """Append the history line and prune old releases (sent to the lock holder, run under the lock).
+
+    Never pruned: the release now current, the one attempted, and ``keep`` (what ran before the command
+    and the last confirmed release: a rollback's targets).
+    """
     sdir = service_dir(host.service)
     attempted = result.data.get("attempted")
     who = lock.holder_info()
@@ -381,14 +442,14 @@ def finish_command(host: HostConfig, result: HostResult, started: float, release
         "duration": round(time.monotonic() - started, 2),
         "result": result.result, "release": result.release, "attempted": attempted, "error": result.error,
     }
-    protect = {str(result.release), str(attempted)}
-    prune = release.releases_to_prune(sorted(set(releases) | {str(attempted)} - {"None"}),
+    protect = {str(r) for r in (result.release, attempted, *keep) if r}
+    prune = release.releases_to_prune(sorted(set(releases) | ({attempted} if attempted else set())),
                                       host.service.keep_releases, protect)
     return "\n".join(c for c in (history.append_command(sdir, entry), release.prune_command(sdir, prune)) if c)
 
 
 def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
-    """Re-activate an older release (and its unit), restart and gate."""
+    """Re-activate an older release (and its unit), restart and gate it as it was deployed."""
     started = time.monotonic()
     with connect(inventory, host, result, opts) as remote:
         held = None
@@ -396,7 +457,7 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
         try:
             with result.phase("preflight") as phase:
                 held = lock.acquire(remote, service_dir(host.service), wait=opts.lock_wait,
-                                    then=state_script(host))
+                                    then=state_script(host, with_history=True))
                 state = parse_state(held.output)
                 target = opts.to_release or state.previous()
                 if not target:
@@ -405,9 +466,15 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
                     raise InvalidInput(f"{host.name}: no release {target!r} "
                                        f"(have: {', '.join(state.releases) or 'none'})")
                 phase.detail = f"{state.current} -> {target}"
+                if state.pending:
+                    phase.detail += f" ({state.pending.describe()})"
             result.release = target
+            fallback = inventory_spec(inventory, host, opts)
+            previous = state.confirmed
             activate_and_gate(remote, host, result, opts, target=target, install_unit=True,
-                              previous=state.current)
+                              pending=provisional.new_pending(previous, target, revert_after(host, fallback)),
+                              spec=_overridden(state.gates.get(target, fallback), opts),
+                              previous_spec=state.gates.get(previous or "", fallback))
             if result.result == "deployed":
                 result.finish("restored")
         except (PhaseFailed, KdeployError, Cancelled) as exc:
@@ -415,16 +482,33 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
         finally:
             if held is not None:
                 recorded = state is not None and result.result not in ("invalid", "preflight_refused")
-                held.release(finish_command(host, result, started, state.releases) if recorded else "")
+                keep = {state.current, state.confirmed} if state else set()
+                held.release(finish_command(host, result, started, state.releases, keep=keep) if recorded else "")
+
+
+def verify_script(host: HostConfig) -> str:
+    d = shlex.quote(service_dir(host.service))
+    return "\n".join([
+        f"echo @@current; r=$(readlink {d}/current 2>/dev/null) && basename \"$r\"",
+        f"echo @@pending; {provisional.read_command(service_dir(host.service))}",
+        f"echo @@gate; cat {d}/current/{release.META}/gate.json 2>/dev/null",
+        "true",
+    ])
 
 
 def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
-    """The gate against what runs now; changes nothing."""
+    """The gate against what runs now, as its release was deployed (else as the inventory says); changes
+    nothing."""
     with connect(inventory, host, result, opts) as remote:
-        current = remote.run(f"readlink {shlex.quote(current_path(host.service))}", timeout=30).stdout.strip()
-        result.release = current.rsplit("/", 1)[-1] or None
+        sections = split_sections(remote.run(verify_script(host), timeout=30).stdout)
+        result.release = sections.get("current", "").strip() or None
+        pending = provisional.parse_pending(sections.get("pending", ""))
+        if pending:
+            result.log.append(pending.describe())
+        stored = GateSpec.from_json(sections.get("gate", ""))
+        spec = _overridden(stored, opts) if stored else inventory_spec(inventory, host, opts)
         try:
-            gate.run_gate(remote, host.service, result, workers=opts.workers, timeout=opts.timeout)
+            gate.run_gate(remote, spec, result, release=result.release)
         except PhaseFailed as exc:
             result.finish("unhealthy", exc.detail)
             return
@@ -469,17 +553,11 @@ def status_script(host: HostConfig) -> str:
 
 
 def drift(local: Local, state: HostState, edited: list[str], extra: list[str]) -> list[str]:
-    """How the host differs from what the inventory would deploy now (empty: no drift)."""
-    found = []
+    """How the host differs from what the inventory would deploy now (empty: no drift): the reasons a push
+    would act on, plus hand edits inside the release."""
     if state.current is None:
         return ["never deployed"]
-    if state.unit_text != local.unit_text:
-        found.append("unit differs from the inventory")
-    if state.unit.need_reload:
-        found.append("unit file changed on disk but not reloaded")
-    delta = release.diff(local.payload.manifest, state.manifest)
-    if not delta.empty:
-        found.append(f"payload differs from the inventory ({delta.describe()})")
+    found = decide(local.payload.manifest, local.unit_text, state).reasons
     if edited:
         found.append(f"release files edited on the host: {', '.join(p.removeprefix('./') for p in edited[:5])}")
     if extra:
@@ -490,7 +568,7 @@ def drift(local: Local, state: HostState, edited: list[str], extra: list[str]) -
 def status_host(inventory: Inventory, host: HostConfig, local: Local, opts: Options, result: HostResult) -> None:
     with connect(inventory, host, result, opts) as remote, result.phase("status") as phase:
         text = remote.run(status_script(host), timeout=60).stdout
-    sections = lock.split_sections(text)
+    sections = split_sections(text)
     state = parse_state(text)
     env = systemd.parse_environment(sections.get("env", ""))
     last = history.parse(sections.get("last", ""))

@@ -18,6 +18,7 @@ from pathlib import Path
 from kdeploy import deploy, inventory, settings
 from kdeploy.deploy import Local, Options
 from kdeploy.errors import InvalidInput, KdeployError
+from kdeploy.gatespec import PayloadGate, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.release import Payload, scan_payload
 from kdeploy.render import render_unit
@@ -140,16 +141,20 @@ def _rollout(names: list[str], steps: dict[str, deploy.HostPush], results: dict[
             return
 
 
-def prepare(inventory: Inventory, names: list[str]) -> dict[str, Local]:
-    """Render every unit and hash every payload before any host is touched (bad input fails here)."""
-    payloads: dict[Path, Payload] = {}
+def prepare(inventory: Inventory, names: list[str], opts: Options | None = None) -> dict[str, Local]:
+    """Render every unit, hash every payload and decide every gate before any host is touched (bad input,
+    e.g. a flag value the payload's manifest does not accept, fails here)."""
+    opts = opts or Options()
+    payloads: dict[Path, tuple[Payload, PayloadGate | None]] = {}
     out = {}
     for name in names:
         host = inventory.hosts[name]
         path = inventory.payload_dir(host)
         if path not in payloads:
-            payloads[path] = scan_payload(path)
-        out[name] = Local(render_unit(inventory, host), payloads[path])
+            payloads[path] = (scan_payload(path), load_payload_gate(path))
+        payload, manifest = payloads[path]
+        spec = gate_spec(host.service, manifest, workers=opts.workers, timeout=opts.timeout)
+        out[name] = Local(render_unit(inventory, host), payload, spec)
     return out
 
 
@@ -157,7 +162,7 @@ def push(inventory: Inventory, target: str | None, opts: Options | None = None, 
          parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
     opts = opts or Options()
     names = inventory.resolve(target)
-    local = prepare(inventory, names)
+    local = prepare(inventory, names, opts)
     if dry_run:
         return fan_out(inventory, names, "plan",
                        lambda host, result: deploy.plan_host(inventory, host, local[host.name], opts, result),

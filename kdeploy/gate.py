@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kdeploy import systemd
-from kdeploy.inventory import Service
+from kdeploy.gatespec import GateSpec
 from kdeploy.remote import Remote
-from kdeploy.render import unit_filename
 from kdeploy.report import HostResult, PhaseFailed
 
 if TYPE_CHECKING:
@@ -98,6 +97,26 @@ def marker_verdict(lines: list[systemd.JournalLine], markers: list[str], workers
     return MarkerVerdict(True, True, f"{len(markers)} markers x {workers} workers")
 
 
+def config_verdict(lines: list[systemd.JournalLine], config_line: str, expected: dict[str, str],
+                   release: str | None) -> str | None:
+    """None when every worker that logged ``config_line`` runs the expected settings and release, else
+    the first few workers that do not, by rank and pid (their count is the markers' business)."""
+    want = {**expected, **({"release": release} if release else {})}
+    wrong = []
+    for line in lines:
+        if config_line + " " not in line.message:
+            continue
+        said = dict(word.split("=", 1) for word in line.message.split(config_line, 1)[1].split() if "=" in word)
+        diffs = [f"{k}={said.get(k, '?')} (want {v})" for k, v in want.items() if said.get(k) != v]
+        if diffs:
+            who = f"TP{line.rank} pid {line.pid}" if line.rank is not None else f"pid {line.pid}"
+            wrong.append(f"{who}: {', '.join(diffs)}")
+    if not wrong:
+        return None
+    more = f" (+{len(wrong) - 3} more)" if len(wrong) > 3 else ""
+    return "workers run another config: " + "; ".join(wrong[:3]) + more
+
+
 def _tail(remote: Remote, invocation: str) -> list[str]:
     if not invocation:
         return []
@@ -119,20 +138,19 @@ def _show(remote: Remote, unit: str) -> systemd.UnitState:
     return systemd.parse_show(remote.run(systemd.show_command(unit), timeout=30).stdout)
 
 
-def run_gate(remote: Remote, service: Service, result: HostResult, *, workers: int | None = None,
-             timeout: float | None = None, started: systemd.UnitState | None = None) -> None:
+def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str | None = None,
+             started: systemd.UnitState | None = None) -> None:
     """Run the four phases; raises PhaseFailed at the first failing one.
 
     ``started`` is the unit's state right after a restart (its invocation is the run under test); without
-    it the gate reads the unit and checks whatever runs now.
+    it the gate reads the unit and checks whatever runs now. ``release``: the release every worker must
+    say it loaded (when the payload logs a config line).
     """
     from kdeploy import tunnel  # httpx loads only when a gate runs
 
-    unit = unit_filename(service)
-    gate = service.gate
-    interval = gate.poll_interval
-    deadline = time.monotonic() + (timeout or service.gate_timeout)
-    workers = workers or service.workers
+    unit = spec.unit
+    interval = spec.poll_interval
+    deadline = time.monotonic() + spec.timeout
 
     with result.phase("unit") as phase:
         state = started or _show(remote, unit)
@@ -151,8 +169,7 @@ def run_gate(remote: Remote, service: Service, result: HostResult, *, workers: i
             state = _show(remote, unit)
             invocation = invocation or state.invocation
 
-    port = service.sglang.port
-    with tunnel.ServiceHttp(remote, port, timeout=min(10.0, max(2.0, interval * 4))) as http:
+    with tunnel.ServiceHttp(remote, spec.port, timeout=min(10.0, max(2.0, interval * 4))) as http:
         with result.phase("ready") as phase:
             watch = remote.start(exit_watch_command(state.main_pid, deadline - time.monotonic()))
             try:
@@ -161,9 +178,9 @@ def run_gate(remote: Remote, service: Service, result: HostResult, *, workers: i
                 next_unit_check = time.monotonic() + UNIT_CHECK_EVERY
                 while True:
                     polls += 1
-                    status = http.status(gate.ready_path)
+                    status = http.status(spec.ready_path)
                     if status == 200:
-                        phase.detail = f"GET {gate.ready_path} 200 after {polls} polls"
+                        phase.detail = f"GET {spec.ready_path} 200 after {polls} polls"
                         break
                     exited = exited or watch.exit_status_ready()
                     if exited or time.monotonic() >= next_unit_check:
@@ -174,16 +191,15 @@ def run_gate(remote: Remote, service: Service, result: HostResult, *, workers: i
                             raise PhaseFailed(f"service died while starting: {verdict.detail}",
                                               _tail(remote, state.invocation or invocation))
                     if time.monotonic() > deadline:
-                        raise PhaseFailed(f"GET {gate.ready_path} not 200 within the gate timeout (last: {status})")
+                        raise PhaseFailed(f"GET {spec.ready_path} not 200 within the gate timeout (last: {status})")
                     time.sleep(interval)
             finally:
                 watch.close()
 
         with result.phase("completion") as phase:
-            model = service.sglang.served_model_name or service.sglang.model_path
             answers = []
-            for item in gate.prompts:
-                texts = [_complete(http, model, item.prompt, gate.max_tokens) for _ in range(2)]
+            for item in spec.prompts:
+                texts = [_complete(http, spec.model, item.prompt, spec.max_tokens) for _ in range(2)]
                 reason = completion_verdict(texts, item.expect)
                 if reason:
                     raise PhaseFailed(f"{item.prompt!r}: {reason}")
@@ -191,16 +207,21 @@ def run_gate(remote: Remote, service: Service, result: HostResult, *, workers: i
             phase.detail = "; ".join(f"{a!r}" for a in answers) + " (x2, identical)"
 
     with result.phase("workers") as phase:
-        if not gate.markers:
+        markers = [*spec.markers, *([spec.config_line] if spec.config_line else [])]
+        if not markers:
             phase.detail = "no markers configured"
             return
         marker_deadline = min(deadline, time.monotonic() + MARKER_GRACE)
-        command = systemd.journal_command(invocation, grep=[*gate.markers, RANK_LINE])
+        command = systemd.journal_command(invocation, grep=[*markers, RANK_LINE])
         while True:
             lines = systemd.parse_journal(remote.run(command, timeout=30).stdout)
-            verdict = marker_verdict(lines, gate.markers, workers)
+            wrong = spec.config_line and config_verdict(lines, spec.config_line, spec.config, release)
+            if wrong:
+                raise PhaseFailed(wrong)
+            verdict = marker_verdict(lines, markers, spec.workers)
             if verdict.ok:
-                phase.detail = verdict.detail
+                phase.detail = verdict.detail + (f", config {' '.join(f'{k}={v}' for k, v in spec.config.items())}"
+                                                 if spec.config_line else "")
                 return
             if verdict.final or time.monotonic() > marker_deadline:
                 raise PhaseFailed(verdict.detail)

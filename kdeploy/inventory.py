@@ -29,7 +29,6 @@ from ruamel.yaml.comments import CommentedMap
 from ruamel.yaml.error import YAMLError
 
 from kdeploy.errors import InvalidInput
-from kdeploy.markers import DEFAULT_MARKERS
 
 DEFAULT_INVENTORY = Path("inventory.yaml")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -136,10 +135,13 @@ class Gate(_Strict):
     workers: int | None = Field(default=None, gt=0)
     prompts: list[GatePrompt] = [GatePrompt(prompt="The capital of France is")]
     max_tokens: int = Field(default=8, gt=0)
-    markers: list[SafeStr] = list(DEFAULT_MARKERS)
+    markers: list[SafeStr] | None = None  # None: what the payload's kdeploy-gate.json says
     ready_path: SafeStr = "/health"
     timeout: float | None = Field(default=None, gt=0)
     poll_interval: float = Field(default=0.5, gt=0, le=30)
+    # Seconds after a switch before the host reverts by itself unless kdeploy confirmed it (default:
+    # TimeoutStopSec + 60 + the gate timeout + 60).
+    revert_after: float | None = Field(default=None, gt=0)
 
 
 class UnitSettings(_Strict):

@@ -80,6 +80,7 @@ def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: st
         f"echo @@stale; cat {d}/lock.json 2>/dev/null; echo",
         f"info=\"{record}\"",
         f"printf '%s\\n' \"$info\" > {d}/.lock.json.tmp && mv -f {d}/.lock.json.tmp {d}/lock.json",
+        "echo @@holder; echo $$",
         "echo @@then",
         then,
         f"echo {READY}",
@@ -114,6 +115,7 @@ class HeldLock:
     channel: paramiko.Channel
     output: str
     stale: LockInfo | None
+    remote_pid: int | None = None  # the holder shell on the host (to end it if its link dies unnoticed)
 
     def release(self, finish: str = "") -> bool:
         """Hand the holder ``finish``, close its stdin and wait for it; a dead link must not hang us.
@@ -162,7 +164,16 @@ def acquire(remote: Remote, service_dir: str, *, wait: float = 0, then: str = ""
             raise LockHeld(f"{remote.host.name}: deploy lock held by {who}")
         raise Unreachable(f"{remote.host.name}: cannot take the deploy lock: {err or f'exit status {rc}'}")
     channel.settimeout(None)
-    return HeldLock(channel, text, parse_info(sections.get("stale", "")))
+    pid = sections.get("holder", "").strip()
+    return HeldLock(channel, text, parse_info(sections.get("stale", "")), int(pid) if pid.isdigit() else None)
+
+
+def end_holder_command(service_dir: str, pid: int) -> str:
+    """End OUR earlier holder whose link died but whose sshd session has not noticed (a blackholed link
+    keeps it, and the lock, for hours): only if that pid still holds this service's lock file."""
+    lockfile = shlex.quote(f"{service_dir}/.lock")
+    return (f"for fd in /proc/{int(pid)}/fd/*; do [ \"$(readlink $fd)\" = {lockfile} ] && "
+            f"{{ pkill -TERM -P {int(pid)}; kill -TERM {int(pid)}; sleep 0.2; break; }}; done 2>/dev/null; true")
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,9 @@ Fault switches (environment variables, read by the main process and inherited by
     That worker exits with status 1 right after logging its ``Load weight end.`` (the server fails).
 ``REFSERVER_NO_PLUGINS_RANK=<rank>``
     That worker does not load entry-point plugins (a worker missing the extension); all else normal.
+``REFSERVER_PYTHONPATH_RANK=<rank>:<dir>``
+    That worker puts ``<dir>`` first on ``sys.path`` before loading plugins: it loads another copy of the
+    extension (e.g. an older release), as a worker left over from an earlier run would.
 ``REFSERVER_WRONG_ANSWER=1``
     The France prompt yields " Lyon. It is a city" instead.
 ``REFSERVER_NONDETERMINISTIC=1``
@@ -80,6 +83,7 @@ WRONG_FRANCE_ANSWER = " Lyon. It is a city"
 ENV_SLOW_START = "REFSERVER_SLOW_START"
 ENV_EXIT_AT_START = "REFSERVER_EXIT_AT_START"
 ENV_DIE_RANK = "REFSERVER_DIE_RANK"
+ENV_PYTHONPATH_RANK = "REFSERVER_PYTHONPATH_RANK"
 ENV_NO_PLUGINS_RANK = "REFSERVER_NO_PLUGINS_RANK"
 ENV_WRONG_ANSWER = "REFSERVER_WRONG_ANSWER"
 ENV_NONDETERMINISTIC = "REFSERVER_NONDETERMINISTIC"
@@ -234,6 +238,9 @@ def _scheduler_main(rank: int, tp_size: int, conn, cfg: dict) -> None:
     """Body of one TP worker process (the target of a spawn Process: must stay a module-level function)."""
     tag = _rank_tag(rank, tp_size)
     _set_process_title(f"sglang::scheduler_TP{rank}")
+    stale_rank, _, stale_dir = os.environ.get(ENV_PYTHONPATH_RANK, "").partition(":")
+    if stale_dir and stale_rank.strip() == str(rank):
+        sys.path.insert(0, stale_dir)
     if _env_int(ENV_NO_PLUGINS_RANK) != rank:
         load_plugins(tag)  # first thing, as SGLang's scheduler does
     import signal

@@ -174,8 +174,11 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
     return "\n".join(lines) + "\n"
 
 
-def release_meta(manifest: dict[str, str], unit_text: str, unit_name: str) -> dict[str, str]:
+def release_meta(manifest: dict[str, str], unit_text: str, unit_name: str, gate: str = "") -> dict[str, str]:
+    """The release's own record: what to verify it against, its unit, and what its gate checks (``gate``:
+    a GateSpec as JSON, so a rollback to it is gated the way it was deployed)."""
     return {
+        **({"gate.json": gate + "\n"} if gate else {}),
         "manifest.sha256": manifest_text(manifest),
         "files": "".join(f"./{p}\n" for p in sorted(manifest, key=lambda p: f"./{p}".encode())),
         "unit.service": unit_text,
@@ -184,15 +187,16 @@ def release_meta(manifest: dict[str, str], unit_text: str, unit_name: str) -> di
     }
 
 
-def activate_script(service_dir: str, release: str, unit_file: str, install_unit: bool) -> str:
+def activate_script(service_dir: str, release: str, unit_file: str, install_unit: bool, arm: str = "") -> str:
     """Point ``current`` at ``release``; with ``install_unit``, install that release's own unit and reload.
 
-    The unit is copied to a temp name in the unit directory, checked against the release's recorded
-    sha256, then renamed over the live one, so systemd never sees a half-written unit.
+    ``arm`` (``provisional.arm_script``) runs first, so no switch is ever left without its revert. The
+    unit is copied to a temp name in the unit directory, checked against the release's recorded sha256,
+    then renamed over the live one, so systemd never sees a half-written unit.
     """
     d = shlex.quote(service_dir)
     rel = f"{d}/releases/{shlex.quote(release)}"
-    lines = ["set -eu", f"test -d {rel}"]
+    lines = ["set -eu", f"test -d {rel}", *([arm] if arm else [])]
     if install_unit:
         tmp = shlex.quote(f"{UNIT_DIR}/.{unit_file}.kdeploy-tmp")
         lines += [

@@ -74,10 +74,21 @@ class HostResult:
     data: dict = field(default_factory=dict)
     listener: Listener | None = field(default=None, repr=False, compare=False)
     done: bool = field(default=False, repr=False, compare=False)
+    prefix: str = field(default="", repr=False, compare=False)
+
+    @contextmanager
+    def prefixed(self, prefix: str) -> Iterator[None]:
+        """Phases of a step inside another (a rollback's restart and gate) are reported as ``<prefix><name>``."""
+        before, self.prefix = self.prefix, prefix
+        try:
+            yield
+        finally:
+            self.prefix = before
 
     @contextmanager
     def phase(self, name: str) -> Iterator[Phase]:
         """Time a phase; a PhaseFailed or KdeployError inside marks it failed and propagates."""
+        name = self.prefix + name
         entry = Phase(name, True, 0.0, "")
         self.phases.append(entry)
         self._emit(name, "start")

@@ -13,10 +13,14 @@ def test_first_push_deploys_and_gates_eight_workers(deployment: Deployment, caps
     host = doc["hosts"][0]
     assert host["result"] == "deployed"
     assert [p["name"] for p in host["phases"]] == [
-        "connect", "preflight", "stage", "activate", "restart", "unit", "ready", "completion", "workers"]
+        "connect", "preflight", "stage", "activate", "restart", "unit", "ready", "completion", "workers", "confirm"]
     assert all(p["ok"] for p in host["phases"])
     release = host["release"]
     d = deployment.service_dir
+    # confirmed: no revert timer or pending switch is left behind
+    timer = f"kdeploy-revert-{deployment.service}"
+    assert deployment.sh("h1", f"systemctl list-units --all --no-legend '{timer}*'").strip() == ""
+    assert deployment.sh("h1", f"ls {d}/pending 2>&1", check=False).endswith("No such file or directory\n")
     assert deployment.sh("h1", f"readlink {d}/current").strip() == f"releases/{release}"
     assert deployment.show("h1", "ActiveState") == "active"
     assert deployment.show("h1", "UnitFileState") == "enabled"

@@ -20,9 +20,9 @@ from kdeploy.gate import (
     marker_verdict,
     unit_verdict,
 )
-from kdeploy.markers import DEFRAG, VERIFY_OVERRIDE
 from kdeploy.systemd import JournalLine, UnitState, parse_journal, parse_show
 
+DEFRAG, VERIFY_OVERRIDE = "[kdtree] defrag Tier-0", "[kdtree] installed verify override"
 CAPTURED = Path(__file__).resolve().parents[2] / "tests/data/captured"
 INV = "f4ad513725a94ca5b4eca53a48276903"
 RUNNING = UnitState(active="active", sub="running", result="success", n_restarts=0, invocation=INV, main_pid=4321,

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy.markers import DEFAULT_MARKERS
 from kdeploy.systemd import (
     SHOW_PROPERTIES,
     JournalLine,
@@ -22,6 +21,7 @@ from kdeploy.systemd import (
     show_command,
 )
 
+DEFAULT_MARKERS = ("[kdtree] defrag Tier-0", "[kdtree] installed verify override")
 CAPTURED = Path(__file__).resolve().parents[2] / "tests/data/captured"
 RANK_LINE = "Load weight end."
 

@@ -47,9 +47,10 @@ import re
 import sys
 from dataclasses import dataclass
 
-from kdtree_ext.markers import DEFRAG, PLUGIN_LOADED, VERIFY_OVERRIDE
+from kdtree_ext.markers import CONFIG, DEFRAG, PLUGIN_LOADED, VERIFY_OVERRIDE
 
-__all__ = ["DEFRAG", "PLUGIN_LOADED", "VERIFY_OVERRIDE", "Config", "ConfigError", "read_config", "register"]
+__all__ = ["CONFIG", "DEFRAG", "PLUGIN_LOADED", "VERIFY_OVERRIDE", "Config", "ConfigError", "config_line",
+           "read_config", "register"]
 
 BACKEND_NAME = "kdtree"
 DELEGATE_BACKEND = "triton"
@@ -103,6 +104,18 @@ def read_config(env: dict[str, str] | os._Environ[str] = os.environ) -> Config:
         if not (1 <= nsplit <= MAX_NSPLIT and nsplit & (nsplit - 1) == 0):
             raise ValueError(f"KDTREE_NSPLIT={env.get('KDTREE_NSPLIT')!r} is not a power of two in 1..{MAX_NSPLIT}")
     return Config(verify=verify, defrag=defrag, nsplit=nsplit)
+
+
+def loaded_release() -> str:
+    """The release directory this code was imported from (``current`` resolved), as kdeploy named it."""
+    return os.path.basename(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+
+
+def config_line(cfg: Config) -> str:
+    """What this worker runs with, in the canonical values of ``kdeploy-gate.json``: the gate compares it
+    with what the inventory asked for and with the release it deployed."""
+    return (f"{CONFIG} verify={'on' if cfg.verify else 'off'} defrag={int(cfg.defrag)} nsplit={cfg.nsplit} "
+            f"release={loaded_release()}")
 
 
 # ----------------------------------------------------------------------------------------------- process
@@ -185,6 +198,8 @@ def _setup(via: str) -> tuple[Config, str] | None:
     who = role()
     if who == "helper":
         return None
+    if who == "worker":
+        log(f"{config_line(cfg)} ({_who()})")
     if not cfg.verify:
         log(f"[kdtree] disabled by KDTREE_VERIFY=off: no Tier-0 defrag, no kdtree attention backend ({_who()})")
         return None

@@ -7,3 +7,4 @@ hold the same strings and tests/unit/test_markers.py keeps them equal.
 PLUGIN_LOADED = "[kdtree] plugin loaded"
 DEFRAG = "[kdtree] defrag Tier-0"
 VERIFY_OVERRIDE = "[kdtree] installed verify override"
+CONFIG = "[kdtree] config"  # + the effective settings and the release this worker loaded

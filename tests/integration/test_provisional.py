@@ -1,0 +1,184 @@
+"""Provisional activation on sandbox hosts: a switch the controller never confirms is undone by the host.
+
+The controller is killed (SIGKILL) during the gate, cut off by a blackholed link after the switch, or
+stops right after switching without restarting: each time the host goes back to its last confirmed
+release by itself at the deadline (``gate.revert_after``), restarts it, and says so in its history; a
+later run sees the unconfirmed switch as a change, never as ``unchanged``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kdeploy import deploy, fleet, provisional, state
+from kdeploy.deploy import Options
+from kdeploy.report import HostResult
+from tests.conftest import Deployment
+
+REVERT_AFTER = 12
+
+
+def _current(dep: Deployment, host: str = "h1") -> str:
+    return dep.sh(host, f"readlink {dep.service_dir}/current").strip().removeprefix("releases/")
+
+
+def _history(dep: Deployment, host: str = "h1") -> list[dict]:
+    out = dep.sh(host, f"cat {dep.service_dir}/history.jsonl 2>/dev/null", check=False)
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def _wait_reverted(dep: Deployment, old: str, new: str, host: str = "h1", within: float = 150) -> dict:
+    """Until the host's history says it reverted by itself; returns that record."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        records = [r for r in _history(dep, host) if r.get("result") == "reverted"]
+        if records:
+            return records[-1]
+        time.sleep(1)
+    raise AssertionError(f"{host} never reverted: current {_current(dep, host)}, history {_history(dep, host)[-3:]}")
+
+
+def _assert_back_on(dep: Deployment, old: str, new: str, record: dict, host: str = "h1") -> None:
+    assert record["release"] == old and record["attempted"] == new, record
+    assert "by itself" in record["error"]
+    assert _current(dep, host) == old
+    unit = f"/etc/systemd/system/{dep.service}.service"
+    assert dep.sh(host, f"cmp {unit} {dep.service_dir}/releases/{old}/.kdeploy/unit.service && echo same").strip() \
+        == "same"
+    deadline = time.monotonic() + 30
+    while dep.show(host, "ActiveState") != "active" and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert dep.show(host, "ActiveState") == "active"
+    assert dep.sh(host, f"ls {dep.service_dir}/pending 2>&1", check=False).endswith("No such file or directory\n")
+    timer = provisional.timer_unit(dep.service)
+    assert dep.sh(host, f"systemctl list-units --all --no-legend '{timer}.timer'").strip() == ""
+
+
+def _deployed(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> str:
+    code, doc = dep.json(capsys, "push", "test")
+    assert code == 0, doc
+    return doc["hosts"][0]["release"]
+
+
+@pytest.fixture
+def quick(deployment: Deployment) -> Deployment:
+    deployment.set_service(gate={"workers": 8, "poll_interval": 0.25, "markers": ["[kdeploy-testplugin] loaded"],
+                                 "timeout": 60, "revert_after": REVERT_AFTER})
+    return deployment
+
+
+def test_controller_killed_during_the_gate_host_reverts_by_itself(quick: Deployment,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    old = _deployed(quick, capsys)
+    quick.set_service(env={"REFSERVER_SLOW_START": "30"})  # the gate is still waiting when we kill it
+    before = quick.show("h1", "InvocationID")
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--inventory", str(quick.path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while quick.show("h1", "InvocationID") == before:
+            assert proc.poll() is None and time.monotonic() < deadline, "h1 was never restarted"
+            time.sleep(0.05)
+        new = _current(quick)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert new != old
+
+    # Before the deadline the next run sees the truth: an unconfirmed switch is a change, not "unchanged".
+    code, doc = quick.json(capsys, "plan", "test")
+    plan = doc["hosts"][0]["plan"]
+    assert code == 0 and plan["restart"], plan
+    assert any("not confirmed" in r for r in plan["reasons"]), plan["reasons"]
+
+    record = _wait_reverted(quick, old, new)
+    _assert_back_on(quick, old, new, record)
+    code, doc = quick.json(capsys, "history", "test")
+    assert doc["hosts"][0]["history"][-1]["result"] == "reverted"
+
+
+@pytest.mark.hosts(2)
+def test_host_blackholed_after_the_switch_is_back_on_its_old_release_after_heal(
+        quick: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    code, doc = quick.json(capsys, "push", "test")
+    assert code == 0, doc
+    old = {h["host"]: h["release"] for h in doc["hosts"]}
+    (quick.payload / "rev.txt").write_text("2")
+
+    def blackhole_h2_once_switched(host: str, phase: str, status: str) -> None:
+        if (host, phase, status) == ("h2", "activate", "ok"):
+            quick.fleet.blackhole("h2")
+
+    try:
+        report = fleet.push(quick.load(), "test", Options(), listener=blackhole_h2_once_switched)
+        results = {h.host: h for h in report.hosts}
+        assert results["h1"].result == "deployed"
+        h2 = results["h2"]
+        assert h2.result == "unreachable", (h2.error, h2.phases)
+        assert "by itself" in (h2.error or ""), h2.error
+        new = h2.data["attempted"]
+    finally:
+        quick.fleet.heal("h2")
+    record = _wait_reverted(quick, old["h2"], new, "h2")
+    _assert_back_on(quick, old["h2"], new, record, "h2")
+    code, doc = quick.json(capsys, "verify", "test")
+    assert code == 0, doc
+
+
+def test_switched_but_never_restarted_is_a_change_and_reverts(quick: Deployment,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """What a controller killed between the switch and the restart leaves: current moved, old run serving."""
+    old = _deployed(quick, capsys)
+    invocation = quick.show("h1", "InvocationID")
+    (quick.payload / "rev.txt").write_text("2")
+    inv = quick.load()
+    host = inv.hosts["h1"]
+    local = fleet.prepare(inv, ["h1"])["h1"]
+    result = HostResult("h1")
+    step = deploy.HostPush(inv, host, local, Options(), result)
+    step.prepare()
+    assert step.staged and not result.done, result
+    pending = provisional.new_pending(step.state.confirmed, step.staged, REVERT_AFTER)
+    deploy._activate(step.remote, host, result, step.staged, step.install_unit, pending)
+    step.remote.close()  # the controller is gone: no restart, no gate, no confirmation
+    new = step.staged
+    assert _current(quick) == new and quick.show("h1", "InvocationID") == invocation
+
+    seen = state.parse_state(quick.sh("h1", state.state_script(host)))
+    decision = state.decide(local.payload.manifest, local.unit_text, seen)
+    assert seen.pending and seen.pending.target == new and seen.confirmed == old
+    assert decision.restart and not decision.no_op, decision
+
+    record = _wait_reverted(quick, old, new)
+    _assert_back_on(quick, old, new, record)
+    assert quick.show("h1", "InvocationID") != invocation  # restarted on the old release
+
+
+def test_gate_failure_rolls_back_with_the_old_release_config(quick: Deployment,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The new config moves the port and the worker count; the rollback is gated as the old release was."""
+    old = _deployed(quick, capsys)
+    service = quick.load().hosts["h1"].service
+    quick.set_service(env={"REFSERVER_WRONG_ANSWER": "1"},
+                      sglang={**service.sglang.model_dump(exclude_none=True), "port": quick.port + 500, "tp": 4},
+                      gate={"workers": 4, "poll_interval": 0.25, "markers": ["[kdeploy-testplugin] loaded"],
+                            "timeout": 60, "revert_after": REVERT_AFTER})
+    code, doc = quick.json(capsys, "push", "test", "--workers", "4")
+    host = doc["hosts"][0]
+    assert code == 4 and host["result"] == "rolled_back", host
+    names = [p["name"] for p in host["phases"]]
+    assert names[names.index("rollback"):] == [
+        "rollback", "rollback activate", "rollback restart", "rollback unit", "rollback ready", "rollback completion",
+        "rollback workers", "rollback confirm"], names
+    workers = next(p for p in host["phases"] if p["name"] == "rollback workers")
+    assert workers["ok"] and workers["detail"].startswith("1 markers x 8 workers"), workers
+    assert host["release"] == old == _current(quick)
+    assert quick.sh("h1", f"ls {quick.service_dir}/pending 2>&1", check=False).endswith("No such file or directory\n")
