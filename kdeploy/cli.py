@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -432,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in args
     if debug:
         args.remove("--debug")
+    # A CI cancel or `kill` sends SIGTERM: stop the way Ctrl-C does (staging cleaned, batch finished, exit 130).
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         app(args=args, prog_name="kdeploy")
     except SystemExit as exc:  # usage errors exit 2 (INVALID) here, with click's one-line message

@@ -172,8 +172,9 @@ class HostPush:
             meta = release.release_meta(local.payload.manifest, local.unit_text, unit_filename(host.service),
                                         local.spec.to_json())
             tarball = release.build_tarball(local.payload, delta.upload, meta)
+            self.result.data["attempted"] = target
             out = self.remote.run(release.stage_script(service_dir(host.service), target, state.current is not None,
-                                                       delta), stdin=tarball, timeout=600)
+                                                       delta), stdin=tarball, timeout=600, cancel=self.opts.cancel)
             if not out.ok or "STAGED" not in out.stdout:
                 error = out.last_error()
                 if "No space left" in error:

@@ -8,12 +8,15 @@ except where the point is that the gate fails fast regardless of its timeout.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from kdeploy import fleet
+from kdeploy.demo import PLUGIN_LOADED
 from kdeploy.deploy import Options
 from kdeploy.refserver import READY_MESSAGE
 from tests.conftest import TEST_MARKER, Deployment
@@ -316,3 +319,46 @@ def test_first_deploy_failing_the_gate_stops_the_service(deployment: Deployment,
         time.sleep(0.25)
     assert deployment.show("h1", "ActiveState") == "inactive"
     assert deployment.show("h1", "UnitFileState") == "disabled"
+
+
+def _kdtree_payload(dep: Deployment, **env: str) -> None:
+    """The real kdtree payload (its kdeploy-gate.json) on the small venv, where SGLang is missing: every worker
+    still logs its config line and ``plugin loaded``, which the inventory then names as its one marker."""
+    payload = dep.payload.parent / "kdtree"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "kernels" / "kdtree", payload,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    dep.set_service(payload=str(payload), env=env,
+                    gate={"workers": 8, "poll_interval": 0.25, "markers": [PLUGIN_LOADED], "timeout": 60})
+
+
+def test_workers_must_run_the_intended_flags_and_release(deployment: Deployment,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    _kdtree_payload(deployment, KDTREE_DEFRAG_SORT="1", KDTREE_NSPLIT="32")
+    first = push_good(deployment, capsys)
+    code, doc = deployment.json(capsys, "verify", "test")
+    assert code == 0, doc
+    workers = phase(doc["hosts"][0], "workers")
+    assert workers["detail"] == "2 markers x 8 workers, config verify=on defrag=1 nsplit=32", workers
+
+    deployment.set_service(env={"KDTREE_DEFRAG_SORT": "0", "KDTREE_NSPLIT": "32"})
+    second = push_good(deployment, capsys)
+    assert second != first
+    # TP3 loads the first release's copy of the extension (a worker left from an earlier run): named, rolled back.
+    deployment.set_service(env={"KDTREE_DEFRAG_SORT": "0", "KDTREE_NSPLIT": "32",
+                                "REFSERVER_PYTHONPATH_RANK": f"3:{deployment.service_dir}/releases/{first}"})
+    code, doc = deployment.json(capsys, "push", "test")
+    host = assert_rolled_back(deployment, code, doc, second)
+    detail = failed_phase(host)["detail"]
+    assert failed_phase(host)["name"] == "workers"
+    assert "TP3 pid" in detail and f"release={first} (want " in detail, detail
+    assert "TP2" not in detail
+
+
+def test_a_flag_value_the_payload_does_not_accept_is_invalid_input(deployment: Deployment,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    _kdtree_payload(deployment, KDTREE_DEFRAG_SORT="maybe")
+    capsys.readouterr()
+    assert deployment.kdeploy("push", "test") == 2
+    assert "KDTREE_DEFRAG_SORT='maybe': expected one of" in capsys.readouterr().err
+    assert deployment.sh("h1", f"ls {deployment.service_dir} 2>&1", check=False).endswith(
+        "No such file or directory\n")  # nothing touched

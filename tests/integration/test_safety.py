@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -200,6 +201,48 @@ def test_killed_mid_staging_leaves_the_host_unchanged(deployment: Deployment,
     code, doc = deployment.json(capsys, "push", "test")
     assert code == 0 and doc["hosts"][0]["result"] == "deployed"
     assert deployment.sh("h1", f"ls -a {deployment.service_dir}/releases").count(".staging-") == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_mid_upload_stops_within_a_second(deployment: Deployment, capsys: pytest.CaptureFixture[str],
+                                                    sig: signal.Signals) -> None:
+    """Ctrl-C (or a CI cancel's SIGTERM) during the upload: exit 130 at once, staging cleaned, host as it was,
+    and the JSON names the release that was being staged."""
+    assert deployment.kdeploy("push", "test") == 0
+    before = _snapshot(deployment)
+    (deployment.payload / "weights.bin").write_bytes(os.urandom(1 << 20) * 200)
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--json", "--inventory",
+                             str(deployment.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not deployment.sh("h1", f"ls -d {deployment.service_dir}/releases/.staging-* 2>/dev/null",
+                                check=False).strip():
+            assert proc.poll() is None and time.monotonic() < deadline, "staging never started"
+            time.sleep(0.02)
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    doc = json.loads(out)
+    host = doc["hosts"][0]
+    assert proc.returncode == doc["exit_code"] == 130, err
+    assert took < 1.5, f"took {took:.2f}s to stop"
+    assert host["result"] == "interrupted" and host["attempted"], host
+    stage = next(p for p in host["phases"] if p["name"] == "stage")
+    assert not stage["ok"] and "interrupted" in stage["detail"], stage
+    time.sleep(0.5)
+
+    def unchanged(snap: str) -> list[str]:  # all but the history line it recorded and the releases dir's mtime
+        skip = (f"{deployment.service_dir}/history.jsonl ", f"{deployment.service_dir}/releases ")
+        return [line for line in snap.splitlines() if not line.startswith(skip)]
+
+    assert unchanged(_snapshot(deployment)) == unchanged(before)
+    assert ".staging-" not in deployment.sh("h1", f"ls -a {deployment.service_dir}/releases")
+    last = json.loads(deployment.sh("h1", f"tail -n 1 {deployment.service_dir}/history.jsonl"))
+    assert last["result"] == "interrupted" and last["attempted"] == host["attempted"]
 
 
 def test_full_disk_is_refused_and_leaves_the_host_unchanged(deployment: Deployment,

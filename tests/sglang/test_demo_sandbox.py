@@ -47,9 +47,19 @@ def test_demo_gate_counts_the_real_markers(sglang_box: Sandbox, tmp_path: Path,
     report = json.loads(capsys.readouterr().out)
     assert code == 0, report
     workers = next(p for p in report["hosts"][0]["phases"] if p["name"] == "workers")
-    assert workers["detail"] == "2 markers x 2 workers"
+    assert workers["detail"] == "3 markers x 2 workers, config verify=on defrag=1 nsplit=64"
     journal = sglang_box.exec("h1", ["sh", "-c", "journalctl -u sglang-demo -o cat --no-pager"]).stdout
     assert journal.count("KV allocator TokenToKVPoolAllocator need_sort=True") == 2
+
+    # The gate follows the flags: turning defrag off no longer demands its marker, and back on does again.
+    for flags, detail in ((["KDTREE_DEFRAG_SORT=0"], "2 markers x 2 workers, config verify=on defrag=0 nsplit=64"),
+                          (["KDTREE_DEFRAG_SORT=1"], "3 markers x 2 workers, config verify=on defrag=1 nsplit=64"),
+                          (["KDTREE_VERIFY=off"], "1 markers x 2 workers, config verify=off defrag=1 nsplit=64")):
+        code = cli.main(["set-env", *flags, "--inventory", str(inv), "--json"])
+        report = json.loads(capsys.readouterr().out)
+        assert code == 0, report
+        workers = next(p for p in report["hosts"][0]["phases"] if p["name"] == "workers")
+        assert workers["detail"] == detail, (flags, workers)
 
 
 def test_a_service_on_the_sglang_venv_needs_a_sandbox_that_has_it(tmp_path: Path):
