@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from kdeploy import gate, history, lock, probe, provisional, release, systemd
-from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused, Unreachable
+from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused, RemoteTimeout, Unreachable
 from kdeploy.gatespec import GateSpec, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.remote import Remote
@@ -368,8 +368,8 @@ def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts
         started = restart_and_follow(remote, host, result, host.service.unit.timeout_stop_sec + 60)
         if opts.verify:
             gate.run_gate(remote, spec, result, release=target, started=started)
-    except PhaseFailed as exc:
-        rollback_after_failure(remote, host, result, opts, pending, exc.detail, previous_spec)
+    except (PhaseFailed, RemoteTimeout) as exc:
+        rollback_after_failure(remote, host, result, opts, pending, getattr(exc, "detail", str(exc)), previous_spec)
         return
     confirm(remote, host, result, pending)
     result.finish("deployed")

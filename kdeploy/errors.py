@@ -55,6 +55,11 @@ class Unreachable(KdeployError):
     exit_code = ExitCode.UNREACHABLE
 
 
+class RemoteTimeout(KdeployError):
+    """A command on a host that is still connected did not finish in time: the host is slow or stuck, not
+    unreachable, so after a switch it is rolled back rather than reconnected to."""
+
+
 class LockHeld(KdeployError):
     exit_code = ExitCode.LOCKED
 

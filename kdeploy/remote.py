@@ -14,7 +14,7 @@ from pathlib import Path
 
 import paramiko
 
-from kdeploy.errors import Unreachable
+from kdeploy.errors import RemoteTimeout, Unreachable
 from kdeploy.inventory import HostConfig
 from kdeploy.report import Cancelled
 
@@ -152,7 +152,10 @@ class Remote:
             rc = channel.recv_exit_status()
             channel.close()
         except TimeoutError:
-            raise Unreachable(f"{self.host.name}: remote command timed out after {timeout:g}s") from None
+            transport = self.client.get_transport()
+            if transport is None or not transport.is_active():
+                raise Unreachable(f"{self.host.name}: connection lost (no answer for {timeout:g}s)") from None
+            raise RemoteTimeout(f"{self.host.name}: remote command did not finish within {timeout:g}s") from None
         except (OSError, paramiko.SSHException, EOFError) as exc:
             raise Unreachable(f"{self.host.name}: connection lost: {exc or type(exc).__name__}") from None
         if rc == -1:

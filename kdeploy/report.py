@@ -7,19 +7,47 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 
-from kdeploy.errors import ExitCode, KdeployError, LockHeld, PreflightRefused, Unreachable, most_severe
+from kdeploy.errors import ExitCode, KdeployError, most_severe
 
-# result -> exit code
-RESULT_CODES = {
-    "deployed": ExitCode.OK, "unchanged": ExitCode.OK, "healthy": ExitCode.OK, "planned": ExitCode.OK,
-    "restored": ExitCode.OK, "ok": ExitCode.OK,
-    "rolled_back": ExitCode.ROLLED_BACK, "unhealthy": ExitCode.ROLLED_BACK,
-    "rollback_failed": ExitCode.ROLLBACK_FAILED, "unreachable": ExitCode.UNREACHABLE,
-    "locked": ExitCode.LOCKED, "preflight_refused": ExitCode.PREFLIGHT, "incompatible": ExitCode.PREFLIGHT,
-    "skipped": ExitCode.OK,
-    "failed": ExitCode.INTERNAL, "invalid": ExitCode.INVALID, "interrupted": ExitCode.INTERRUPTED,
-}
+
+class Result(StrEnum):
+    """How a host ended, and the exit code that stands for it (the one mapping of the two)."""
+
+    exit_code: ExitCode
+
+    def __new__(cls, value: str, code: ExitCode) -> Result:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.exit_code = code
+        return member
+
+    DEPLOYED = "deployed", ExitCode.OK
+    UNCHANGED = "unchanged", ExitCode.OK
+    HEALTHY = "healthy", ExitCode.OK
+    PLANNED = "planned", ExitCode.OK
+    RESTORED = "restored", ExitCode.OK
+    OK = "ok", ExitCode.OK
+    SKIPPED = "skipped", ExitCode.OK
+    ROLLED_BACK = "rolled_back", ExitCode.ROLLED_BACK
+    UNHEALTHY = "unhealthy", ExitCode.ROLLED_BACK
+    ROLLBACK_FAILED = "rollback_failed", ExitCode.ROLLBACK_FAILED
+    UNREACHABLE = "unreachable", ExitCode.UNREACHABLE
+    LOCKED = "locked", ExitCode.LOCKED
+    PREFLIGHT_REFUSED = "preflight_refused", ExitCode.PREFLIGHT
+    INCOMPATIBLE = "incompatible", ExitCode.PREFLIGHT
+    FAILED = "failed", ExitCode.INTERNAL
+    INVALID = "invalid", ExitCode.INVALID
+    INTERRUPTED = "interrupted", ExitCode.INTERRUPTED
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Result:
+        """The result a host ends with when ``exc`` stopped it: the one its exit code stands for."""
+        if isinstance(exc, Cancelled):
+            return cls.INTERRUPTED
+        code = exc.exit_code if isinstance(exc, KdeployError) else ExitCode.INTERNAL
+        return _BY_CODE.get(code, cls.FAILED)
 
 
 @dataclass
@@ -43,19 +71,9 @@ class Cancelled(Exception):
     """Ctrl-C: stop before the next change; what already changed is finished or reverted."""
 
 
-def classify(exc: BaseException) -> str:
-    """The result a host ends with when ``exc`` stopped it."""
-    if isinstance(exc, Unreachable):
-        return "unreachable"
-    if isinstance(exc, LockHeld):
-        return "locked"
-    if isinstance(exc, PreflightRefused):
-        return "preflight_refused"
-    if isinstance(exc, Cancelled):
-        return "interrupted"
-    if isinstance(exc, KdeployError) and exc.exit_code == ExitCode.INVALID:
-        return "invalid"
-    return "failed"
+# An exception's exit code -> the result it ends a host with (its first result of that code).
+_BY_CODE = {code: next(r for r in Result if r.exit_code == code)
+            for code in (ExitCode.UNREACHABLE, ExitCode.LOCKED, ExitCode.PREFLIGHT, ExitCode.INVALID)}
 
 
 Listener = Callable[[str, str, str], None]  # (host, phase, status) status: start|ok|fail|info
@@ -65,7 +83,7 @@ Listener = Callable[[str, str, str], None]  # (host, phase, status) status: star
 class HostResult:
     host: str
     ok: bool = True
-    result: str = "ok"
+    result: Result = Result.OK
     release: str | None = None
     phases: list[Phase] = field(default_factory=list)
     exit_code: int = 0
@@ -110,10 +128,10 @@ class HostResult:
         if self.listener:
             self.listener(self.host, phase, status)
 
-    def finish(self, result: str, error: str | None = None) -> HostResult:
+    def finish(self, result: Result | str, error: str | None = None) -> HostResult:
         self.done = True
-        self.result = result
-        self.exit_code = int(RESULT_CODES[result])
+        self.result = Result(result)
+        self.exit_code = int(self.result.exit_code)
         self.ok = self.exit_code == 0
         self.error = error
         self._emit("done", result)
@@ -122,7 +140,7 @@ class HostResult:
     def fail(self, exc: BaseException) -> None:
         """End the host with the result ``exc`` stands for, unless a result was already decided."""
         if not self.done:
-            self.finish(classify(exc), getattr(exc, "detail", None) or str(exc))
+            self.finish(Result.of(exc), getattr(exc, "detail", None) or str(exc))
 
     def failed_phase(self) -> Phase | None:
         return next((p for p in self.phases if not p.ok), None)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kdeploy import deploy, lock
+from kdeploy.errors import RemoteTimeout
 from kdeploy.remote import Remote
 from kdeploy.render import service_dir
 from tests.conftest import Deployment
@@ -270,3 +271,13 @@ def test_state_parser_reads_a_fresh_host(deployment: Deployment) -> None:
         state = deploy.parse_state(remote.run(deploy.state_script(host)).stdout)
     assert state.current is None and state.manifest == {} and state.unit_text is None
     assert state.unit.load == "not-found" and state.releases == []
+
+
+def test_a_slow_remote_command_is_a_timeout_not_unreachable(deployment: Deployment) -> None:
+    inv = deployment.load()
+    host = inv.hosts["h1"]
+    with Remote.connect(host, known_hosts=inv.local_path(host.known_hosts),
+                        identity_file=inv.local_path(host.identity_file)) as remote:
+        with pytest.raises(RemoteTimeout, match=r"did not finish within 0\.5s"):
+            remote.run("sleep 3", timeout=0.5)
+        assert remote.run("echo still here", timeout=10).stdout == "still here\n"

@@ -17,7 +17,7 @@ from kdeploy.errors import (
     Unreachable,
     most_severe,
 )
-from kdeploy.report import RESULT_CODES, HostResult, Phase, PhaseFailed, Report
+from kdeploy.report import Cancelled, HostResult, Phase, PhaseFailed, Report, Result
 
 # most severe first; INVALID (2) is outside the order: it wins outright
 SEVERITY = [5, 4, 3, 7, 6, 1, 0]
@@ -98,14 +98,33 @@ def test_phase_failed_marks_phase_and_propagates():
     assert (result.phases[1].ok, result.phases[1].detail) == (False, "h1: no route to host")
 
 
-@pytest.mark.parametrize(("result", "code"), sorted(RESULT_CODES.items()))
+@pytest.mark.parametrize(("result", "code"), [
+    ("deployed", 0), ("unchanged", 0), ("healthy", 0), ("planned", 0), ("restored", 0), ("ok", 0), ("skipped", 0),
+    ("rolled_back", 4), ("unhealthy", 4), ("rollback_failed", 5), ("unreachable", 3), ("locked", 6),
+    ("preflight_refused", 7), ("incompatible", 7), ("failed", 1), ("invalid", 2), ("interrupted", 130)])
 def test_finish_maps_result_to_exit_code(result, code):
     host = HostResult("h").finish(result, error="why" if code else None)
-    assert (host.result, host.exit_code, host.ok) == (result, int(code), code == 0)
+    assert (host.result, host.exit_code, host.ok) == (result, code, code == 0)
+    assert json.loads(json.dumps(host.as_json()))["result"] == result
+
+
+def test_every_result_is_documented_with_its_exit_code():
+    assert len(Result) == 17
+    assert {r.value: int(r.exit_code) for r in Result}["incompatible"] == 7
+
+
+@pytest.mark.parametrize(("exc", "result"), [
+    (Unreachable("x"), "unreachable"), (LockHeld("x"), "locked"), (PreflightRefused("x"), "preflight_refused"),
+    (InvalidInput("x"), "invalid"), (Cancelled("x"), "interrupted"), (PhaseFailed("x"), "failed"),
+    (KdeployError("x"), "failed"), (RuntimeError("x"), "failed")])
+def test_an_exception_ends_a_host_with_the_result_of_its_exit_code(exc, result):
+    host = HostResult("h")
+    host.fail(exc)
+    assert host.result == result and host.error == "x"
 
 
 def test_finish_rejects_unknown_result():
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError):
         HostResult("h").finish("exploded")
 
 
