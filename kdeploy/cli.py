@@ -181,6 +181,8 @@ def _plan(target: str, inventory: Path, as_json: bool, accept: bool, parallel: i
                 continue
             ui.err.rule(f"{host.host}: restart={'yes' if plan['restart'] else 'no'} "
                         f"daemon-reload={'yes' if plan['daemon_reload'] else 'no'}")
+            for reason in plan["reasons"]:
+                ui.err.print(f"  because: {reason}", markup=False)
             for key, sign in (("add", "+"), ("change", "~"), ("remove", "-")):
                 for path in plan[key]:
                     ui.err.print(f"  {sign} {path}", markup=False)

@@ -16,6 +16,7 @@ from kdeploy.gate import (
     MarkerVerdict,
     UnitVerdict,
     completion_verdict,
+    config_verdict,
     exit_watch_command,
     marker_verdict,
     unit_verdict,
@@ -232,3 +233,34 @@ def test_exit_watch_ends_with_the_session_that_started_it():
             time.sleep(0.05)
     finally:
         os.killpg(session.pid, signal.SIGKILL)
+
+
+# --- config_verdict ------------------------------------------------------------------------------------------
+
+CONFIG = "[kdtree] config"
+WANT = {"verify": "on", "defrag": "1", "nsplit": "64"}
+
+
+def config_lines(release: str, ranks: range, **overrides: str) -> list[JournalLine]:
+    values = {**WANT, **overrides}
+    return [JournalLine(1000 + r, f"{CONFIG} verify={values['verify']} defrag={values['defrag']} "
+                                  f"nsplit={values['nsplit']} release={release} (rank={r} pid={1000 + r})")
+            for r in ranks]
+
+
+def test_config_verdict_passes_when_every_worker_runs_the_intended_config():
+    assert config_verdict(config_lines("R2", range(8)), CONFIG, WANT, "R2") is None
+    assert config_verdict(config_lines("R2", range(8)), CONFIG, WANT, None) is None  # release not checked
+
+
+def test_config_verdict_names_workers_on_another_release_or_flags():
+    lines = config_lines("R2", range(3)) + config_lines("R1", range(3, 4)) + config_lines("R2", range(4, 8),
+                                                                                          defrag="0")
+    reason = config_verdict(lines, CONFIG, WANT, "R2")
+    assert reason == ("workers run another config: TP3 pid 1003: release=R1 (want R2); "
+                      "TP4 pid 1004: defrag=0 (want 1); TP5 pid 1005: defrag=0 (want 1) (+2 more)")
+
+
+def test_config_verdict_ignores_other_lines():
+    lines = [JournalLine(5, "[kdtree] plugin loaded via plugin (rank=0 pid=5)"), JournalLine(6, RANK_LINE)]
+    assert config_verdict(lines, CONFIG, WANT, "R2") is None

@@ -30,6 +30,8 @@ Files written:
                             and environment its process really received, as one JSON line
 * ``tricky.json``           the inputs: ``env`` and ``argv``
 * ``units/*.service``       the unit files as installed
+* ``state_pending.txt``     ``state.state_script(with_history=True)`` of a service pushed twice (the test plugin),
+                            then switched to a third release by a controller that never confirmed it
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 
-from kdeploy import systemd  # noqa: E402
+from kdeploy import cli, deploy, fleet, inventory, provisional, state, systemd  # noqa: E402
+from kdeploy.demo import demo_service, project_dir  # noqa: E402
+from kdeploy.render import quote_env_assignment, quote_exec_arg  # noqa: E402
+from kdeploy.report import HostResult  # noqa: E402
+from kdeploy.sandbox import Sandbox  # noqa: E402
 
 DEFAULT_MARKERS = ("[kdtree] defrag Tier-0", "[kdtree] installed verify override")
-from kdeploy.render import quote_env_assignment, quote_exec_arg  # noqa: E402
-from kdeploy.sandbox import Sandbox  # noqa: E402
 
 INSTANCE = 7
 HOST = "h1"
@@ -117,8 +121,39 @@ def main() -> None:
     try:
         box.up(1)
         capture(box)
+        capture_state(box)
     finally:
         box.down()
+
+
+def capture_state(box: Sandbox) -> None:
+    """Two confirmed pushes, then a third switched (armed for an hour) and left unconfirmed."""
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp())
+    payload = tmp / "payload"
+    shutil.copytree(HERE.parent / "testplugin", payload)
+    service = demo_service(project_dir(), sglang=False, name="kdcap", payload=str(payload), env={},
+                           gate={"workers": 8, "poll_interval": 0.25, "markers": ["[kdeploy-testplugin] loaded"],
+                                 "timeout": 60})
+    path = tmp / "inventory.yaml"
+    box.write_inventory(path, service)
+    for rev in ("1", "2"):
+        (payload / "rev.txt").write_text(rev)
+        assert cli.main(["push", HOST, "-i", str(path)]) == 0
+    (payload / "rev.txt").write_text("3")
+    inv = inventory.load(path)
+    host = inv.hosts[HOST]
+    step = deploy.HostPush(inv, host, fleet.prepare(inv, [HOST])[HOST], deploy.Options(), HostResult(HOST))
+    step.prepare()
+    assert step.state is not None and step.remote is not None and step.staged
+    pending = provisional.new_pending(step.state.confirmed, step.staged, 3600)
+    deploy._activate(step.remote, host, step.result, step.staged, step.install_unit, pending)
+    step.remote.close()
+    out = box.exec(HOST, ["sh", "-c", state.state_script(host, with_history=True)]).stdout
+    (HERE / "state_pending.txt").write_text(out)
+    print(f"wrote state_pending.txt ({len(out)} chars)")
 
 
 def capture(box: Sandbox) -> None:
