@@ -230,7 +230,10 @@ class HostPush:
             with self.result.phase("relock") as phase:
                 if self.held is not None and self.held.remote_pid:
                     remote.run(lock.end_holder_command(sdir, self.held.remote_pid), timeout=30)
-                self.held = lock.acquire(remote, sdir, wait=RELOCK_WAIT, then=state_script(self.host))
+                # Holding the lock, no revert can be half way: one waiting for it would end us, stop it.
+                waiting = provisional.stop_revert_service(provisional.timer_unit(self.host.service.name))
+                self.held = lock.acquire(remote, sdir, wait=RELOCK_WAIT,
+                                         then=f"{waiting}\n{state_script(self.host)}")
                 state = parse_state(self.held.output)
                 phase.detail = f"lock taken again; current {state.current or 'none'}"
         except KdeployError as exc:

@@ -110,6 +110,12 @@ def _stop(timer: str) -> str:
             f"systemctl reset-failed {t}.timer {t}.service 2>/dev/null || true")
 
 
+def stop_revert_service(timer: str) -> str:
+    """Stop a revert that fired and waits for the lock: only safe while holding the lock (it is then
+    still waiting, not half way through)."""
+    return f"systemctl stop {shlex.quote(timer)}.service 2>/dev/null || true"
+
+
 def arm_script(service_dir: str, unit_file: str, timer: str, pending: Pending, policy: str) -> str:
     """Lines for the activation script: replace any armed revert, record ``pending``, arm the timer."""
     d = shlex.quote(service_dir)

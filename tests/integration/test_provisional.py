@@ -12,6 +12,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -182,3 +183,54 @@ def test_gate_failure_rolls_back_with_the_old_release_config(quick: Deployment,
     assert workers["ok"] and workers["detail"].startswith("1 markers x 8 workers"), workers
     assert host["release"] == old == _current(quick)
     assert quick.sh("h1", f"ls {quick.service_dir}/pending 2>&1", check=False).endswith("No such file or directory\n")
+
+
+def test_link_lost_after_the_switch_reconnects_relocks_and_rolls_back(quick: Deployment,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The controller's link dies during the gate (blackholed long enough for TCP to give up), then heals:
+    kdeploy reconnects, ends its own orphaned lock holder, takes the lock and rolls back, or finds that the
+    host already went back by itself. Either way the host ends on its old release, healthy."""
+    old = _deployed(quick, capsys)
+    quick.set_service(env={"REFSERVER_SLOW_START": "60"})
+    healed = threading.Event()
+
+    def heal_later() -> None:
+        time.sleep(35)  # past the 30 s TCP user timeout: the controller declares the link dead
+        quick.fleet.heal("h1")
+        healed.set()
+
+    def blackhole_once_restarted(host: str, phase: str, status: str) -> None:
+        if (phase, status) == ("restart", "ok") and not healed.is_set():
+            quick.fleet.blackhole("h1")
+            threading.Thread(target=heal_later, daemon=True).start()
+
+    try:
+        report = fleet.push(quick.load(), "test", Options(), listener=blackhole_once_restarted)
+    finally:
+        healed.wait(60)
+        quick.fleet.heal("h1")
+    host = report.hosts[0]
+    assert host.result == "rolled_back", (host.error, [(p.name, p.detail) for p in host.phases])
+    assert host.release == old == _current(quick)
+    assert any(p.name == "relock" and p.ok for p in host.phases), host.phases
+    deadline = time.monotonic() + 30
+    while quick.show("h1", "ActiveState") != "active" and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert quick.show("h1", "ActiveState") == "active"
+    assert quick.sh("h1", f"ls {quick.service_dir}/pending 2>&1", check=False).endswith("No such file or directory\n")
+    assert not quick.sh("h1", f"cat {quick.service_dir}/lock.json 2>/dev/null", check=False).strip()
+
+
+def test_pruning_keeps_the_release_that_ran_before_the_push(quick: Deployment,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    quick.set_service(keep_releases=2)
+    first = _deployed(quick, capsys)
+    (quick.payload / "rev.txt").write_text("2")
+    _deployed(quick, capsys)
+    assert quick.kdeploy("rollback", "test", "--to", first) == 0
+    (quick.payload / "rev.txt").write_text("3")
+    third = _deployed(quick, capsys)
+    releases = quick.sh("h1", f"ls {quick.service_dir}/releases").split()
+    assert first in releases and third in releases, releases  # first ran just before: a rollback's target
+    code, doc = quick.json(capsys, "rollback", "test")
+    assert code == 0 and doc["hosts"][0]["release"] == first, doc
