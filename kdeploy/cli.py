@@ -271,6 +271,7 @@ def _edit(edit: settings.Edit, command: str, as_json: bool, no_apply: bool, acce
         if as_json:
             sys.stdout.write(json.dumps(Report(command, []).as_json()) + "\n")
         return
+    local = fleet.check_edit(edit)
     ui.err.print(edit.diff(), markup=False, end="")
     if no_apply:
         settings.write(edit)
@@ -279,7 +280,8 @@ def _edit(edit: settings.Edit, command: str, as_json: bool, no_apply: bool, acce
         ui.err.print(f"{edit.path} updated at {edit.level}; not rolled out (--no-apply): run `kdeploy push all`")
     else:
         opts = _options(accept_new_host_keys=accept)
-        report = ui.run(lambda listener: fleet.apply_edit(edit, command, opts, parallel=parallel, listener=listener))
+        report = ui.run(lambda listener: fleet.apply_edit(edit, local, command, opts, parallel=parallel,
+                                                              listener=listener))
         facts = report.extra["inventory"]
         if not facts["rolled_out_to"]:
             ui.err.print("no host's unit changed: nothing to roll out")

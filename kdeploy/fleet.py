@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
 from pathlib import Path
 
-from kdeploy import deploy, inventory, settings
+from kdeploy import deploy, settings
 from kdeploy.deploy import Local, Options
 from kdeploy.errors import InvalidInput, KdeployError
 from kdeploy.inventory import HostConfig, Inventory
@@ -218,22 +218,29 @@ def changed_hosts(old: Inventory, new: Inventory) -> list[str]:
             or old.payload_dir(old.hosts[name]) != new.payload_dir(host)]
 
 
-def apply_edit(edit: settings.Edit, command: str, opts: Options | None = None, *, parallel: int = DEFAULT_PARALLEL,
-               listener: Listener | None = None) -> Report:
-    """Write an inventory edit and push it to the hosts it changes; a failed rollout reverts the edit.
+def check_edit(edit: settings.Edit) -> dict[str, Local]:
+    """What the edit's rollout computes locally (units, payload hashes) for the hosts it changes, before the
+    file is written: a value that validates but cannot be pushed (a missing payload) fails here."""
+    return prepare(edit.new, changed_hosts(edit.old, edit.new))
+
+
+def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts: Options | None = None, *,
+               parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
+    """Write an inventory edit and push it to the hosts it changes (``local``, from ``check_edit``); a failed
+    rollout reverts the edit.
 
     Hosts that took the new config are then pushed the old one again, so inventory and hosts agree.
     """
     opts = opts or Options()
-    old = inventory.parse(inventory.read_raw(edit.path), edit.path)
-    settings.write(edit)
-    new = inventory.load(edit.path)
-    names = changed_hosts(old, new)
+    names = list(local)
+    for spec in (opts.batch, opts.max_fail):
+        count(spec, 1, 1)  # bad syntax fails before the file is written
     facts: dict = {"inventory": {"path": str(edit.path), "level": edit.level, "diff": edit.diff(),
                                  "rolled_out_to": names, "reverted": False}}
+    settings.write(edit)
     if not names:
         return Report(command, [], facts)
-    report = push(new, ",".join(names), opts, parallel=parallel, listener=listener)
+    report = rollout(edit.new, names, local, opts, parallel=parallel, listener=listener)
     report.command, report.extra = command, facts
     if report.ok:
         return report
@@ -241,7 +248,7 @@ def apply_edit(edit: settings.Edit, command: str, opts: Options | None = None, *
     facts["inventory"]["reverted"] = True
     moved = [h.host for h in report.hosts if h.result == "deployed"]
     if moved:
-        back = push(old, ",".join(moved), opts, parallel=parallel, listener=listener)
+        back = push(edit.old, ",".join(moved), opts, parallel=parallel, listener=listener)
         facts["inventory"]["restored_hosts"] = {h.host: h.result for h in back.hosts}
         for host, restored in zip(moved, back.hosts, strict=True):
             match = next(h for h in report.hosts if h.host == host)

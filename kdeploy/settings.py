@@ -1,7 +1,8 @@
 """Edit the inventory in place (``set-env``, ``set``): comments, order and formatting survive.
 
-An edit is computed on the round-trip document, validated exactly as a load would, and only then written
-atomically; a bad value leaves the file byte-for-byte unchanged.
+An edit is computed on the round-trip document and validated exactly as a load would; ``fleet.check_edit``
+then computes what its push would (units, payload hashes), and only then is it written atomically. A bad
+value leaves the file byte-for-byte unchanged.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import difflib
 import io
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,8 @@ class Edit:
     before: str
     after: str
     level: str
+    old: inventory.Inventory  # ``before`` and ``after``, validated
+    new: inventory.Inventory
 
     @property
     def changed(self) -> bool:
@@ -78,17 +82,17 @@ def _child(node: CommentedMap, key: str) -> CommentedMap:
     return child
 
 
-def _apply(path: Path, scope: str | None, change: object) -> Edit:
-    before = path.read_text() if path.exists() else ""
-    inv = inventory.load(path)
-    doc = inventory.read_raw(path)
-    level, name = _level(doc, inv, scope)
-    change(level, name)  # type: ignore[operator]
+def _apply(path: Path, scope: str | None, change: Callable[[CommentedMap, str], None]) -> Edit:
+    before = inventory.read_text(path)  # read once: the edit, its checks and its undo all start from this text
+    old = inventory.parse(inventory.parse_yaml(before, path), path)
+    doc = inventory.parse_yaml(before, path)
+    level, name = _level(doc, old, scope)
+    change(level, name)
     buf = io.StringIO()
     _yaml().dump(doc, buf)
     after = buf.getvalue()
-    inventory.parse(_yaml().load(after), path)  # validate exactly as a load would, before writing anything
-    return Edit(path, before, after, name)
+    new = inventory.parse(_yaml().load(after), path)  # validate exactly as a load would, before writing anything
+    return Edit(path, before, after, name, old, new)
 
 
 def set_env(path: Path, assignments: dict[str, str], unset: list[str], scope: str | None = None) -> Edit:

@@ -41,7 +41,8 @@ def test_invalid_value_changes_nothing(deployment: Deployment, capsys: pytest.Ca
     before = deployment.path.read_bytes()
     for args in (["set-env", "BAD NAME=1"], ["set-env", "X=a\nb"], ["set", "hicache.ratio=0"],
                  ["set", "hicache.write_policy=write_sometimes"], ["set", "hicache.ration=2"],
-                 ["set-env", "--unset", "NOT_THERE"], ["set-env", "A=1", "--target", "nohost"]):
+                 ["set-env", "--unset", "NOT_THERE"], ["set-env", "A=1", "--target", "nohost"],
+                 ["set", "payload=missing"]):  # valid YAML and settings, but no push could scan it
         capsys.readouterr()
         code = cli.main([*args, "--inventory", str(deployment.path)])
         err = capsys.readouterr().err
