@@ -2,24 +2,29 @@
 
 An edit is computed on the round-trip document and validated exactly as a load would; ``fleet.check_edit``
 then computes what its push would (units, payload hashes), and only then is it written atomically. A bad
-value leaves the file byte-for-byte unchanged.
+value leaves the file byte-for-byte unchanged. ``locked`` keeps a second kdeploy from editing the same file
+while an edit is rolled out (and maybe reverted).
 """
 
 from __future__ import annotations
 
 import difflib
+import fcntl
 import io
+import json
 import os
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
-from kdeploy import inventory
-from kdeploy.errors import InvalidInput
+from kdeploy import inventory, lock
+from kdeploy.errors import InvalidInput, LockHeld
 
 
 @dataclass(frozen=True)
@@ -142,3 +147,39 @@ def write(edit: Edit, text: str | None = None) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def locked(path: Path, wait: float, command: str) -> Iterator[None]:
+    """Hold the inventory's edit lock: an flock on ``.<name>.lock`` beside it (the inventory itself is replaced
+    by every write, so it cannot carry the lock), which names its holder. Waits up to ``wait`` seconds."""
+    inventory.read_text(path)  # a missing inventory fails as a load would, without leaving a lock file behind
+    lock_path = path.with_name(f".{path.name}.lock")
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise InvalidInput(f"{lock_path}: cannot create the inventory's lock file: {exc.strerror}") from None
+    try:
+        deadline = time.monotonic() + wait
+        while not _try_flock(fd):
+            if time.monotonic() >= deadline:
+                holder = lock.parse_info(os.pread(fd, 4096, 0).decode(errors="replace"))
+                raise LockHeld(f"{path} is being edited by {holder.describe() if holder else 'another kdeploy'}: "
+                               "try again when it is done, or wait with --lock-wait SECONDS")
+            time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(lock.holder_info(command).__dict__).encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)  # lets go of the flock
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
