@@ -292,6 +292,8 @@ def _edit(command: str, path: Path, make: Callable[[], settings.Edit], as_json: 
             elif facts["reverted"]:
                 ui.err.print(f"[red]rollout failed: the edit of {edit.path} was REVERTED[/]; hosts that took it were "
                              f"pushed the old config again: {facts.get('restored_hosts', {})}")
+            for conflict in facts.get("conflicts", []):
+                ui.err.print(f"[red]not reverted:[/] {escape(conflict)}")
     ui.report(report, table=bool(report.hosts))
     _exit(report)
 

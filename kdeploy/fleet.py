@@ -229,7 +229,9 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
     """Write an inventory edit and push it to the hosts it changes (``local``, from ``check_edit``); a failed
     rollout reverts the edit.
 
-    Hosts that took the new config are then pushed the old one again, so inventory and hosts agree.
+    The revert undoes this edit's keys on the file as it is then, so what others changed meanwhile survives
+    (a key they changed too is theirs: left, and named under ``conflicts``). Hosts that took the new config
+    are then pushed the old one again, so inventory and hosts agree.
     """
     opts = opts or Options()
     names = list(local)
@@ -244,8 +246,12 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
     report.command, report.extra = command, facts
     if report.ok:
         return report
-    settings.write(edit, edit.before)
-    facts["inventory"]["reverted"] = True
+    try:
+        conflicts = settings.revert(edit)
+    except KdeployError as exc:  # the file was made unreadable, or is being written right now
+        facts["inventory"]["conflicts"] = [f"the edit could not be reverted: {exc}"]
+    else:
+        facts["inventory"].update(reverted=True, conflicts=conflicts)
     moved = [h.host for h in report.hosts if h.result == "deployed"]
     if moved:
         back = push(edit.old, ",".join(moved), opts, parallel=parallel, listener=listener)

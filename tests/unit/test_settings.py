@@ -7,15 +7,18 @@ person would), so what is tested is the inventory file and what is handed to the
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from ruamel.yaml import YAML
 
-from kdeploy import cli, fleet
+from kdeploy import cli, fleet, inventory, settings
 from kdeploy.deploy import Options
 from kdeploy.inventory import Inventory
 from kdeploy.report import HostResult, Report
@@ -127,7 +130,7 @@ def test_the_lock_is_held_through_the_rollout_and_names_its_holder(path: Path, c
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[str] = []
 
-    def rollout(inv: Inventory, names: list[str], local: dict, opts: Options, **_: object) -> Report:
+    def check_lock() -> None:
         fd = os.open(lock_file(path), os.O_RDWR)
         try:
             with pytest.raises(BlockingIOError):
@@ -135,11 +138,106 @@ def test_the_lock_is_held_through_the_rollout_and_names_its_holder(path: Path, c
         finally:
             os.close(fd)
         seen.append(lock_file(path).read_text())
-        return Report("push", [HostResult(n).finish("deployed") for n in names])
 
-    monkeypatch.setattr(fleet, "rollout", rollout)
+    fake_rollouts(monkeypatch, {"h1": "deployed", "h2": "deployed"}, check_lock)
     code, err = run(path, capsys, "set-env", "A=1")
     assert code == 0, err
     holder = json.loads(seen[0])
     assert holder["command"] == "kdeploy set-env" and holder["pid"] == os.getpid()
     assert lock_file(path).read_text() == ""  # let go, and no stale holder left in it
+
+
+# --- a failed rollout undoes the edit, and only the edit ----------------------------------------------
+
+
+def fake_rollouts(monkeypatch: pytest.MonkeyPatch, results: dict[str, str],
+                  during: Callable[[], None] = lambda: None) -> list[tuple[list[str], Options]]:
+    """Replace the rollout: the edit's ends each host with ``results`` after running ``during``; a second
+    one (the old config pushed back) deploys. Returns each call's hosts and options."""
+    calls: list[tuple[list[str], Options]] = []
+
+    def rollout(inv: Inventory, names: list[str], local: dict, opts: Options, **_: object) -> Report:
+        calls.append((list(names), opts))
+        if len(calls) > 1:
+            return Report("push", [HostResult(n).finish("deployed") for n in names])
+        during()
+        return Report("push", [HostResult(n).finish(results[n]) for n in names])
+
+    monkeypatch.setattr(fleet, "rollout", rollout)
+    return calls
+
+
+def edit_json(path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
+    """(exit code, the JSON document's ``inventory`` facts); stderr names every key left unreverted."""
+    capsys.readouterr()
+    code = cli.main([*args, "--inventory", str(path), "--json"])
+    out, err = capsys.readouterr()
+    facts = json.loads(out)["inventory"]
+    assert "Traceback" not in err
+    assert all(conflict in err for conflict in facts.get("conflicts", [])), err
+    return code, facts
+
+
+def hand_edit(text: str) -> str:
+    """What someone changes by hand while kdeploy rolls out its edit: another key, a comment, a new key."""
+    return (text.replace('KDTREE_NSPLIT: "64"', 'KDTREE_NSPLIT: "32"   # tuned by hand')
+            .replace("    address: 192.0.2.2\n", "    address: 192.0.2.2\n    port: 2222\n"))
+
+
+@pytest.mark.parametrize("args", [["set-env", "A=1"], ["set-env", "--unset", "KDTREE_VERIFY"],
+                                  ["set", "sglang.mem_fraction_static=0.8", "--target", "h1"],
+                                  ["set-env", "A=1", "--target", "pair"]],
+                         ids=["add", "unset", "new-mappings", "short-group"])
+def test_a_failed_rollout_undoes_only_its_own_keys(path: Path, capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:
+    """The revert is the inverse edit on the file as it is then: what others changed meanwhile survives, and
+    where nobody did, the file is byte-for-byte what it was (comments, order, mappings the edit created)."""
+    fake_rollouts(monkeypatch, {"h1": "rolled_back", "h2": "rolled_back"},
+                  lambda: path.write_text(hand_edit(path.read_text())))
+    code, facts = edit_json(path, capsys, *args)
+    assert code == 4
+    assert path.read_text() == hand_edit(INVENTORY)
+    assert facts["reverted"] is True and facts["conflicts"] == []
+
+
+def test_a_key_someone_else_changed_meanwhile_is_left_as_they_set_it(path: Path, capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    def someone_sets_it_too() -> None:
+        path.write_text(path.read_text().replace('KDTREE_NSPLIT: "16"', 'KDTREE_NSPLIT: "128"'))
+
+    calls = fake_rollouts(monkeypatch, {"h1": "deployed", "h2": "rolled_back"}, someone_sets_it_too)
+    code, facts = edit_json(path, capsys, "set-env", "KDTREE_NSPLIT=16", "KDTREE_VERIFY=off")
+    assert code == 4
+    assert path.read_text() == INVENTORY.replace('KDTREE_NSPLIT: "64"', 'KDTREE_NSPLIT: "128"')  # VERIFY undone
+    assert facts["reverted"] is True
+    assert facts["conflicts"] == ["defaults.service.env.KDTREE_NSPLIT: changed meanwhile to '128' (kdeploy set "
+                                  "'16'); left as it is"]
+    assert [names for names, _ in calls] == [["h1", "h2"], ["h1"]]  # h1 still goes back to the old config
+
+
+def test_a_hand_edit_during_the_checks_is_not_overwritten(path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    check = fleet.check_edit
+
+    def check_while_someone_edits(edit: object) -> dict:
+        path.write_text(hand_edit(path.read_text()))
+        return check(edit)
+
+    monkeypatch.setattr(fleet, "check_edit", check_while_someone_edits)
+    code, err = run(path, capsys, "set-env", "A=1", "--no-apply")
+    assert code == 6
+    assert "changed by someone else" in err[-1] and "not written" in err[-1], err  # after the diff it meant to write
+    assert path.read_text() == hand_edit(INVENTORY)
+
+
+def test_undo_keeps_a_key_removed_meanwhile_and_skips_one_already_back(path: Path) -> None:
+    edit = settings.set_env(path, {"KDTREE_NSPLIT": "16", "KDTREE_VERIFY": "off", "A": "1"}, [])
+    now = (edit.after.replace('      KDTREE_NSPLIT: "16"\n', "")  # someone removed it
+           .replace('KDTREE_VERIFY: "off"  #', 'KDTREE_VERIFY: "on"   #'))  # someone put it back already
+    doc = inventory.parse_yaml(now, path)
+    undone, kept = settings.undo(doc, edit.changes)
+    assert undone == 1  # only A, which is still as the edit left it
+    assert kept == ["defaults.service.env.KDTREE_NSPLIT: removed meanwhile (kdeploy set '16'); left as it is"]
+    out = io.StringIO()
+    YAML().dump(doc, out)
+    assert out.getvalue() == INVENTORY.replace('      KDTREE_NSPLIT: "64"\n', "")
