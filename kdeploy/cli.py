@@ -290,8 +290,8 @@ def _edit(command: str, path: Path, make: Callable[[], settings.Edit], as_json: 
             if not facts["rolled_out_to"]:
                 ui.err.print("no host's unit changed: nothing to roll out")
             elif facts["reverted"]:
-                ui.err.print(f"[red]rollout failed: the edit of {edit.path} was REVERTED[/]; hosts that took it were "
-                             f"pushed the old config again: {facts.get('restored_hosts', {})}")
+                ui.err.print(f"[red]rollout failed or interrupted: the edit of {edit.path} was REVERTED[/]; hosts "
+                             f"that took it were pushed the old config again: {facts.get('restored_hosts', {})}")
             for conflict in facts.get("conflicts", []):
                 ui.err.print(f"[red]not reverted:[/] {escape(conflict)}")
     ui.report(report, table=bool(report.hosts))

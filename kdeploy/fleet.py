@@ -12,6 +12,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -254,7 +255,10 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
         facts["inventory"].update(reverted=True, conflicts=conflicts)
     moved = [h.host for h in report.hosts if h.result == "deployed"]
     if moved:
-        back = push(edit.old, ",".join(moved), opts, parallel=parallel, listener=listener)
+        # Its own cancel state: the Ctrl-C that stopped the rollout must not stop the way back (a new one
+        # does). No canary or max-fail either: every host that moved goes back.
+        back_opts = replace(opts, cancel=threading.Event(), canary=0, max_fail=None)
+        back = push(edit.old, ",".join(moved), back_opts, parallel=parallel, listener=listener)
         facts["inventory"]["restored_hosts"] = {h.host: h.result for h in back.hosts}
         for host, restored in zip(moved, back.hosts, strict=True):
             match = next(h for h in report.hosts if h.host == host)

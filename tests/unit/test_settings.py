@@ -241,3 +241,18 @@ def test_undo_keeps_a_key_removed_meanwhile_and_skips_one_already_back(path: Pat
     out = io.StringIO()
     YAML().dump(doc, out)
     assert out.getvalue() == INVENTORY.replace('      KDTREE_NSPLIT: "64"\n', "")
+
+
+def test_after_ctrl_c_the_old_config_goes_back_with_a_cancel_state_of_its_own(
+        path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C stops the rollout (h1 took the new config, h2 never started); putting h1 back must not be
+    stopped by that same Ctrl-C, or h1 keeps a config the reverted inventory no longer has."""
+    calls = fake_rollouts(monkeypatch, {"h1": "deployed", "h2": "interrupted"},
+                          lambda: calls[0][1].cancel.set())  # Ctrl-C once h1's batch is done
+    code, facts = edit_json(path, capsys, "set-env", "A=1", "--parallel", "1")
+    assert code == 130
+    assert path.read_text() == INVENTORY and facts["reverted"] is True
+    (first, cancelled), (back, restore) = calls
+    assert first == ["h1", "h2"] and cancelled.cancel.is_set()
+    assert back == ["h1"] and not restore.cancel.is_set()
+    assert facts["restored_hosts"] == {"h1": "deployed"}
