@@ -84,6 +84,7 @@ def split_assignment(text: str) -> tuple[str, str]:
 def _yaml() -> YAML:
     yaml = YAML(typ="rt")
     yaml.preserve_quotes = True
+    yaml.width = 4096  # ruamel folds longer plain scalars onto a new line: a long path would be reformatted
     return yaml
 
 

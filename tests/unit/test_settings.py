@@ -256,3 +256,12 @@ def test_after_ctrl_c_the_old_config_goes_back_with_a_cancel_state_of_its_own(
     assert first == ["h1", "h2"] and cancelled.cancel.is_set()
     assert back == ["h1"] and not restore.cancel.is_set()
     assert facts["restored_hosts"] == {"h1": "deployed"}
+
+
+def test_an_edit_leaves_long_lines_as_they_are(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ruamel folds plain scalars past 80 columns; an edit must not reformat lines it did not change."""
+    long = "    python: /opt/" + "very-long-directory-name/" * 4 + "bin/python3\n"
+    path.write_text(INVENTORY.replace("    python: /usr/bin/python3\n", long))
+    code, _ = run(path, capsys, "set-env", "A=1", "--no-apply")
+    assert code == 0
+    assert long in path.read_text()
