@@ -258,9 +258,12 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
         # Its own cancel state: the Ctrl-C that stopped the rollout must not stop the way back (a new one
         # does). No canary or max-fail either: every host that moved goes back.
         back_opts = replace(opts, cancel=threading.Event(), canary=0, max_fail=None)
-        back = push(edit.old, ",".join(moved), back_opts, parallel=parallel, listener=listener)
-        facts["inventory"]["restored_hosts"] = {h.host: h.result for h in back.hosts}
-        for host, restored in zip(moved, back.hosts, strict=True):
+        try:
+            back = push(edit.old, ",".join(moved), back_opts, parallel=parallel, listener=listener).hosts
+        except KdeployError as exc:  # the old payload or template is gone or unreadable by now
+            back = [HostResult(name).finish("failed", str(exc)) for name in moved]
+        facts["inventory"]["restored_hosts"] = {h.host: h.result for h in back}
+        for host, restored in zip(moved, back, strict=True):
             match = next(h for h in report.hosts if h.host == host)
             match.data["restored"] = restored.result
             if not restored.ok:

@@ -10,6 +10,7 @@ import fcntl
 import io
 import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -265,3 +266,23 @@ def test_an_edit_leaves_long_lines_as_they_are(path: Path, capsys: pytest.Captur
     code, _ = run(path, capsys, "set-env", "A=1", "--no-apply")
     assert code == 0
     assert long in path.read_text()
+
+
+def test_an_old_config_that_cannot_be_pushed_back_any_more_ends_rollback_failed(
+        path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old payload is gone by the time it is needed. That is not exit 2 ("invalid input, nothing was
+    touched"): h1 runs a config the reverted inventory no longer has, so it needs a person (exit 5)."""
+    old, new = tmp_path / "old-payload", tmp_path / "new-payload"
+    for copy in (old, new):
+        shutil.copytree(REPO / "tests/data/testplugin", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    text = INVENTORY.replace(f"{REPO}/tests/data/testplugin", str(old))
+    path.write_text(text)
+    calls = fake_rollouts(monkeypatch, {"h1": "deployed", "h2": "rolled_back"}, lambda: shutil.rmtree(old))
+    capsys.readouterr()
+    code = cli.main(["set", f"payload={new}", "--inventory", str(path), "--json"])
+    out, err = capsys.readouterr()
+    hosts = {h["host"]: h for h in json.loads(out)["hosts"]}
+    assert code == 5, err
+    assert hosts["h1"]["result"] == "rollback_failed"
+    assert hosts["h1"]["error"] == f"put back to the old config failed: {old}: payload directory not found"
+    assert path.read_text() == text and len(calls) == 1
