@@ -293,7 +293,7 @@ def _edit(command: str, path: Path, make: Callable[[], settings.Edit], as_json: 
                 ui.err.print(f"[red]rollout failed or interrupted: the edit of {edit.path} was REVERTED[/]; hosts "
                              f"that took it were pushed the old config again: {facts.get('restored_hosts', {})}")
             for conflict in facts.get("conflicts", []):
-                ui.err.print(f"[red]not reverted:[/] {escape(conflict)}")
+                ui.err.print(f"[red]not reverted:[/] {escape(conflict)}", soft_wrap=True)  # one line each
     ui.report(report, table=bool(report.hosts))
     _exit(report)
 

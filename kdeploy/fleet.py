@@ -249,7 +249,7 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
         return report
     try:
         conflicts = settings.revert(edit)
-    except KdeployError as exc:  # the file was made unreadable, or is being written right now
+    except (KdeployError, OSError) as exc:  # the file was made unreadable, is being written, the disk is full
         facts["inventory"]["conflicts"] = [f"the edit could not be reverted: {exc}"]
     else:
         facts["inventory"].update(reverted=True, conflicts=conflicts)

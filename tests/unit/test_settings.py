@@ -286,3 +286,16 @@ def test_an_old_config_that_cannot_be_pushed_back_any_more_ends_rollback_failed(
     assert hosts["h1"]["result"] == "rollback_failed"
     assert hosts["h1"]["error"] == f"put back to the old config failed: {old}: payload directory not found"
     assert path.read_text() == text and len(calls) == 1
+
+
+def test_a_file_that_cannot_be_read_any_more_is_not_reverted_and_says_why(
+        path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = "defaults: [half written\n"
+    calls = fake_rollouts(monkeypatch, {"h1": "deployed", "h2": "rolled_back"}, lambda: path.write_text(broken))
+    code, facts = edit_json(path, capsys, "set-env", "A=1")
+    assert code == 4
+    assert path.read_text() == broken  # theirs, not overwritten
+    assert facts["reverted"] is False
+    assert facts["conflicts"] == [f"the edit could not be reverted: {path}:2: invalid YAML: "
+                                  "expected ',' or ']', but got '<stream end>'"]
+    assert [names for names, _ in calls] == [["h1", "h2"], ["h1"]]  # the hosts still go back
