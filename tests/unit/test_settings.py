@@ -299,3 +299,15 @@ def test_a_file_that_cannot_be_read_any_more_is_not_reverted_and_says_why(
     assert facts["conflicts"] == [f"the edit could not be reverted: {path}:2: invalid YAML: "
                                   "expected ',' or ']', but got '<stream end>'"]
     assert [names for names, _ in calls] == [["h1", "h2"], ["h1"]]  # the hosts still go back
+
+
+def test_a_revert_nobody_raced_puts_back_the_exact_text(path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layouts a round trip cannot keep (here a value on the line after its key, as ruamel itself folds long
+    ones) come back too when nobody touched the file during the rollout."""
+    folded = INVENTORY.replace("    python: /usr/bin/python3\n", "    python:\n      /usr/bin/python3\n")
+    path.write_text(folded)
+    fake_rollouts(monkeypatch, {"h1": "rolled_back", "h2": "rolled_back"})
+    code, facts = edit_json(path, capsys, "set-env", "A=1")
+    assert code == 4 and facts["reverted"] is True
+    assert path.read_text() == folded
