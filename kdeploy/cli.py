@@ -267,34 +267,44 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
     _exit(report)
 
 
-def _edit(edit: settings.Edit, command: str, as_json: bool, no_apply: bool, accept: bool, parallel: int) -> None:
+def _edit(command: str, path: Path, make: Callable[[], settings.Edit], as_json: bool, no_apply: bool, accept: bool,
+          parallel: int, lock_wait: float) -> None:
+    """Make, check, write and roll out an edit under the inventory's lock; a second kdeploy waits or exits 6."""
     ui = Ui(as_json)
-    if not edit.changed:
-        ui.err.print("inventory already says so: nothing to change")
-        if as_json:
-            sys.stdout.write(json.dumps(Report(command, []).as_json()) + "\n")
-        return
-    ui.err.print(edit.diff(), markup=False, end="")
-    if no_apply:
-        settings.write(edit)
-        report = Report(command, [], {"inventory": {"path": str(edit.path), "level": edit.level, "diff": edit.diff(),
-                                                    "rolled_out_to": [], "reverted": False}})
-        ui.err.print(f"{edit.path} updated at {edit.level}; not rolled out (--no-apply): run `kdeploy push all`")
-    else:
-        opts = _options(accept_new_host_keys=accept)
-        report = ui.run(lambda listener: fleet.apply_edit(edit, command, opts, parallel=parallel, listener=listener))
-        facts = report.extra["inventory"]
-        if not facts["rolled_out_to"]:
-            ui.err.print("no host's unit changed: nothing to roll out")
-        elif facts["reverted"]:
-            ui.err.print(f"[red]rollout failed: the edit of {edit.path} was REVERTED[/]; hosts that took it were "
-                         f"pushed the old config again: {facts.get('restored_hosts', {})}")
+    with settings.locked(path, lock_wait, f"kdeploy {command}"):
+        edit = make()  # under the lock: from the file as the previous edit left it
+        if not edit.changed:
+            ui.err.print("inventory already says so: nothing to change")
+            if as_json:
+                sys.stdout.write(json.dumps(Report(command, []).as_json()) + "\n")
+            return
+        local = fleet.check_edit(edit)
+        ui.err.print(edit.diff(), markup=False, end="")
+        if no_apply:
+            settings.write(edit)
+            report = Report(command, [], {"inventory": {"path": str(edit.path), "level": edit.level,
+                                                        "diff": edit.diff(), "rolled_out_to": [], "reverted": False}})
+            ui.err.print(f"{edit.path} updated at {edit.level}; not rolled out (--no-apply): run `kdeploy push all`")
+        else:
+            opts = _options(accept_new_host_keys=accept, lock_wait=lock_wait)
+            report = ui.run(lambda listener: fleet.apply_edit(edit, local, command, opts, parallel=parallel,
+                                                              listener=listener))
+            facts = report.extra["inventory"]
+            if not facts["rolled_out_to"]:
+                ui.err.print("no host's unit changed: nothing to roll out")
+            elif facts["reverted"]:
+                ui.err.print(f"[red]rollout failed or interrupted: the edit of {edit.path} was REVERTED[/]; hosts "
+                             f"that took it were pushed the old config again: {facts.get('restored_hosts', {})}")
+            for conflict in facts.get("conflicts", []):
+                ui.err.print(f"[red]not reverted:[/] {escape(conflict)}", soft_wrap=True)  # one line each
     ui.report(report, table=bool(report.hosts))
     _exit(report)
 
 
 ScopeOpt = Annotated[str | None, typer.Option("--target", "-t", help="Host or group to write at (default: defaults).")]
 NoApplyOpt = Annotated[bool, typer.Option("--no-apply", help="Only edit the inventory; do not roll out.")]
+EditLockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0,
+                                                help="Wait this long for the inventory's and the hosts' locks.")]
 
 
 @app.command("set-env")
@@ -302,13 +312,13 @@ def set_env(assignments: Annotated[list[str] | None, typer.Argument(help="KEY=VA
             unset: Annotated[list[str] | None, typer.Option("--unset", help="Remove KEY at the scope.")] = None,
             target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
             as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
-            parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
+            parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0) -> None:
     """Set or unset service environment flags in the inventory and roll them out (gated, reverted on failure)."""
     pairs = dict(settings.split_assignment(a) for a in assignments or [])
     if not pairs and not unset:
         raise InvalidInput("set-env: give KEY=VALUE or --unset KEY")
-    edit = settings.set_env(inventory, pairs, list(unset or []), target)
-    _edit(edit, "set-env", as_json, no_apply, accept_new_host_keys, parallel)
+    _edit("set-env", inventory, lambda: settings.set_env(inventory, pairs, list(unset or []), target), as_json,
+          no_apply, accept_new_host_keys, parallel, lock_wait)
 
 
 @app.command("set")
@@ -316,10 +326,11 @@ def set_(assignments: Annotated[list[str], typer.Argument(help="PATH=VALUE, e.g.
                                                           show_default=False)],
          target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
          as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
-         parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
+         parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0) -> None:
     """Change typed service settings (hicache.ratio=4.0, gate.workers=8, ...) and roll them out."""
-    edit = settings.set_values(inventory, dict(settings.split_assignment(a) for a in assignments), target)
-    _edit(edit, "set", as_json, no_apply, accept_new_host_keys, parallel)
+    pairs = dict(settings.split_assignment(a) for a in assignments)
+    _edit("set", inventory, lambda: settings.set_values(inventory, pairs, target), as_json, no_apply,
+          accept_new_host_keys, parallel, lock_wait)
 
 
 @app.command()

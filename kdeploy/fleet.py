@@ -12,10 +12,11 @@ import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from kdeploy import deploy, inventory, settings
+from kdeploy import deploy, settings
 from kdeploy.deploy import Local, Options
 from kdeploy.errors import InvalidInput, KdeployError
 from kdeploy.gatespec import PayloadGate, gate_spec, load_payload_gate
@@ -223,32 +224,51 @@ def changed_hosts(old: Inventory, new: Inventory) -> list[str]:
             or old.payload_dir(old.hosts[name]) != new.payload_dir(host)]
 
 
-def apply_edit(edit: settings.Edit, command: str, opts: Options | None = None, *, parallel: int = DEFAULT_PARALLEL,
-               listener: Listener | None = None) -> Report:
-    """Write an inventory edit and push it to the hosts it changes; a failed rollout reverts the edit.
+def check_edit(edit: settings.Edit) -> dict[str, Local]:
+    """What the edit's rollout computes locally (units, payload hashes) for the hosts it changes, before the
+    file is written: a value that validates but cannot be pushed (a missing payload) fails here."""
+    return prepare(edit.new, changed_hosts(edit.old, edit.new))
 
-    Hosts that took the new config are then pushed the old one again, so inventory and hosts agree.
+
+def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts: Options | None = None, *,
+               parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
+    """Write an inventory edit and push it to the hosts it changes (``local``, from ``check_edit``); a failed
+    rollout reverts the edit.
+
+    The revert undoes this edit's keys on the file as it is then, so what others changed meanwhile survives
+    (a key they changed too is theirs: left, and named under ``conflicts``). Hosts that took the new config
+    are then pushed the old one again, so inventory and hosts agree.
     """
     opts = opts or Options()
-    old = inventory.parse(inventory.read_raw(edit.path), edit.path)
-    settings.write(edit)
-    new = inventory.load(edit.path)
-    names = changed_hosts(old, new)
+    names = list(local)
+    for spec in (opts.batch, opts.max_fail):
+        count(spec, 1, 1)  # bad syntax fails before the file is written
     facts: dict = {"inventory": {"path": str(edit.path), "level": edit.level, "diff": edit.diff(),
                                  "rolled_out_to": names, "reverted": False}}
+    settings.write(edit)
     if not names:
         return Report(command, [], facts)
-    report = push(new, ",".join(names), opts, parallel=parallel, listener=listener)
+    report = rollout(edit.new, names, local, opts, parallel=parallel, listener=listener)
     report.command, report.extra = command, facts
     if report.ok:
         return report
-    settings.write(edit, edit.before)
-    facts["inventory"]["reverted"] = True
+    try:
+        conflicts = settings.revert(edit)
+    except (KdeployError, OSError) as exc:  # the file was made unreadable, is being written, the disk is full
+        facts["inventory"]["conflicts"] = [f"the edit could not be reverted: {exc}"]
+    else:
+        facts["inventory"].update(reverted=True, conflicts=conflicts)
     moved = [h.host for h in report.hosts if h.result == "deployed"]
     if moved:
-        back = push(old, ",".join(moved), opts, parallel=parallel, listener=listener)
-        facts["inventory"]["restored_hosts"] = {h.host: h.result for h in back.hosts}
-        for host, restored in zip(moved, back.hosts, strict=True):
+        # Its own cancel state: the Ctrl-C that stopped the rollout must not stop the way back (a new one
+        # does). No canary or max-fail either: every host that moved goes back.
+        back_opts = replace(opts, cancel=threading.Event(), canary=0, max_fail=None)
+        try:
+            back = push(edit.old, ",".join(moved), back_opts, parallel=parallel, listener=listener).hosts
+        except KdeployError as exc:  # the old payload or template is gone or unreadable by now
+            back = [HostResult(name).finish("failed", str(exc)) for name in moved]
+        facts["inventory"]["restored_hosts"] = {h.host: h.result for h in back}
+        for host, restored in zip(moved, back, strict=True):
             match = next(h for h in report.hosts if h.host == host)
             match.data["restored"] = restored.result
             if not restored.ok:

@@ -265,12 +265,20 @@ def _yaml() -> YAML:
 
 def read_raw(path: Path) -> CommentedMap:
     """The inventory as a round-trip document (comments and order kept, line numbers known)."""
+    return parse_yaml(read_text(path), path)
+
+
+def read_text(path: Path) -> str:
     try:
-        text = path.read_text()
+        return path.read_text()
     except FileNotFoundError:
         raise InvalidInput(f"{path}: inventory not found (pass --inventory PATH)") from None
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot read inventory: {exc.strerror}") from None
+
+
+def parse_yaml(text: str, path: Path) -> CommentedMap:
+    """``text`` (the content of ``path``) as a round-trip document."""
     try:
         data = _yaml().load(text)
     except YAMLError as exc:

@@ -1,23 +1,58 @@
 """Edit the inventory in place (``set-env``, ``set``): comments, order and formatting survive.
 
-An edit is computed on the round-trip document, validated exactly as a load would, and only then written
-atomically; a bad value leaves the file byte-for-byte unchanged.
+An edit is computed on the round-trip document and validated exactly as a load would; ``fleet.check_edit``
+then computes what its push would (units, payload hashes), and only then is it written atomically. A bad
+value leaves the file byte-for-byte unchanged. ``locked`` keeps a second kdeploy from editing the same file
+while an edit is rolled out (and maybe reverted).
+
+The edit remembers each key it set or removed (``Change``), so a failed rollout is undone by the inverse
+edit on the file as it is by then (``revert``): what someone changed meanwhile by hand survives, and a key
+they changed too is left as they set it.
 """
 
 from __future__ import annotations
 
 import difflib
+import fcntl
 import io
+import json
 import os
 import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
-from kdeploy import inventory
-from kdeploy.errors import InvalidInput
+from kdeploy import inventory, lock
+from kdeploy.errors import InvalidInput, LockHeld
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING = _Missing()  # where a key is not in the document
+
+
+@dataclass(frozen=True)
+class Change:
+    """One key an edit set or removed, with what it needs to be undone on a later version of the file."""
+
+    path: tuple[str, ...]  # from the document's root
+    old: object  # MISSING: the edit added the key
+    new: object  # MISSING: the edit removed it
+    created: int = 0  # how many of the mappings holding it the edit created (undo removes them if empty)
+    index: int | None = None  # its place among its siblings before the edit (where undo puts it back)
+    comment: object = None  # its comment before the edit (ruamel's token)
+
+    @property
+    def key(self) -> str:
+        return ".".join(map(str, self.path))
 
 
 @dataclass(frozen=True)
@@ -26,6 +61,9 @@ class Edit:
     before: str
     after: str
     level: str
+    old: inventory.Inventory  # ``before`` and ``after``, validated
+    new: inventory.Inventory
+    changes: tuple[Change, ...]
 
     @property
     def changed(self) -> bool:
@@ -46,6 +84,7 @@ def split_assignment(text: str) -> tuple[str, str]:
 def _yaml() -> YAML:
     yaml = YAML(typ="rt")
     yaml.preserve_quotes = True
+    yaml.width = 4096  # ruamel folds longer plain scalars onto a new line: a long path would be reformatted
     return yaml
 
 
@@ -78,17 +117,104 @@ def _child(node: CommentedMap, key: str) -> CommentedMap:
     return child
 
 
-def _apply(path: Path, scope: str | None, change: object) -> Edit:
-    before = path.read_text() if path.exists() else ""
-    inv = inventory.load(path)
-    doc = inventory.read_raw(path)
-    level, name = _level(doc, inv, scope)
-    change(level, name)  # type: ignore[operator]
+def _apply(path: Path, scope: str | None, change: Callable[[CommentedMap, str], None]) -> Edit:
+    before = inventory.read_text(path)  # read once: the edit, its checks and its undo all start from this text
+    original = inventory.parse_yaml(before, path)
+    old = inventory.parse(original, path)
+    doc = _yaml().load(before)
+    level, name = _level(doc, old, scope)
+    change(level, name)
+    after = _dump(doc)
+    new = inventory.parse(_yaml().load(after), path)  # validate exactly as a load would, before writing anything
+    return Edit(path, before, after, name, old, new, tuple(diff(original, doc)))
+
+
+def _dump(doc: CommentedMap) -> str:
     buf = io.StringIO()
     _yaml().dump(doc, buf)
-    after = buf.getvalue()
-    inventory.parse(_yaml().load(after), path)  # validate exactly as a load would, before writing anything
-    return Edit(path, before, after, name)
+    return buf.getvalue()
+
+
+def diff(old: object, new: object, path: tuple[str, ...] = (), *, created: int = 0, index: int | None = None,
+         comment: object = None) -> list[Change]:
+    """The keys whose values differ between two documents, mapping by mapping down to the values (a value
+    that is not a mapping, e.g. a list, is compared whole)."""
+    olds, news = _keys(old), _keys(new)
+    if olds is None or news is None:
+        return [] if old == new else [Change(path, old, new, created, index, comment)]
+    place = {key: i for i, key in enumerate(olds)}
+    items = getattr(getattr(old, "ca", None), "items", {})
+    return [change for key in [*olds, *(k for k in news if k not in place)]
+            for change in diff(olds.get(key, MISSING), news.get(key, MISSING), (*path, key),
+                               created=created + 1 if old is MISSING else 0, index=place.get(key),
+                               comment=items.get(key))]
+
+
+def _keys(node: object) -> dict | None:
+    """A mapping's entries (none where the mapping is missing); None for any other value."""
+    if node is MISSING:
+        return {}
+    return node if isinstance(node, dict) else None
+
+
+def undo(doc: CommentedMap, changes: tuple[Change, ...]) -> tuple[int, list[str]]:
+    """Undo ``changes`` on ``doc``, key by key: (how many were undone, one line per key left alone because
+    someone changed it since the edit: their value stays)."""
+    undone, kept = 0, []
+    for change in changes:
+        now = _get(doc, change.path)
+        if now == change.old:  # already back
+            continue
+        if now != change.new:
+            what = "removed meanwhile" if now is MISSING else f"changed meanwhile to {_show(now)}"
+            by_us = "removing it" if change.new is MISSING else f"set {_show(change.new)}"
+            kept.append(f"{change.key}: {what} (kdeploy {by_us}); left as it is")
+            continue
+        if change.old is MISSING:
+            _remove(doc, change)
+        else:
+            _put(doc, change)
+        undone += 1
+    return undone, kept
+
+
+def _show(value: object) -> str:
+    return repr(str(value)) if isinstance(value, str) else repr(value)  # ruamel's quoted strings: as plain ones
+
+
+def _get(doc: CommentedMap, path: tuple[str, ...]) -> object:
+    node: object = doc
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return MISSING
+        node = node[key]
+    return node
+
+
+def _remove(doc: CommentedMap, change: Change) -> None:
+    """Remove a key the edit added, and the mappings the edit created for it if nothing else is in them now."""
+    nodes = [doc]
+    for key in change.path[:-1]:
+        nodes.append(nodes[-1][key])
+    del nodes[-1][change.path[-1]]
+    for depth in range(1, change.created + 1):
+        if nodes[-depth]:
+            break
+        del nodes[-depth - 1][change.path[-depth - 1]]
+
+
+def _put(doc: CommentedMap, change: Change) -> None:
+    """Put a key back to its old value; one the edit removed goes back to its place, with its comment."""
+    node = doc
+    for key in change.path[:-1]:
+        node = _child(node, key)  # a removal may have taken its now-empty mapping too
+    key = change.path[-1]
+    if key in node:
+        node[key] = change.old
+        return
+    node.insert(min(change.index or 0, len(node)), key, change.old)
+    if change.comment is not None:
+        node.ca.items[key] = change.comment
 
 
 def set_env(path: Path, assignments: dict[str, str], unset: list[str], scope: str | None = None) -> Edit:
@@ -123,18 +249,73 @@ def set_values(path: Path, assignments: dict[str, str], scope: str | None = None
     return _apply(path, scope, change)
 
 
-def write(edit: Edit, text: str | None = None) -> None:
-    """Atomic replace (temp file in the same directory + rename), keeping the file's mode."""
-    text = edit.after if text is None else text
-    mode = edit.path.stat().st_mode & 0o777 if edit.path.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(dir=edit.path.parent, prefix=f".{edit.path.name}.", suffix=".tmp")
+def write(edit: Edit) -> None:
+    _replace(edit.path, edit.after, expect=edit.before)
+
+
+def revert(edit: Edit) -> list[str]:
+    """Undo ``edit`` on the file as it is now, keeping what others changed since; returns the keys left alone."""
+    text = inventory.read_text(edit.path)
+    if text == edit.after:  # nobody touched it: the exact old text (a round trip cannot keep every layout)
+        _replace(edit.path, edit.before, expect=text)
+        return []
+    doc = inventory.parse_yaml(text, edit.path)
+    undone, kept = undo(doc, edit.changes)
+    if undone:
+        _replace(edit.path, _dump(doc), expect=text)
+    return kept
+
+
+def _replace(path: Path, text: str, *, expect: str) -> None:
+    """Atomic replace (temp file in the same directory + rename), keeping the file's mode; refused when the
+    file is no longer ``expect``, so that a hand edit made since it was read is never overwritten."""
+    if inventory.read_text(path) != expect:
+        raise LockHeld(f"{path} was changed by someone else while kdeploy was editing it: not written")
+    mode = path.stat().st_mode & 0o777
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, edit.path)
+        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def locked(path: Path, wait: float, command: str) -> Iterator[None]:
+    """Hold the inventory's edit lock: an flock on ``.<name>.lock`` beside it (the inventory itself is replaced
+    by every write, so it cannot carry the lock), which names its holder. Waits up to ``wait`` seconds."""
+    inventory.read_text(path)  # a missing inventory fails as a load would, without leaving a lock file behind
+    lock_path = path.with_name(f".{path.name}.lock")
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise InvalidInput(f"{lock_path}: cannot create the inventory's lock file: {exc.strerror}") from None
+    try:
+        deadline = time.monotonic() + wait
+        while not _try_flock(fd):
+            if time.monotonic() >= deadline:
+                holder = lock.parse_info(os.pread(fd, 4096, 0).decode(errors="replace"))
+                raise LockHeld(f"{path} is being edited by {holder.describe() if holder else 'another kdeploy'}: "
+                               "try again when it is done, or wait with --lock-wait SECONDS")
+            time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(lock.holder_info(command).__dict__).encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)  # lets go of the flock
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True

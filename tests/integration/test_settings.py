@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 from kdeploy import cli
@@ -41,7 +47,8 @@ def test_invalid_value_changes_nothing(deployment: Deployment, capsys: pytest.Ca
     before = deployment.path.read_bytes()
     for args in (["set-env", "BAD NAME=1"], ["set-env", "X=a\nb"], ["set", "hicache.ratio=0"],
                  ["set", "hicache.write_policy=write_sometimes"], ["set", "hicache.ration=2"],
-                 ["set-env", "--unset", "NOT_THERE"], ["set-env", "A=1", "--target", "nohost"]):
+                 ["set-env", "--unset", "NOT_THERE"], ["set-env", "A=1", "--target", "nohost"],
+                 ["set", "payload=missing"]):  # valid YAML and settings, but no push could scan it
         capsys.readouterr()
         code = cli.main([*args, "--inventory", str(deployment.path)])
         err = capsys.readouterr().err
@@ -72,6 +79,42 @@ def test_failed_rollout_reverts_the_inventory_and_the_host(deployment: Deploymen
     assert deployment.sh("h1", f"readlink {deployment.service_dir}/current") == release
     assert "REFSERVER_WRONG_ANSWER" not in deployment.show("h1", "Environment")
     assert deployment.kdeploy("verify", "test") == 0
+
+
+@pytest.mark.hosts(3)
+def test_ctrl_c_mid_rollout_puts_the_inventory_and_every_host_back_on_the_old_config(
+        deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    deployment.set_service(env={"REFSERVER_SLOW_START": "3"})  # each gate waits: Ctrl-C lands in h2's batch
+    assert deployment.kdeploy("push", "test") == 0
+    before = deployment.path.read_bytes()
+    unit = f"/etc/systemd/system/{deployment.service}.service"
+    units = {h: deployment.sh(h, f"cat {unit}") for h in deployment.hosts}
+    h2_before = deployment.show("h2", "InvocationID")
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "set-env", "KDTREE_DEFRAG_SORT=1", "--parallel", "1",
+                             "--json", "--inventory", str(deployment.path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while deployment.show("h2", "InvocationID") == h2_before:  # h1's batch is deployed, h2's has begun
+            assert proc.poll() is None and time.monotonic() < deadline, "h2 was never restarted"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    doc = json.loads(out)
+    results = {h["host"]: h["result"] for h in doc["hosts"]}
+    assert proc.returncode == doc["exit_code"] == 130, err
+    assert results == {"h1": "deployed", "h2": "deployed", "h3": "interrupted"}  # h2's batch finished, gated
+    assert doc["inventory"]["reverted"] is True and doc["inventory"]["conflicts"] == []
+    assert doc["inventory"]["restored_hosts"] == {"h1": "deployed", "h2": "deployed"}
+    assert deployment.path.read_bytes() == before
+    for host in deployment.hosts:  # every host runs the old config again, and says so
+        assert deployment.sh(host, f"cat {unit}") == units[host]
+        assert "KDTREE_DEFRAG_SORT" not in deployment.show(host, "Environment")
+    code, status = deployment.json(capsys, "status", "test")
+    assert code == 0 and {h["host"]: h["status"]["drift"] for h in status["hosts"]} == {h: [] for h in units}
 
 
 def test_set_hicache_ratio_changes_exactly_the_execstart_flag(deployment: Deployment,

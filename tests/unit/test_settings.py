@@ -1,0 +1,313 @@
+"""kdeploy/settings.py and fleet.apply_edit without hosts: checks before writing, the file lock, the undo.
+
+Rollouts are replaced by fakes that end hosts as a real rollout would (and edit the file meanwhile, as a
+person would), so what is tested is the inventory file and what is handed to the hosts' pushes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from ruamel.yaml import YAML
+
+from kdeploy import cli, fleet, inventory, settings
+from kdeploy.deploy import Options
+from kdeploy.inventory import Inventory
+from kdeploy.report import HostResult, Report
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Hosts that are never contacted; template and payload are the repository's, so a push could render and scan.
+INVENTORY = f"""\
+# fleet inventory: edit with kdeploy set-env / set
+defaults:
+  service:
+    name: svc
+    template: {REPO}/templates/sglang.service.j2
+    payload: {REPO}/tests/data/testplugin   # the test plugin
+    python: /usr/bin/python3
+    sglang:
+      model_path: /models/m
+      port: 30000
+    env:
+      KDTREE_VERIFY: "on"   # checked at load
+      KDTREE_NSPLIT: "64"
+groups:
+  pair: [h1, h2]
+hosts:
+  h1:
+    address: 192.0.2.1
+  h2:
+    address: 192.0.2.2
+"""
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    out = tmp_path / "inventory.yaml"
+    out.write_text(INVENTORY)
+    return out
+
+
+def run(path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[str]]:
+    """The CLI through its real entry point: (exit code, stderr lines)."""
+    capsys.readouterr()
+    code = cli.main([*args, "--inventory", str(path)])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err.splitlines()
+
+
+@pytest.mark.parametrize("args", [["set", "payload=missing"], ["set", "payload=missing", "--no-apply"],
+                                  ["set", "template=missing.j2", "--target", "h1"]])
+def test_a_value_a_push_would_refuse_leaves_the_file_unchanged(path: Path, capsys: pytest.CaptureFixture[str],
+                                                             args: list[str]) -> None:
+    """Everything a push computes locally (units, payload hashes) is checked before the file is written."""
+    before = path.read_bytes()
+    code, err = run(path, capsys, *args)
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("kdeploy: "), err
+    assert "missing" in err[0]
+    assert path.read_bytes() == before
+
+
+# --- the inventory's edit lock ------------------------------------------------------------------------
+
+
+def lock_file(path: Path) -> Path:
+    return path.with_name(f".{path.name}.lock")
+
+
+def hold(path: Path) -> int:
+    """Take the inventory's lock the way any other kdeploy process would: flock on ``.<name>.lock``."""
+    fd = os.open(lock_file(path), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def test_a_second_edit_of_a_locked_inventory_fails_at_once_with_exit_6(path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    fd = hold(path)
+    try:
+        code, err = run(path, capsys, "set-env", "A=1", "--no-apply")
+    finally:
+        os.close(fd)
+    assert code == 6
+    assert len(err) == 1 and "being edited by" in err[0] and "--lock-wait" in err[0], err
+    assert path.read_text() == INVENTORY
+    code, _ = run(path, capsys, "set-env", "A=1", "--no-apply")  # free again
+    assert code == 0 and "A: '1'" in path.read_text()
+
+
+def test_lock_wait_waits_for_the_other_edit_then_edits_the_file_as_it_left_it(
+        path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fd = hold(path)
+
+    def other_edit_finishes() -> None:
+        time.sleep(0.5)
+        path.write_text(path.read_text().replace('KDTREE_NSPLIT: "64"', 'KDTREE_NSPLIT: "32"'))
+        os.close(fd)
+
+    thread = threading.Thread(target=other_edit_finishes)
+    started = time.monotonic()
+    thread.start()
+    code, err = run(path, capsys, "set-env", "A=1", "--no-apply", "--lock-wait", "10")
+    thread.join()
+    assert code == 0, err
+    assert time.monotonic() - started >= 0.5
+    assert 'KDTREE_NSPLIT: "32"' in path.read_text() and "A: '1'" in path.read_text()  # read after the wait
+
+
+def test_the_lock_is_held_through_the_rollout_and_names_its_holder(path: Path, capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+
+    def check_lock() -> None:
+        fd = os.open(lock_file(path), os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        seen.append(lock_file(path).read_text())
+
+    fake_rollouts(monkeypatch, {"h1": "deployed", "h2": "deployed"}, check_lock)
+    code, err = run(path, capsys, "set-env", "A=1")
+    assert code == 0, err
+    holder = json.loads(seen[0])
+    assert holder["command"] == "kdeploy set-env" and holder["pid"] == os.getpid()
+    assert lock_file(path).read_text() == ""  # let go, and no stale holder left in it
+
+
+# --- a failed rollout undoes the edit, and only the edit ----------------------------------------------
+
+
+def fake_rollouts(monkeypatch: pytest.MonkeyPatch, results: dict[str, str],
+                  during: Callable[[], None] = lambda: None) -> list[tuple[list[str], Options]]:
+    """Replace the rollout: the edit's ends each host with ``results`` after running ``during``; a second
+    one (the old config pushed back) deploys. Returns each call's hosts and options."""
+    calls: list[tuple[list[str], Options]] = []
+
+    def rollout(inv: Inventory, names: list[str], local: dict, opts: Options, **_: object) -> Report:
+        calls.append((list(names), opts))
+        if len(calls) > 1:
+            return Report("push", [HostResult(n).finish("deployed") for n in names])
+        during()
+        return Report("push", [HostResult(n).finish(results[n]) for n in names])
+
+    monkeypatch.setattr(fleet, "rollout", rollout)
+    return calls
+
+
+def edit_json(path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
+    """(exit code, the JSON document's ``inventory`` facts); stderr names every key left unreverted."""
+    capsys.readouterr()
+    code = cli.main([*args, "--inventory", str(path), "--json"])
+    out, err = capsys.readouterr()
+    facts = json.loads(out)["inventory"]
+    assert "Traceback" not in err
+    assert all(conflict in err for conflict in facts.get("conflicts", [])), err
+    return code, facts
+
+
+def hand_edit(text: str) -> str:
+    """What someone changes by hand while kdeploy rolls out its edit: another key, a comment, a new key."""
+    return (text.replace('KDTREE_NSPLIT: "64"', 'KDTREE_NSPLIT: "32"   # tuned by hand')
+            .replace("    address: 192.0.2.2\n", "    address: 192.0.2.2\n    port: 2222\n"))
+
+
+@pytest.mark.parametrize("args", [["set-env", "A=1"], ["set-env", "--unset", "KDTREE_VERIFY"],
+                                  ["set", "sglang.mem_fraction_static=0.8", "--target", "h1"],
+                                  ["set-env", "A=1", "--target", "pair"]],
+                         ids=["add", "unset", "new-mappings", "short-group"])
+def test_a_failed_rollout_undoes_only_its_own_keys(path: Path, capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:
+    """The revert is the inverse edit on the file as it is then: what others changed meanwhile survives, and
+    where nobody did, the file is byte-for-byte what it was (comments, order, mappings the edit created)."""
+    fake_rollouts(monkeypatch, {"h1": "rolled_back", "h2": "rolled_back"},
+                  lambda: path.write_text(hand_edit(path.read_text())))
+    code, facts = edit_json(path, capsys, *args)
+    assert code == 4
+    assert path.read_text() == hand_edit(INVENTORY)
+    assert facts["reverted"] is True and facts["conflicts"] == []
+
+
+def test_a_key_someone_else_changed_meanwhile_is_left_as_they_set_it(path: Path, capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    def someone_sets_it_too() -> None:
+        path.write_text(path.read_text().replace('KDTREE_NSPLIT: "16"', 'KDTREE_NSPLIT: "128"'))
+
+    calls = fake_rollouts(monkeypatch, {"h1": "deployed", "h2": "rolled_back"}, someone_sets_it_too)
+    code, facts = edit_json(path, capsys, "set-env", "KDTREE_NSPLIT=16", "KDTREE_VERIFY=off")
+    assert code == 4
+    assert path.read_text() == INVENTORY.replace('KDTREE_NSPLIT: "64"', 'KDTREE_NSPLIT: "128"')  # VERIFY undone
+    assert facts["reverted"] is True
+    assert facts["conflicts"] == ["defaults.service.env.KDTREE_NSPLIT: changed meanwhile to '128' (kdeploy set "
+                                  "'16'); left as it is"]
+    assert [names for names, _ in calls] == [["h1", "h2"], ["h1"]]  # h1 still goes back to the old config
+
+
+def test_a_hand_edit_during_the_checks_is_not_overwritten(path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    check = fleet.check_edit
+
+    def check_while_someone_edits(edit: object) -> dict:
+        path.write_text(hand_edit(path.read_text()))
+        return check(edit)
+
+    monkeypatch.setattr(fleet, "check_edit", check_while_someone_edits)
+    code, err = run(path, capsys, "set-env", "A=1", "--no-apply")
+    assert code == 6
+    assert "changed by someone else" in err[-1] and "not written" in err[-1], err  # after the diff it meant to write
+    assert path.read_text() == hand_edit(INVENTORY)
+
+
+def test_undo_keeps_a_key_removed_meanwhile_and_skips_one_already_back(path: Path) -> None:
+    edit = settings.set_env(path, {"KDTREE_NSPLIT": "16", "KDTREE_VERIFY": "off", "A": "1"}, [])
+    now = (edit.after.replace('      KDTREE_NSPLIT: "16"\n', "")  # someone removed it
+           .replace('KDTREE_VERIFY: "off"  #', 'KDTREE_VERIFY: "on"   #'))  # someone put it back already
+    doc = inventory.parse_yaml(now, path)
+    undone, kept = settings.undo(doc, edit.changes)
+    assert undone == 1  # only A, which is still as the edit left it
+    assert kept == ["defaults.service.env.KDTREE_NSPLIT: removed meanwhile (kdeploy set '16'); left as it is"]
+    out = io.StringIO()
+    YAML().dump(doc, out)
+    assert out.getvalue() == INVENTORY.replace('      KDTREE_NSPLIT: "64"\n', "")
+
+
+def test_after_ctrl_c_the_old_config_goes_back_with_a_cancel_state_of_its_own(
+        path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C stops the rollout (h1 took the new config, h2 never started); putting h1 back must not be
+    stopped by that same Ctrl-C, or h1 keeps a config the reverted inventory no longer has."""
+    calls = fake_rollouts(monkeypatch, {"h1": "deployed", "h2": "interrupted"},
+                          lambda: calls[0][1].cancel.set())  # Ctrl-C once h1's batch is done
+    code, facts = edit_json(path, capsys, "set-env", "A=1", "--parallel", "1")
+    assert code == 130
+    assert path.read_text() == INVENTORY and facts["reverted"] is True
+    (first, cancelled), (back, restore) = calls
+    assert first == ["h1", "h2"] and cancelled.cancel.is_set()
+    assert back == ["h1"] and not restore.cancel.is_set()
+    assert facts["restored_hosts"] == {"h1": "deployed"}
+
+
+def test_an_edit_leaves_long_lines_as_they_are(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ruamel folds plain scalars past 80 columns; an edit must not reformat lines it did not change."""
+    long = "    python: /opt/" + "very-long-directory-name/" * 4 + "bin/python3\n"
+    path.write_text(INVENTORY.replace("    python: /usr/bin/python3\n", long))
+    code, _ = run(path, capsys, "set-env", "A=1", "--no-apply")
+    assert code == 0
+    assert long in path.read_text()
+
+
+def test_an_old_config_that_cannot_be_pushed_back_any_more_ends_rollback_failed(
+        path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old payload is gone by the time it is needed. That is not exit 2 ("invalid input, nothing was
+    touched"): h1 runs a config the reverted inventory no longer has, so it needs a person (exit 5)."""
+    old, new = tmp_path / "old-payload", tmp_path / "new-payload"
+    for copy in (old, new):
+        shutil.copytree(REPO / "tests/data/testplugin", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    text = INVENTORY.replace(f"{REPO}/tests/data/testplugin", str(old))
+    path.write_text(text)
+    calls = fake_rollouts(monkeypatch, {"h1": "deployed", "h2": "rolled_back"}, lambda: shutil.rmtree(old))
+    capsys.readouterr()
+    code = cli.main(["set", f"payload={new}", "--inventory", str(path), "--json"])
+    out, err = capsys.readouterr()
+    hosts = {h["host"]: h for h in json.loads(out)["hosts"]}
+    assert code == 5, err
+    assert hosts["h1"]["result"] == "rollback_failed"
+    assert hosts["h1"]["error"] == f"put back to the old config failed: {old}: payload directory not found"
+    assert path.read_text() == text and len(calls) == 1
+
+
+def test_a_file_that_cannot_be_read_any_more_is_not_reverted_and_says_why(
+        path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = "defaults: [half written\n"
+    calls = fake_rollouts(monkeypatch, {"h1": "deployed", "h2": "rolled_back"}, lambda: path.write_text(broken))
+    code, facts = edit_json(path, capsys, "set-env", "A=1")
+    assert code == 4
+    assert path.read_text() == broken  # theirs, not overwritten
+    assert facts["reverted"] is False
+    assert facts["conflicts"] == [f"the edit could not be reverted: {path}:2: invalid YAML: "
+                                  "expected ',' or ']', but got '<stream end>'"]
+    assert [names for names, _ in calls] == [["h1", "h2"], ["h1"]]  # the hosts still go back
+
+
+def test_a_revert_nobody_raced_puts_back_the_exact_text(path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layouts a round trip cannot keep (here a value on the line after its key, as ruamel itself folds long
+    ones) come back too when nobody touched the file during the rollout."""
+    folded = INVENTORY.replace("    python: /usr/bin/python3\n", "    python:\n      /usr/bin/python3\n")
+    path.write_text(folded)
+    fake_rollouts(monkeypatch, {"h1": "rolled_back", "h2": "rolled_back"})
+    code, facts = edit_json(path, capsys, "set-env", "A=1")
+    assert code == 4 and facts["reverted"] is True
+    assert path.read_text() == folded
