@@ -21,7 +21,17 @@ from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.remote import Remote
 from kdeploy.render import service_dir, unit_filename
 from kdeploy.report import Cancelled, HostResult, PhaseFailed
-from kdeploy.state import HostState, decide, parse_state, split_sections, state_script
+from kdeploy.state import (
+    HostState,
+    decide,
+    drift,
+    parse_running,
+    parse_state,
+    parse_status,
+    running_script,
+    state_script,
+    status_script,
+)
 
 RELOCK_WAIT = 30.0  # after a reconnect: the host's own revert may be holding the lock while it runs
 
@@ -56,6 +66,15 @@ def connect(inventory: Inventory, host: HostConfig, result: HostResult, opts: Op
         if remote.new_host_key:
             phase.detail += f" (new host key recorded: {remote.new_host_key})"
     return remote
+
+
+def lock_and_read(remote: Remote, host: HostConfig, wait: float, *, with_history: bool = False,
+                  first: str = "") -> tuple[lock.HeldLock, HostState]:
+    """Take the deploy lock and read the host's state under it, in one round trip (``first`` runs before
+    the read, under the lock)."""
+    then = "\n".join(c for c in (first, state_script(host, with_history=with_history)) if c)
+    held = lock.acquire(remote, service_dir(host.service), wait=wait, then=then)
+    return held, parse_state(held.output)
 
 
 def _check(opts: Options) -> None:
@@ -131,12 +150,11 @@ class HostPush:
 
     def prepare(self) -> None:
         host, local, result = self.host, self.local, self.result
-        sdir = service_dir(host.service)
         try:
             self.remote = connect(self.inventory, host, result, self.opts)
             with result.phase("preflight") as phase:
-                self.held = lock.acquire(self.remote, sdir, wait=self.opts.lock_wait, then=state_script(host))
-                state = self.state = parse_state(self.held.output)
+                self.held, state = lock_and_read(self.remote, host, self.opts.lock_wait)
+                self.state = state
                 decision = decide(local.payload.manifest, local.unit_text, state,
                                   force_restart=self.opts.force_restart)
                 self.install_unit = decision.install_unit
@@ -232,9 +250,7 @@ class HostPush:
                     remote.run(lock.end_holder_command(sdir, self.held.remote_pid), timeout=30)
                 # Holding the lock, no revert can be half way: one waiting for it would end us, stop it.
                 waiting = provisional.stop_revert_service(provisional.timer_unit(self.host.service.name))
-                self.held = lock.acquire(remote, sdir, wait=RELOCK_WAIT,
-                                         then=f"{waiting}\n{state_script(self.host)}")
-                state = parse_state(self.held.output)
+                self.held, state = lock_and_read(remote, self.host, RELOCK_WAIT, first=waiting)
                 phase.detail = f"lock taken again; current {state.current or 'none'}"
         except KdeployError as exc:
             self.held = None
@@ -460,9 +476,7 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
         state = None
         try:
             with result.phase("preflight") as phase:
-                held = lock.acquire(remote, service_dir(host.service), wait=opts.lock_wait,
-                                    then=state_script(host, with_history=True))
-                state = parse_state(held.output)
+                held, state = lock_and_read(remote, host, opts.lock_wait, with_history=True)
                 target = opts.to_release or state.previous()
                 if not target:
                     raise PreflightRefused(f"{host.name}: no older release to roll back to")
@@ -490,27 +504,15 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
                 held.release(finish_command(host, result, started, state.releases, keep=keep) if recorded else "")
 
 
-def verify_script(host: HostConfig) -> str:
-    d = shlex.quote(service_dir(host.service))
-    return "\n".join([
-        f"echo @@current; r=$(readlink {d}/current 2>/dev/null) && basename \"$r\"",
-        f"echo @@pending; {provisional.read_command(service_dir(host.service))}",
-        f"echo @@gate; cat {d}/current/{release.META}/gate.json 2>/dev/null",
-        "true",
-    ])
-
-
 def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
     """The gate against what runs now, as its release was deployed (else as the inventory says); changes
     nothing."""
     with connect(inventory, host, result, opts) as remote:
-        sections = split_sections(remote.run(verify_script(host), timeout=30).stdout)
-        result.release = sections.get("current", "").strip() or None
-        pending = provisional.parse_pending(sections.get("pending", ""))
-        if pending:
-            result.log.append(pending.describe())
-        stored = GateSpec.from_json(sections.get("gate", ""))
-        spec = _overridden(stored, opts) if stored else inventory_spec(inventory, host, opts)
+        running = parse_running(remote.run(running_script(host), timeout=30).stdout)
+        result.release = running.current
+        if running.pending:
+            result.log.append(running.pending.describe())
+        spec = _overridden(running.gate, opts) if running.gate else inventory_spec(inventory, host, opts)
         try:
             gate.run_gate(remote, spec, result, release=result.release)
         except PhaseFailed as exc:
@@ -540,49 +542,16 @@ def lock_host(inventory: Inventory, host: HostConfig, opts: Options, result: Hos
     result.finish("ok")
 
 
-def status_script(host: HostConfig) -> str:
-    """The push state plus what status shows: live Environment, last deploy, hand edits in the release."""
-    d = shlex.quote(service_dir(host.service))
-    unit = shlex.quote(unit_filename(host.service))
-    return "\n".join([
-        state_script(host),
-        f"echo @@env; systemctl show -p Environment --value {unit}",
-        f"echo @@last; tail -n 1 {d}/history.jsonl 2>/dev/null",
-        f"echo @@edited; cd {d}/current 2>/dev/null && sha256sum -c --quiet {release.META}/manifest.sha256 2>&1"
-        " | sed 's/: FAILED.*//'",
-        f"echo @@extra; cd {d}/current 2>/dev/null && find . -type f ! -path './{release.META}/*' "
-        f"! -path '*/__pycache__/*' | LC_ALL=C sort | comm -23 - {release.META}/files",
-        "true",
-    ])
-
-
-def drift(local: Local, state: HostState, edited: list[str], extra: list[str]) -> list[str]:
-    """How the host differs from what the inventory would deploy now (empty: no drift): the reasons a push
-    would act on, plus hand edits inside the release."""
-    if state.current is None:
-        return ["never deployed"]
-    found = decide(local.payload.manifest, local.unit_text, state).reasons
-    if edited:
-        found.append(f"release files edited on the host: {', '.join(p.removeprefix('./') for p in edited[:5])}")
-    if extra:
-        found.append(f"extra files in the release: {', '.join(p.removeprefix('./') for p in extra[:5])}")
-    return found
-
-
 def status_host(inventory: Inventory, host: HostConfig, local: Local, opts: Options, result: HostResult) -> None:
     with connect(inventory, host, result, opts) as remote, result.phase("status") as phase:
-        text = remote.run(status_script(host), timeout=60).stdout
-    sections = split_sections(text)
-    state = parse_state(text)
-    env = systemd.parse_environment(sections.get("env", ""))
-    last = history.parse(sections.get("last", ""))
-    edited = sorted({line for line in sections.get("edited", "").splitlines() if line.startswith("./")})
-    found = drift(local, state, edited, sections.get("extra", "").split())
+        status = parse_status(remote.run(status_script(host), timeout=60).stdout)
+    state = status.state
+    found = drift(local.payload.manifest, local.unit_text, status)
     result.release = state.current
     result.data["status"] = {
         "active": state.unit.active, "sub": state.unit.sub, "since": state.unit.active_since,
-        "env": {k: v for k, v in env.items() if k not in ("PYTHONPATH", "PYTHONUNBUFFERED")},
-        "last_deploy": last[-1] if last else None, "drift": found,
+        "env": {k: v for k, v in status.env.items() if k not in ("PYTHONPATH", "PYTHONUNBUFFERED")},
+        "last_deploy": status.last_deploy, "drift": found,
     }
     phase.detail = "; ".join(found) or "in sync with the inventory"
     result.finish("ok")

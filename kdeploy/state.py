@@ -130,3 +130,76 @@ def decide(manifest: dict[str, str], unit_text: str, state: HostState, *, force_
     if force_restart:
         reasons.append("--force-restart")
     return Decision(delta, unit_changed, stage, bool(reasons), unit_changed or state.unit.need_reload, reasons)
+
+
+def status_script(host: HostConfig) -> str:
+    """The push state plus what status shows: live Environment, last deploy, hand edits in the release."""
+    d = shlex.quote(service_dir(host.service))
+    unit = shlex.quote(unit_filename(host.service))
+    return "\n".join([
+        state_script(host),
+        f"echo @@env; systemctl show -p Environment --value {unit}",
+        f"echo @@last; tail -n 1 {d}/history.jsonl 2>/dev/null",
+        f"echo @@edited; cd {d}/current 2>/dev/null && sha256sum -c --quiet {release.META}/manifest.sha256 2>&1"
+        " | sed 's/: FAILED.*//'",
+        f"echo @@extra; cd {d}/current 2>/dev/null && find . -type f ! -path './{release.META}/*' "
+        f"! -path '*/__pycache__/*' | LC_ALL=C sort | comm -23 - {release.META}/files",
+        "true",
+    ])
+
+
+@dataclass(frozen=True)
+class Status:
+    state: HostState
+    env: dict[str, str]  # the unit's live Environment
+    last_deploy: dict | None
+    edited: list[str]  # release files whose content no longer matches the manifest
+    extra: list[str]  # files in the release the manifest does not list
+
+
+def parse_status(text: str) -> Status:
+    sections = split_sections(text)
+    last = history.parse(sections.get("last", ""))
+    return Status(
+        state=parse_state(text), env=systemd.parse_environment(sections.get("env", "")),
+        last_deploy=last[-1] if last else None,
+        edited=sorted({line for line in sections.get("edited", "").splitlines() if line.startswith("./")}),
+        extra=sections.get("extra", "").split())
+
+
+def drift(manifest: dict[str, str], unit_text: str, status: Status) -> list[str]:
+    """How the host differs from what the inventory would deploy now (empty: no drift): the reasons a push
+    would act on, plus hand edits inside the release."""
+    if status.state.current is None:
+        return ["never deployed"]
+    found = decide(manifest, unit_text, status.state).reasons
+    if status.edited:
+        found.append("release files edited on the host: "
+                     + ", ".join(p.removeprefix("./") for p in status.edited[:5]))
+    if status.extra:
+        found.append(f"extra files in the release: {', '.join(p.removeprefix('./') for p in status.extra[:5])}")
+    return found
+
+
+def running_script(host: HostConfig) -> str:
+    """What verify needs: the release that runs, an unconfirmed switch, and the gate it was deployed with."""
+    d = shlex.quote(service_dir(host.service))
+    return "\n".join([
+        f"echo @@current; r=$(readlink {d}/current 2>/dev/null) && basename \"$r\"",
+        f"echo @@pending; {provisional.read_command(service_dir(host.service))}",
+        f"echo @@gate; cat {d}/current/{release.META}/gate.json 2>/dev/null",
+        "true",
+    ])
+
+
+@dataclass(frozen=True)
+class Running:
+    current: str | None
+    pending: provisional.Pending | None
+    gate: GateSpec | None
+
+
+def parse_running(text: str) -> Running:
+    sections = split_sections(text)
+    return Running(sections.get("current", "").strip() or None,
+                   provisional.parse_pending(sections.get("pending", "")), GateSpec.from_json(sections.get("gate", "")))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import deploy, lock
+from kdeploy import lock, state
 from kdeploy.errors import RemoteTimeout
 from kdeploy.remote import Remote
 from kdeploy.render import service_dir
@@ -268,9 +268,10 @@ def test_full_disk_is_refused_and_leaves_the_host_unchanged(deployment: Deployme
 def test_state_parser_reads_a_fresh_host(deployment: Deployment) -> None:
     host = deployment.load().hosts["h1"]
     with _connect(deployment) as remote:
-        state = deploy.parse_state(remote.run(deploy.state_script(host)).stdout)
-    assert state.current is None and state.manifest == {} and state.unit_text is None
-    assert state.unit.load == "not-found" and state.releases == []
+        fresh = state.parse_state(remote.run(state.state_script(host, with_history=True)).stdout)
+    assert fresh.current is None and fresh.manifest == {} and fresh.unit_text is None
+    assert fresh.unit.load == "not-found" and fresh.releases == []
+    assert fresh.pending is None and fresh.gates == {} and fresh.history == []
 
 
 def test_a_slow_remote_command_is_a_timeout_not_unreachable(deployment: Deployment) -> None:
