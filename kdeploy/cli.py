@@ -25,9 +25,9 @@ from rich.table import Table
 
 from kdeploy import fleet, settings
 from kdeploy import inventory as inv
-from kdeploy.deploy import Options
+from kdeploy.deploy import History, LockView, Options, Plan, StatusView
 from kdeploy.errors import ExitCode, InvalidInput, KdeployError
-from kdeploy.lock import LockInfo
+from kdeploy.probe import ProbeReport
 from kdeploy.render import render_unit
 from kdeploy.report import Report
 
@@ -176,18 +176,18 @@ def _plan(target: str, inventory: Path, as_json: bool, accept: bool, parallel: i
 
     def show(rep: Report) -> None:
         for host in rep.hosts:
-            plan = host.data.get("plan")
-            if not plan:
+            plan = host.details
+            if not isinstance(plan, Plan):
                 continue
-            ui.err.rule(f"{host.host}: restart={'yes' if plan['restart'] else 'no'} "
-                        f"daemon-reload={'yes' if plan['daemon_reload'] else 'no'}")
-            for reason in plan["reasons"]:
+            ui.err.rule(f"{host.host}: restart={'yes' if plan.restart else 'no'} "
+                        f"daemon-reload={'yes' if plan.daemon_reload else 'no'}")
+            for reason in plan.reasons:
                 ui.err.print(f"  because: {reason}", markup=False)
-            for key, sign in (("add", "+"), ("change", "~"), ("remove", "-")):
-                for path in plan[key]:
+            for paths, sign in ((plan.add, "+"), (plan.change, "~"), (plan.remove, "-")):
+                for path in paths:
                     ui.err.print(f"  {sign} {path}", markup=False)
-            if plan["unit_diff"]:
-                ui.err.print(plan["unit_diff"], markup=False, end="")
+            if plan.unit_diff:
+                ui.err.print(plan.unit_diff, markup=False, end="")
 
     ui.report(report, show)
     _exit(report)
@@ -237,8 +237,8 @@ def probe(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVEN
 
     def show(rep: Report) -> None:
         for host in rep.hosts:
-            if "probe" in host.data:
-                ui.err.print(f"{host.host}: {host.data['probe']['summary']}", markup=False)
+            if isinstance(host.details, ProbeReport):
+                ui.err.print(f"{host.host}: {host.details.summary()}", markup=False)
 
     ui.report(report, show, table=False)
     _exit(report)
@@ -258,7 +258,7 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
         for col in ("host", "time", "user", "controller", "release", "result", "seconds"):
             table.add_column(col)
         for host in rep.hosts:
-            for rec in host.data.get("history", []):
+            for rec in host.details.records if isinstance(host.details, History) else []:
                 table.add_row(host.host, rec.get("time", ""), rec.get("user", ""), rec.get("controller", ""),
                               rec.get("release") or "-", rec.get("result", ""), str(rec.get("duration", "")))
         ui.err.print(table)
@@ -346,14 +346,14 @@ def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
         for col in ("host", "state", "since", "release", "env", "last deploy", "drift"):
             table.add_column(col, overflow="fold")
         for host in rep.hosts:
-            st = host.data.get("status")
-            if not st:
+            st = host.details
+            if not isinstance(st, StatusView):
                 continue
-            last = st["last_deploy"]
+            last = st.last_deploy
             deployed = f"{last.get('time')} {last.get('result')} by {last.get('user')}" if last else "-"
-            drifted = "[red]" + escape("; ".join(st["drift"])) + "[/]" if st["drift"] else "[green]none[/]"
-            table.add_row(host.host, f"{st['active']}/{st['sub']}", st["since"] or "-", host.release or "-",
-                          escape(" ".join(f"{k}={v}" for k, v in st["env"].items())) or "-", deployed, drifted)
+            drifted = "[red]" + escape("; ".join(st.drift)) + "[/]" if st.drift else "[green]none[/]"
+            table.add_row(host.host, f"{st.active}/{st.sub}", st.since or "-", host.release or "-",
+                          escape(" ".join(f"{k}={v}" for k, v in st.env.items())) or "-", deployed, drifted)
         ui.err.print(table)
 
     ui.report(report, show, table=False)
@@ -366,10 +366,9 @@ def _lock(target: str, inventory: Path, as_json: bool, release: bool, force: boo
 
     def show(rep: Report) -> None:
         for host in rep.hosts:
-            info = host.data.get("lock")
-            if info:
-                who = LockInfo(**info["holder"]).describe() if info["holder"] else ""
-                ui.err.print(f"{host.host}: {info['state']} {who}", markup=False)
+            if isinstance(host.details, LockView):
+                who = host.details.holder.describe() if host.details.holder else ""
+                ui.err.print(f"{host.host}: {host.details.state} {who}", markup=False)
 
     ui.report(report, show, table=False)
     _exit(report)

@@ -11,8 +11,9 @@ import difflib
 import shlex
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from typing import ClassVar
 
 from kdeploy import gate, history, lock, probe, provisional, release, systemd
 from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused, RemoteTimeout, Unreachable
@@ -103,6 +104,54 @@ def _overridden(spec: GateSpec, opts: Options) -> GateSpec:
     return spec.model_copy(update=update) if update else spec
 
 
+@dataclass(frozen=True)
+class Plan:
+    key: ClassVar[str] = "plan"
+    add: list[str]
+    change: list[str]
+    remove: list[str]
+    unit_diff: str
+    daemon_reload: bool
+    restart: bool
+    reasons: list[str]  # why the host needs a restart (the words of preflight and status drift)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StatusView:
+    key: ClassVar[str] = "status"
+    active: str
+    sub: str
+    since: str
+    env: dict[str, str]  # the unit's live flags (kdeploy's own PYTHONPATH/PYTHONUNBUFFERED left out)
+    last_deploy: dict | None
+    drift: list[str]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class History:
+    key: ClassVar[str] = "history"
+    records: list[dict]
+
+    def to_json(self) -> list[dict]:
+        return self.records
+
+
+@dataclass(frozen=True)
+class LockView:
+    key: ClassVar[str] = "lock"
+    state: str  # free | held | stale
+    holder: lock.LockInfo | None
+
+    def to_json(self) -> dict:
+        return {"state": self.state, "holder": asdict(self.holder) if self.holder else None}
+
+
 def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Options, result: HostResult) -> None:
     """Show what a push would do; reads only (no lock, no directories created)."""
     with connect(inventory, host, result, opts) as remote:
@@ -114,11 +163,8 @@ def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Option
         unit_diff = "".join(difflib.unified_diff(
             (state.unit_text or "").splitlines(keepends=True), local.unit_text.splitlines(keepends=True),
             fromfile=f"{host.name}:{unit_filename(host.service)}", tofile="rendered"))
-        result.data["plan"] = {
-            "add": delta.added, "change": delta.changed, "remove": delta.removed,
-            "unit_diff": unit_diff, "daemon_reload": decision.install_unit, "restart": decision.restart,
-            "reasons": decision.reasons,
-        }
+        result.details = Plan(delta.added, delta.changed, delta.removed, unit_diff, decision.install_unit,
+                              decision.restart, decision.reasons)
         result.release = state.current
         result.finish("planned")
 
@@ -190,7 +236,7 @@ class HostPush:
             meta = release.release_meta(local.payload.manifest, local.unit_text, unit_filename(host.service),
                                         local.spec.to_json())
             tarball = release.build_tarball(local.payload, delta.upload, meta)
-            self.result.data["attempted"] = target
+            self.result.attempted = target
             out = self.remote.run(release.stage_script(service_dir(host.service), target, state.current is not None,
                                                        delta), stdin=tarball, timeout=600, cancel=self.opts.cancel)
             if not out.ok or "STAGED" not in out.stdout:
@@ -381,7 +427,7 @@ def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts
                       previous_spec: GateSpec) -> None:
     """Switch to ``target`` provisionally, restart, gate, confirm; on a failed gate go back to the last
     confirmed release (``pending.previous``) by itself."""
-    result.data["attempted"] = target
+    result.attempted = target
     try:
         _activate(remote, host, result, target, install_unit, pending)
         started = restart_and_follow(remote, host, result, host.service.unit.timeout_stop_sec + 60)
@@ -452,7 +498,7 @@ def finish_command(host: HostConfig, result: HostResult, started: float, release
     and the last confirmed release: a rollback's targets).
     """
     sdir = service_dir(host.service)
-    attempted = result.data.get("attempted")
+    attempted = result.attempted
     who = lock.holder_info()
     entry = {
         "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -524,7 +570,7 @@ def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: H
 def history_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
     with connect(inventory, host, result, opts) as remote:
         out = remote.run(history.read_command(service_dir(host.service), opts.history_limit), timeout=30)
-        result.data["history"] = history.parse(out.stdout)
+        result.details = History(history.parse(out.stdout))
     result.finish("ok")
 
 
@@ -538,7 +584,7 @@ def lock_host(inventory: Inventory, host: HostConfig, opts: Options, result: Hos
                                f"({status.info.describe() if status.info else 'unknown'}); use --force to end it")
             remote.run(lock.release_command(sdir, status, opts.force), timeout=30)
             status = lock.parse_status(remote.run(lock.status_command(sdir), timeout=30).stdout)
-        result.data["lock"] = {"state": status.state, "holder": status.info.__dict__ if status.info else None}
+        result.details = LockView(status.state, status.info)
     result.finish("ok")
 
 
@@ -548,11 +594,9 @@ def status_host(inventory: Inventory, host: HostConfig, local: Local, opts: Opti
     state = status.state
     found = drift(local.payload.manifest, local.unit_text, status)
     result.release = state.current
-    result.data["status"] = {
-        "active": state.unit.active, "sub": state.unit.sub, "since": state.unit.active_since,
-        "env": {k: v for k, v in status.env.items() if k not in ("PYTHONPATH", "PYTHONUNBUFFERED")},
-        "last_deploy": status.last_deploy, "drift": found,
-    }
+    result.details = StatusView(state.unit.active, state.unit.sub, state.unit.active_since,
+                                {k: v for k, v in status.env.items() if k not in ("PYTHONPATH", "PYTHONUNBUFFERED")},
+                                status.last_deploy, found)
     phase.detail = "; ".join(found) or "in sync with the inventory"
     result.finish("ok")
 
@@ -563,5 +607,5 @@ def probe_host(inventory: Inventory, host: HostConfig, opts: Options, result: Ho
         out = remote.run(probe.probe_command(host.service.python), timeout=60)
         report = probe.parse_probe(out.stdout, out.stderr, out.rc)
         phase.detail = report.summary()
-    result.data["probe"] = report.to_json()
+    result.details = report
     result.finish("ok" if report.compatible else "incompatible", None if report.compatible else report.summary())

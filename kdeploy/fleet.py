@@ -44,7 +44,7 @@ def run_parallel(jobs: list[tuple[HostResult, Callable[[], None]]], parallel: in
         except (KdeployError, PhaseFailed, Cancelled) as exc:
             result.fail(exc)
         except Exception as exc:
-            result.data["traceback"] = traceback.format_exc()
+            result.traceback = traceback.format_exc()
             result.finish("failed", f"internal error: {type(exc).__name__}: {exc}")
 
     if not jobs:
@@ -270,7 +270,7 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
         facts["inventory"]["restored_hosts"] = {h.host: h.result for h in back}
         for host, restored in zip(moved, back, strict=True):
             match = next(h for h in report.hosts if h.host == host)
-            match.data["restored"] = restored.result
+            match.restored = restored.result
             if not restored.ok:
                 match.finish("rollback_failed", f"put back to the old config failed: {restored.error}")
     return report

@@ -125,7 +125,7 @@ def test_host_blackholed_after_the_switch_is_back_on_its_old_release_after_heal(
         h2 = results["h2"]
         assert h2.result == "unreachable", (h2.error, h2.phases)
         assert "by itself" in (h2.error or ""), h2.error
-        new = h2.data["attempted"]
+        new = h2.attempted
     finally:
         quick.fleet.heal("h2")
     record = _wait_reverted(quick, old["h2"], new, "h2")
