@@ -11,7 +11,7 @@ import difflib
 import shlex
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import ClassVar
 
@@ -52,7 +52,6 @@ class Options:
     batch: str | None = None  # N or N%: hosts restarting at once (default: --parallel)
     max_fail: str | None = None  # N or N%: failures tolerated before new batches stop (default: no limit)
     skip_preflight: bool = False
-    cancel: threading.Event = field(default_factory=threading.Event)
 
 
 def connect(inventory: Inventory, host: HostConfig, result: HostResult, opts: Options) -> Remote:
@@ -78,8 +77,8 @@ def lock_and_read(remote: Remote, host: HostConfig, wait: float, *, with_history
     return held, parse_state(held.output)
 
 
-def _check(opts: Options) -> None:
-    if opts.cancel.is_set():
+def _check(cancel: threading.Event) -> None:
+    if cancel.is_set():
         raise Cancelled("interrupted")
 
 
@@ -178,8 +177,10 @@ class HostPush:
     """
 
     def __init__(self, inventory: Inventory, host: HostConfig, local: Local, opts: Options,
-                 result: HostResult) -> None:
+                 result: HostResult, cancel: threading.Event) -> None:
+        """``cancel``: Ctrl-C; checked before each change and during the upload."""
         self.inventory, self.host, self.local, self.opts, self.result = inventory, host, local, opts, result
+        self.cancel = cancel
         self.remote: Remote | None = None
         self.held: lock.HeldLock | None = None
         self.state: HostState | None = None
@@ -215,7 +216,7 @@ class HostPush:
                     upload = sum(local.payload.files[p].size for p in decision.delta.upload)
                     out = self.remote.run(preflight_command(host), timeout=120)
                     phase.detail += "; " + preflight_verdict(host, out.stdout, upload)
-            _check(self.opts)
+            _check(self.cancel)
             if no_op:
                 with result.phase("stage") as phase:
                     phase.detail = "nothing changed: no upload, no restart"
@@ -238,7 +239,7 @@ class HostPush:
             tarball = release.build_tarball(local.payload, delta.upload, meta)
             self.result.attempted = target
             out = self.remote.run(release.stage_script(service_dir(host.service), target, state.current is not None,
-                                                       delta), stdin=tarball, timeout=600, cancel=self.opts.cancel)
+                                                       delta), stdin=tarball, timeout=600, cancel=self.cancel)
             if not out.ok or "STAGED" not in out.stdout:
                 error = out.last_error()
                 if "No space left" in error:
@@ -252,7 +253,7 @@ class HostPush:
         assert self.remote is not None and self.state is not None and self.target is not None
         self.result.release = self.target
         try:
-            _check(self.opts)
+            _check(self.cancel)
             previous = self.state.confirmed
             self.switch = provisional.new_pending(previous, self.target, revert_after(self.host, self.local.spec))
             activate_and_gate(self.remote, self.host, self.result, self.opts, target=self.target,

@@ -144,7 +144,7 @@ def test_switched_but_never_restarted_is_a_change_and_reverts(quick: Deployment,
     host = inv.hosts["h1"]
     local = fleet.prepare(inv, ["h1"])["h1"]
     result = HostResult("h1")
-    step = deploy.HostPush(inv, host, local, Options(), result)
+    step = deploy.HostPush(inv, host, local, Options(), result, threading.Event())
     step.prepare()
     assert step.staged and not result.done, result
     pending = provisional.new_pending(step.state.confirmed, step.staged, REVERT_AFTER)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -145,7 +146,8 @@ def capture_state(box: Sandbox) -> None:
     (payload / "rev.txt").write_text("3")
     inv = inventory.load(path)
     host = inv.hosts[HOST]
-    step = deploy.HostPush(inv, host, fleet.prepare(inv, [HOST])[HOST], deploy.Options(), HostResult(HOST))
+    step = deploy.HostPush(inv, host, fleet.prepare(inv, [HOST])[HOST], deploy.Options(), HostResult(HOST),
+                           threading.Event())
     step.prepare()
     assert step.state is not None and step.remote is not None and step.staged
     pending = provisional.new_pending(step.state.confirmed, step.staged, 3600)
