@@ -37,7 +37,7 @@ test: venv lint
 	$(BIN)/python -m pytest -q tests
 
 demo: venv
-	$(BIN)/python -m kdeploy.sglang_env
+	$(BIN)/python -m kdeploy.lab.sglang_env
 	$(BIN)/kdeploy sandbox down
 	$(BIN)/kdeploy sandbox up --hosts 2 --inventory-out $(SANDBOX_INVENTORY)
 	$(BIN)/kdeploy push all --inventory $(SANDBOX_INVENTORY)

@@ -396,7 +396,7 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
                inventory_out: Annotated[Path, typer.Option("--inventory-out", help="Where to write the inventory.")]
                = Path(".sandbox/inventory.yaml"), instance: InstanceOpt = 0) -> None:
     """Boot local hosts (systemd-nspawn) and write an inventory for them."""
-    from kdeploy import demo, sandbox
+    from kdeploy.lab import demo, sandbox
 
     box = sandbox.Sandbox(instance=instance)
     box.check_requirements()
@@ -413,7 +413,7 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
 @sandbox_app.command("status")
 def sandbox_status(as_json: JsonOpt = False, instance: InstanceOpt = 0) -> None:
     """Show the sandbox hosts and whether each one's systemd is running."""
-    from kdeploy import sandbox
+    from kdeploy.lab import sandbox
 
     rows = sandbox.Sandbox(instance=instance).status()
     if as_json:
@@ -430,7 +430,7 @@ def sandbox_status(as_json: JsonOpt = False, instance: InstanceOpt = 0) -> None:
 @sandbox_app.command("down")
 def sandbox_down(instance: InstanceOpt = 0) -> None:
     """Stop every sandbox host and remove everything it created."""
-    from kdeploy import sandbox
+    from kdeploy.lab import sandbox
 
     box = sandbox.Sandbox(instance=instance)
     box.check_requirements()

@@ -17,8 +17,8 @@ import pytest
 from ruamel.yaml import YAML
 
 from kdeploy import cli, inventory, render
-from kdeploy.demo import demo_service, project_dir
-from kdeploy.sandbox import Sandbox
+from kdeploy.lab.demo import demo_service, project_dir
+from kdeploy.lab.sandbox import Sandbox
 
 FLEET_SIZE = 8
 TEST_PLUGIN = Path(__file__).parent / "data" / "testplugin"

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from kdeploy import fleet
-from kdeploy.demo import PLUGIN_LOADED
 from kdeploy.deploy import Options
-from kdeploy.refserver import READY_MESSAGE
+from kdeploy.lab.demo import PLUGIN_LOADED
+from kdeploy.lab.refserver import READY_MESSAGE
 from tests.conftest import TEST_MARKER, Deployment
 
 GATE_PHASES = ["unit", "ready", "completion", "workers"]
