@@ -42,8 +42,14 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _no_control(value: str) -> str:
+    """Refuse what would break the unit file: control characters, and any other character ``str.splitlines``
+    breaks at (U+0085, U+2028, U+2029): the unit is read back line by line, so it would never compare equal."""
     if _CONTROL.search(value):
         raise ValueError("contains a newline or control character (it would corrupt the unit file)")
+    if value.splitlines() not in ([value], []):
+        breaker = next(c for c in value if len(f"a{c}b".splitlines()) > 1)
+        raise ValueError(f"contains the line separator U+{ord(breaker):04X} (the unit file would not read back "
+                         "as written)")
     return value
 
 

@@ -131,3 +131,17 @@ def test_history_records_each_push(deployment: Deployment, capsys: pytest.Captur
     assert [r["result"] for r in records] == ["deployed", "unchanged"]
     for rec in records:
         assert {"time", "user", "controller", "release", "payload_hash", "unit_hash", "result", "duration"} <= set(rec)
+
+
+def test_percent_in_unit_values_arrives_intact(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """systemd expands %-specifiers on every unit line: what it reads back must be what the inventory says."""
+    root = f"/srv/kdeploy/{deployment.service}/100%n"
+    deployment.set_service(remote_root=root, environment_file="/etc/kdeploy-%i.env")
+    deployment.edit(lambda doc: doc["defaults"]["service"]["unit"].update(description='GPU 100% %n "q"'))
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0, doc
+    assert deployment.show("h1", "Description") == 'GPU 100% %n "q"'
+    assert deployment.show("h1", "WorkingDirectory") == f"{root}/{deployment.service}"
+    assert deployment.show("h1", "EnvironmentFiles") == "/etc/kdeploy-%i.env (ignore_errors=yes)"
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0 and doc["hosts"][0]["result"] == "unchanged", doc
