@@ -151,8 +151,8 @@ def run_gate(remote: Remote, service: Service, result: HostResult, *, workers: i
             state = _show(remote, unit)
             invocation = invocation or state.invocation
 
-    port = service.sglang.port
-    with tunnel.ServiceHttp(remote, port, timeout=min(10.0, max(2.0, interval * 4))) as http:
+    with tunnel.ServiceHttp(remote, service.sglang.host, service.sglang.port,
+                            timeout=min(10.0, max(2.0, interval * 4))) as http:
         with result.phase("ready") as phase:
             watch = remote.start(exit_watch_command(state.main_pid, deadline - time.monotonic()))
             try:
