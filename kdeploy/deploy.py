@@ -43,7 +43,7 @@ class Options:
 @dataclass(frozen=True)
 class HostState:
     current: str | None
-    manifest: dict[str, str]
+    manifest: dict[str, str]  # path -> "<sha256> <mode>" of the current release (release.file_identity)
     unit_text: str | None
     releases: list[str]
     unit: systemd.UnitState
@@ -64,6 +64,7 @@ def state_script(host: HostConfig) -> str:
     return "\n".join([
         f"echo @@current; r=$(readlink {d}/current 2>/dev/null) && basename \"$r\"",
         f"echo @@manifest; cat {d}/current/{release.META}/manifest.sha256 2>/dev/null",
+        f"echo @@modes; cat {d}/current/{release.META}/modes 2>/dev/null",
         f"if [ -f {unit} ]; then echo @@unit; cat {unit}; echo; fi",
         f"echo @@releases; ls -1 {d}/releases 2>/dev/null",
         f"echo @@show; {systemd.show_command(unit_filename(host.service))}",
@@ -76,7 +77,7 @@ def parse_state(text: str) -> HostState:
     unit_text = sections.get("unit")  # `cat unit; echo` ends it with one extra empty line
     return HostState(
         current=sections.get("current", "").strip() or None,
-        manifest=release.parse_manifest(sections.get("manifest", "")),
+        manifest=release.parse_identity(sections.get("manifest", ""), sections.get("modes", "")),
         unit_text=None if unit_text is None else unit_text.removesuffix("\n") + "\n",
         releases=[r for r in sections.get("releases", "").split() if r],
         unit=systemd.parse_show(sections.get("show", "")),
@@ -116,7 +117,7 @@ def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Option
         with result.phase("preflight") as phase:
             state = parse_state(remote.run(state_script(host), timeout=60).stdout)
             phase.detail = f"current {state.current or 'none'}, unit {state.unit.summary}"
-        delta = release.diff(local.payload.manifest, state.manifest)
+        delta = release.diff(local.payload.identity, state.manifest)
         unit_changed = local.unit_text != state.unit_text
         restart = bool(not delta.empty or unit_changed or opts.force_restart or not state.unit.running
                        or state.current is None)
@@ -163,7 +164,7 @@ class HostPush:
             with result.phase("preflight") as phase:
                 self.held = lock.acquire(self.remote, sdir, wait=self.opts.lock_wait, then=state_script(host))
                 state = self.state = parse_state(self.held.output)
-                delta = release.diff(local.payload.manifest, state.manifest)
+                delta = release.diff(local.payload.identity, state.manifest)
                 self.unit_changed = local.unit_text != state.unit_text
                 changed = not delta.empty or self.unit_changed or state.current is None
                 no_op = not changed and state.unit.running and not self.opts.force_restart
@@ -193,7 +194,8 @@ class HostPush:
         assert self.remote is not None and state is not None
         with self.result.phase("stage") as phase:
             target = release.release_id(local.payload.manifest, local.unit_text)
-            meta = release.release_meta(local.payload.manifest, local.unit_text, unit_filename(host.service))
+            meta = release.release_meta(local.payload.manifest, local.payload.modes, local.unit_text,
+                                        unit_filename(host.service))
             tarball = release.build_tarball(local.payload, delta.upload, meta)
             out = self.remote.run(release.stage_script(service_dir(host.service), target, state.current is not None,
                                                        delta), stdin=tarball, timeout=600)
@@ -477,7 +479,7 @@ def drift(local: Local, state: HostState, edited: list[str], extra: list[str]) -
         found.append("unit differs from the inventory")
     if state.unit.need_reload:
         found.append("unit file changed on disk but not reloaded")
-    delta = release.diff(local.payload.manifest, state.manifest)
+    delta = release.diff(local.payload.identity, state.manifest)
     if not delta.empty:
         found.append(f"payload differs from the inventory ({delta.describe()})")
     if edited:

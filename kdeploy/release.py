@@ -2,7 +2,8 @@
 
 Remote layout, per service::
 
-    <remote_root>/<service>/releases/<UTC time>-<hash>/   payload files + .kdeploy/{manifest.sha256,files,unit.service}
+    <remote_root>/<service>/releases/<UTC time>-<hash>/   payload files + .kdeploy/ (manifest.sha256, modes,
+                                                           files, unit.service, unit.sha256, unit.name)
     <remote_root>/<service>/current -> releases/<id>       swapped atomically (temp link + rename)
     <remote_root>/<service>/history.jsonl                  one line per deploy
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import shlex
+import stat
 import tarfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -33,6 +35,7 @@ class LocalFile:
     path: str  # relative, "/"-separated
     sha256: str
     size: int
+    mode: int  # what the host gets: 0o755 when its owner may execute it here, else 0o644
     source: Path
 
 
@@ -46,12 +49,26 @@ class Payload:
         return {p: f.sha256 for p, f in self.files.items()}
 
     @property
+    def modes(self) -> dict[str, int]:
+        return {p: f.mode for p, f in self.files.items()}
+
+    @property
+    def identity(self) -> dict[str, str]:
+        """What decides whether a file changed on the host: content and mode (``file_identity``)."""
+        return file_identity(self.manifest, self.modes)
+
+    @property
     def size(self) -> int:
         return sum(f.size for f in self.files.values())
 
 
 def scan_payload(root: Path) -> Payload:
-    """Hash every file of the payload directory (symlinks followed, caches skipped)."""
+    """Hash every file of the payload directory (symlinks followed, caches skipped) and fix its mode.
+
+    Files land on the service's PYTHONPATH as root extracts them: a world-writable one would let any local
+    user change the service's code, a setuid one would stay setuid. Those are refused; every other file
+    gets 0644, or 0755 when its owner may execute it.
+    """
     if not root.is_dir():
         raise InvalidInput(f"{root}: payload directory not found")
     files: dict[str, LocalFile] = {}
@@ -62,8 +79,13 @@ def scan_payload(root: Path) -> Payload:
         name = rel.as_posix()
         if any(c in name for c in "\n\r\\") or any(ord(c) < 32 for c in name):
             raise InvalidInput(f"{path}: payload file names may not contain control characters or backslashes")
+        mode = path.stat().st_mode
+        if mode & (stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH):
+            raise InvalidInput(f"{path}: mode {stat.S_IMODE(mode):04o}: setuid, setgid and world-writable files "
+                               "are refused in the payload (chmod it)")
         data = path.read_bytes()
-        files[name] = LocalFile(name, hashlib.sha256(data).hexdigest(), len(data), path)
+        files[name] = LocalFile(name, hashlib.sha256(data).hexdigest(), len(data),
+                                0o755 if mode & stat.S_IXUSR else 0o644, path)
     if not files:
         raise InvalidInput(f"{root}: payload directory is empty")
     return Payload(root, files)
@@ -81,6 +103,36 @@ def parse_manifest(text: str) -> dict[str, str]:
         if sep and len(sha) == 64:
             out[path.removeprefix("./")] = sha
     return out
+
+
+def _in_file_order(paths: dict[str, object]) -> list[str]:
+    """Byte order of ``./path``, as ``LC_ALL=C sort`` lists the staged files on the host."""
+    return sorted(paths, key=lambda p: f"./{p}".encode())
+
+
+def modes_text(modes: dict[str, int]) -> str:
+    """``.kdeploy/modes``: ``0644 ./path`` per file, as ``find -printf '%#m %p'`` prints them on the host."""
+    return "".join(f"{modes[p]:04o} ./{p}\n" for p in _in_file_order(modes))
+
+
+def parse_modes(text: str) -> dict[str, int]:
+    out = {}
+    for line in text.splitlines():
+        mode, sep, path = line.partition(" ")
+        if sep and path.startswith("./") and len(mode) == 4 and set(mode) <= set("01234567"):
+            out[path.removeprefix("./")] = int(mode, 8)
+    return out
+
+
+def file_identity(manifest: dict[str, str], modes: dict[str, int]) -> dict[str, str]:
+    """Per file, ``"<sha256> <mode>"``: a file changed when either did. A file without a recorded mode (a
+    release staged before modes were recorded) matches nothing, so it ships once more, with its mode."""
+    return {p: f"{sha} {modes[p]:04o}" if p in modes else f"{sha} ?" for p, sha in manifest.items()}
+
+
+def parse_identity(manifest: str, modes: str) -> dict[str, str]:
+    """The host's side of ``Payload.identity``, from a release's ``manifest.sha256`` and ``modes``."""
+    return file_identity(parse_manifest(manifest), parse_modes(modes))
 
 
 def sha256_text(text: str) -> str:
@@ -127,6 +179,7 @@ def build_tarball(payload: Payload, upload: list[str], meta: dict[str, str]) -> 
         for name in upload:
             src = payload.files[name].source
             info = tar.gettarinfo(str(src), arcname=name)
+            info.mode = payload.files[name].mode
             info.uid = info.gid = 0
             info.uname = info.gname = "root"
             with src.open("rb") as fh:
@@ -164,6 +217,8 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
         f"sha256sum -c --quiet --strict {META}/unit.sha256",
         f"find . -type f ! -path './{META}/*' | LC_ALL=C sort > {META}/found",
         f"cmp -s {META}/files {META}/found || {{ echo 'staged files differ from the manifest' >&2; exit 1; }}",
+        f"find . -type f ! -path './{META}/*' -printf '%#m %p\\n' | LC_ALL=C sort -k2 | cmp -s {META}/modes - "
+        "|| { echo 'staged file modes differ from the manifest' >&2; exit 1; }",
         "find . -mindepth 1 -type d -empty -delete",
         f"rm -f {META}/found",
         "sync -f . 2>/dev/null || sync",
@@ -174,10 +229,11 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
     return "\n".join(lines) + "\n"
 
 
-def release_meta(manifest: dict[str, str], unit_text: str, unit_name: str) -> dict[str, str]:
+def release_meta(manifest: dict[str, str], modes: dict[str, int], unit_text: str, unit_name: str) -> dict[str, str]:
     return {
         "manifest.sha256": manifest_text(manifest),
-        "files": "".join(f"./{p}\n" for p in sorted(manifest, key=lambda p: f"./{p}".encode())),
+        "modes": modes_text(modes),
+        "files": "".join(f"./{p}\n" for p in _in_file_order(manifest)),
         "unit.service": unit_text,
         "unit.sha256": f"{sha256_text(unit_text)}  {META}/unit.service\n",
         "unit.name": unit_name + "\n",

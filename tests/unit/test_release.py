@@ -22,6 +22,7 @@ from kdeploy.release import (
     build_tarball,
     diff,
     manifest_text,
+    parse_identity,
     parse_manifest,
     prune_command,
     release_id,
@@ -76,6 +77,28 @@ def test_scan_payload_follows_symlinks(tmp_path):
     assert payload.files["link.py"].sha256 == sha256_text("real\n")
 
 
+def test_scan_payload_normalises_modes(tmp_path):
+    local = {"ro.py": 0o400, "private.py": 0o600, "tool.sh": 0o700, "group.sh": 0o750, "shared.py": 0o664,
+             "plain.py": 0o644, "other-exec": 0o645}
+    root = make_tree(tmp_path / "p", dict.fromkeys(local, "x\n"))
+    for name, mode in local.items():
+        (root / name).chmod(mode)
+    payload = scan_payload(root)
+    assert payload.modes == {"ro.py": 0o644, "private.py": 0o644, "tool.sh": 0o755, "group.sh": 0o755,
+                             "shared.py": 0o644, "plain.py": 0o644, "other-exec": 0o644}
+    assert payload.identity["tool.sh"] == f"{sha256_text('x' + chr(10))} 0755"
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o602, 0o4755, 0o2755, 0o6711])
+def test_scan_payload_refuses_setuid_setgid_and_world_writable(tmp_path, mode):
+    root = make_tree(tmp_path / "p", {"ok.py": "", "pkg/sitecustomize.py": "x\n"})
+    (root / "pkg/sitecustomize.py").chmod(mode)
+    with pytest.raises(InvalidInput) as err:
+        scan_payload(root)
+    assert str(err.value) == (f"{root}/pkg/sitecustomize.py: mode {mode:04o}: setuid, setgid and world-writable "
+                              "files are refused in the payload (chmod it)")
+
+
 @pytest.mark.parametrize("name", ["new\nline.py", "car\rriage.py", "tab\there.py", "back\\slash.py"])
 def test_scan_payload_rejects_bad_names(tmp_path, name):
     root = make_tree(tmp_path / "p", {"ok.py": "", name: "x"})
@@ -128,6 +151,17 @@ def test_diff():
     assert first.added == sorted(local) and not (first.changed or first.removed)
 
 
+def test_a_mode_change_is_a_change():
+    local = {"same": f"{SHA_A} 0644", "exec": f"{SHA_A} 0755"}
+    assert diff(local, {"same": f"{SHA_A} 0644", "exec": f"{SHA_A} 0644"}).changed == ["exec"]
+    manifest = manifest_text({"same": SHA_A, "exec": SHA_A})
+    assert parse_identity(manifest, "0644 ./same\n0755 ./exec\n") == local
+    # a release staged before modes were recorded: each file differs once, so it ships again with its mode
+    old = parse_identity(manifest, "")
+    assert old == {"same": f"{SHA_A} ?", "exec": f"{SHA_A} ?"}
+    assert diff(local, old).changed == ["exec", "same"]
+
+
 def test_release_id():
     manifest = {"a.py": SHA_A}
     rid = release_id(manifest, "unit-1", T0)
@@ -157,8 +191,10 @@ def test_prune_command():
 
 
 def test_release_meta():
-    meta = release_meta({"b.py": SHA_B, "a.py": SHA_A, "B.py": SHA_A}, "[Unit]\n", UNIT)
+    meta = release_meta({"b.py": SHA_B, "a.py": SHA_A, "B.py": SHA_A}, {"b.py": 0o644, "a.py": 0o755, "B.py": 0o644},
+                        "[Unit]\n", UNIT)
     assert meta["files"] == "./B.py\n./a.py\n./b.py\n"           # byte order, like `LC_ALL=C sort`
+    assert meta["modes"] == "0644 ./B.py\n0755 ./a.py\n0644 ./b.py\n"
     assert meta["unit.service"] == "[Unit]\n"
     assert meta["unit.sha256"] == f"{sha256_text('[Unit]' + chr(10))}  {META}/unit.service\n"
     assert meta["unit.name"] == "svc.service\n"
@@ -174,7 +210,7 @@ def test_build_tarball_contents(tmp_path):
         assert list(members) == ["a.py", "d/b.py", f"{META}/x"]
         assert all(m.isfile() and m.uid == 0 for m in members.values())
         assert members["a.py"].uname == "root"
-        assert members["a.py"].mode & 0o777 == (root / "a.py").stat().st_mode & 0o777
+        assert members["a.py"].mode == 0o644
         assert tar.extractfile("d/b.py").read() == b"b\n"
 
 
@@ -189,21 +225,23 @@ class Staged:
     tarball: bytes
 
 
-def remote_manifest(sdir: Path) -> dict[str, str] | None:
+def remote_identity(sdir: Path) -> dict[str, str] | None:
+    """What the state read gets from the host: the current release's manifest and modes."""
     current = sdir / "current"
     if not current.exists():
         return None
-    return parse_manifest((current / META / "manifest.sha256").read_text())
+    modes = current / META / "modes"
+    return parse_identity((current / META / "manifest.sha256").read_text(), modes.read_text() if modes.exists() else "")
 
 
 def stage(sdir: Path, payload_root: Path, *, unit_text: str = "[Unit]\nDescription=v1\n",
           when: datetime = T0) -> Staged:
     """What push does: diff against the current release, ship the delta + meta, run stage_script."""
     payload = scan_payload(payload_root)
-    remote = remote_manifest(sdir)
-    delta = diff(payload.manifest, remote or {})
+    remote = remote_identity(sdir)
+    delta = diff(payload.identity, remote or {})
     rid = release_id(payload.manifest, unit_text, when)
-    tarball = build_tarball(payload, delta.upload, release_meta(payload.manifest, unit_text, UNIT))
+    tarball = build_tarball(payload, delta.upload, release_meta(payload.manifest, payload.modes, unit_text, UNIT))
     return Staged(rid, delta, run_script(stage_script(str(sdir), rid, remote is not None, delta), tarball), tarball)
 
 
@@ -259,7 +297,8 @@ def test_first_stage(tmp_path):
     assert {name: data for name, (data, _) in files.items() if not name.startswith(META)} == {
         k: v.encode() if isinstance(v, str) else v for k, v in V1.items()}
     assert sorted(n for n in files if n.startswith(META)) == [
-        f"{META}/files", f"{META}/manifest.sha256", f"{META}/unit.name", f"{META}/unit.service", f"{META}/unit.sha256"]
+        f"{META}/files", f"{META}/manifest.sha256", f"{META}/modes", f"{META}/unit.name", f"{META}/unit.service",
+        f"{META}/unit.sha256"]
     assert (rel / META / "unit.service").read_text() == "[Unit]\nDescription=v1\n"
     assert parse_manifest((rel / META / "manifest.sha256").read_text()) == scan_payload(payload_root).manifest
     assert not (sdir / "current").exists()          # staging never switches anything
@@ -312,7 +351,7 @@ def _flip_content(data: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("case", ["truncated", "garbage", "content-flipped", "manifest-mismatch", "unit-mismatch",
-                                  "file-not-in-manifest", "file-missing"])
+                                  "file-not-in-manifest", "file-missing", "mode-mismatch"])
 def test_failed_stage_leaves_nothing(tmp_path, case):
     sdir = tmp_path / "svc"
     payload_root = make_tree(tmp_path / "payload", V1)
@@ -320,7 +359,7 @@ def test_failed_stage_leaves_nothing(tmp_path, case):
     assert good.proc.returncode == 0
     payload = scan_payload(payload_root)
     rid = release_id(payload.manifest, "[Unit]\n", T0 + timedelta(hours=1))
-    meta = release_meta(payload.manifest, "[Unit]\n", UNIT)
+    meta = release_meta(payload.manifest, payload.modes, "[Unit]\n", UNIT)
     upload = sorted(payload.files)
     if case == "manifest-mismatch":
         meta["manifest.sha256"] = meta["manifest.sha256"].replace(payload.manifest["pkg/changed.py"], SHA_A)
@@ -332,6 +371,8 @@ def test_failed_stage_leaves_nothing(tmp_path, case):
             line + "\n" for line in meta["manifest.sha256"].splitlines() if not line.endswith("removed.py"))
     elif case == "file-missing":
         upload.remove("pkg/removed.py")
+    elif case == "mode-mismatch":
+        meta["modes"] = meta["modes"].replace("0644 ./pkg/changed.py", "0755 ./pkg/changed.py")
     tarball = build_tarball(payload, upload, meta)
     if case == "truncated":
         tarball = tarball[:1500]
@@ -346,6 +387,48 @@ def test_failed_stage_leaves_nothing(tmp_path, case):
     assert sorted(p.name for p in (sdir / "releases").iterdir()) == [good.release]
     if case == "file-not-in-manifest":
         assert "staged files differ from the manifest" in proc.stderr.decode()
+    if case == "mode-mismatch":
+        assert "staged file modes differ from the manifest" in proc.stderr.decode()
+
+
+def modes_of(tree: Path) -> dict[str, int]:
+    return {p.relative_to(tree).as_posix(): p.stat().st_mode & 0o7777
+            for p in sorted(tree.rglob("*")) if p.is_file() and META not in p.parts}
+
+
+def test_stage_normalises_modes_and_ships_a_mode_only_change(tmp_path, fake_systemctl):
+    env, _ = fake_systemctl
+    sdir = tmp_path / "svc"
+    payload_root = make_tree(tmp_path / "payload", {"a.py": "a\n", "bin/tool": "#!/bin/sh\n", "b.py": "b\n"})
+    (payload_root / "a.py").chmod(0o600)
+    (payload_root / "bin/tool").chmod(0o700)
+    first = stage(sdir, payload_root)
+    assert first.proc.returncode == 0, first.proc.stderr.decode()
+    rel1 = sdir / "releases" / first.release
+    assert modes_of(rel1) == {"a.py": 0o644, "b.py": 0o644, "bin/tool": 0o755}
+    assert activate(sdir, first.release, tmp_path / "units", env, install_unit=False).returncode == 0
+
+    (payload_root / "b.py").chmod(0o755)                      # only the mode changes
+    second = stage(sdir, payload_root, when=T0 + timedelta(minutes=1))
+    assert second.proc.returncode == 0, second.proc.stderr.decode()
+    assert second.delta.changed == ["b.py"] and second.delta.unchanged == ["a.py", "bin/tool"]
+    rel2 = sdir / "releases" / second.release
+    assert modes_of(rel2) == {"a.py": 0o644, "b.py": 0o755, "bin/tool": 0o755}
+    assert modes_of(rel1)["b.py"] == 0o644                    # a new file, not a chmod of the shared one
+
+
+def test_stage_over_a_release_without_modes_ships_every_file_once(tmp_path, fake_systemctl):
+    env, _ = fake_systemctl
+    sdir = tmp_path / "svc"
+    payload_root = make_tree(tmp_path / "payload", {"a.py": "a\n", "pkg/b.py": "b\n"})
+    first = stage(sdir, payload_root)
+    assert activate(sdir, first.release, tmp_path / "units", env, install_unit=False).returncode == 0
+    (sdir / "releases" / first.release / META / "modes").unlink()     # as a release staged before modes
+    second = stage(sdir, payload_root, when=T0 + timedelta(minutes=1))
+    assert second.proc.returncode == 0, second.proc.stderr.decode()
+    assert second.delta.changed == ["a.py", "pkg/b.py"]
+    assert activate(sdir, second.release, tmp_path / "units", env, install_unit=False).returncode == 0
+    assert stage(sdir, payload_root, when=T0 + timedelta(minutes=2)).delta.empty
 
 
 def test_stage_removes_stale_staging_dirs(tmp_path):
@@ -363,7 +446,7 @@ def test_stage_in_a_dir_with_spaces_never_touches_a_sibling(tmp_path):
     payload_root = make_tree(tmp_path / "payload", {"a.py": "a\n"})
     payload = scan_payload(payload_root)
     rid = release_id(payload.manifest, "u", T0)
-    tarball = build_tarball(payload, ["a.py"], release_meta(payload.manifest, "u", UNIT))
+    tarball = build_tarball(payload, ["a.py"], release_meta(payload.manifest, payload.modes, "u", UNIT))
     failed = run_script(stage_script(str(sdir), rid, False, diff(payload.manifest, {})), tarball[:700])
     assert failed.returncode != 0
     assert (sibling / "precious").read_text() == "keep me\n"
