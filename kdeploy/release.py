@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import shlex
 import stat
 import tarfile
@@ -62,8 +63,37 @@ class Payload:
         return sum(f.size for f in self.files.values())
 
 
+def _walk(root: Path) -> list[Path]:
+    """Every file under ``root``, through symlinked files and directories, caches skipped.
+
+    A broken symlink or one that leads back to a directory it is in is refused: skipping either would ship
+    a payload without something that was put in it.
+    """
+    files: list[Path] = []
+
+    def visit(directory: Path, ancestors: dict[tuple[int, int], Path]) -> None:
+        for path in sorted(directory.iterdir()):
+            if path.name in _SKIP_DIRS:
+                continue
+            if path.is_symlink() and not path.exists():  # exists() is False for a dangling or looping link
+                raise InvalidInput(f"{path}: broken symlink in the payload (-> {os.readlink(path)})")
+            if path.is_dir():
+                st = path.stat()
+                key = (st.st_dev, st.st_ino)
+                if key in ancestors:
+                    raise InvalidInput(f"{path}: symlink cycle in the payload (the same directory as "
+                                       f"{ancestors[key]}, which contains it)")
+                visit(path, {**ancestors, key: path})
+            elif path.is_file() and path.suffix not in _SKIP_SUFFIXES:
+                files.append(path)
+
+    st = root.stat()
+    visit(root, {(st.st_dev, st.st_ino): root})
+    return files
+
+
 def scan_payload(root: Path) -> Payload:
-    """Hash every file of the payload directory (symlinks followed, caches skipped) and fix its mode.
+    """Hash every file of the payload directory (``_walk``) and fix its mode.
 
     Files land on the service's PYTHONPATH as root extracts them: a world-writable one would let any local
     user change the service's code, a setuid one would stay setuid. Those are refused; every other file
@@ -72,11 +102,8 @@ def scan_payload(root: Path) -> Payload:
     if not root.is_dir():
         raise InvalidInput(f"{root}: payload directory not found")
     files: dict[str, LocalFile] = {}
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root)
-        if any(part in _SKIP_DIRS for part in rel.parts) or path.suffix in _SKIP_SUFFIXES or not path.is_file():
-            continue
-        name = rel.as_posix()
+    for path in _walk(root):
+        name = path.relative_to(root).as_posix()
         if any(c in name for c in "\n\r\\") or any(ord(c) < 32 for c in name):
             raise InvalidInput(f"{path}: payload file names may not contain control characters or backslashes")
         mode = path.stat().st_mode

@@ -77,6 +77,37 @@ def test_scan_payload_follows_symlinks(tmp_path):
     assert payload.files["link.py"].sha256 == sha256_text("real\n")
 
 
+def test_scan_payload_follows_symlinked_directories(tmp_path):
+    outside = make_tree(tmp_path / "outside", {"lib/x.py": "x\n", "lib/sub/y.py": "y\n", "lib/__pycache__/z.pyc": ""})
+    root = make_tree(tmp_path / "p", {"a.py": "a\n", "pkg/b.py": "b\n"})
+    (root / "lib").symlink_to(outside / "lib")
+    (root / "alias").symlink_to("pkg")                     # a second name for a directory of the payload
+    payload = scan_payload(root)
+    assert sorted(payload.files) == ["a.py", "alias/b.py", "lib/sub/y.py", "lib/x.py", "pkg/b.py"]
+    assert payload.files["lib/sub/y.py"].sha256 == sha256_text("y\n")
+
+
+@pytest.mark.parametrize("target", ["missing.py", "missing-dir/", "self"])
+def test_scan_payload_refuses_a_broken_symlink(tmp_path, target):
+    root = make_tree(tmp_path / "p", {"a.py": "a\n", "pkg/b.py": "b\n"})
+    link = root / "pkg" / "self" if target == "self" else root / "pkg" / "link"
+    link.symlink_to(target)
+    with pytest.raises(InvalidInput) as err:
+        scan_payload(root)
+    assert str(err.value) == f"{link}: broken symlink in the payload (-> {target})"
+
+
+@pytest.mark.parametrize("target", ["..", ".", "../.."])
+def test_scan_payload_refuses_a_symlink_cycle(tmp_path, target):
+    root = make_tree(tmp_path / "p", {"a.py": "a\n", "pkg/b.py": "b\n"})
+    (root / "pkg" / "loop").symlink_to(target)
+    with pytest.raises(InvalidInput) as err:
+        scan_payload(root)
+    message = str(err.value)
+    assert message.startswith(f"{root}/pkg/loop")
+    assert ": symlink cycle in the payload (the same directory as " in message
+
+
 def test_scan_payload_normalises_modes(tmp_path):
     local = {"ro.py": 0o400, "private.py": 0o600, "tool.sh": 0o700, "group.sh": 0o750, "shared.py": 0o664,
              "plain.py": 0o644, "other-exec": 0o645}
@@ -457,14 +488,17 @@ def test_stage_in_a_dir_with_spaces_never_touches_a_sibling(tmp_path):
 
 
 def test_stage_ships_symlinked_files_as_files(tmp_path):
-    outside = make_tree(tmp_path / "elsewhere", {"real.py": "real\n"})
+    outside = make_tree(tmp_path / "elsewhere", {"real.py": "real\n", "lib/deep.py": "deep\n"})
     payload_root = make_tree(tmp_path / "payload", {"a.py": "a\n"})
     (payload_root / "link.py").symlink_to(outside / "real.py")
+    (payload_root / "lib").symlink_to(outside / "lib")
     sdir = tmp_path / "svc"
     staged = stage(sdir, payload_root)
     assert staged.proc.returncode == 0, staged.proc.stderr.decode()
-    shipped = sdir / "releases" / staged.release / "link.py"
-    assert not shipped.is_symlink() and shipped.read_text() == "real\n"
+    release = sdir / "releases" / staged.release
+    for name, text in (("link.py", "real\n"), ("lib/deep.py", "deep\n")):
+        assert not (release / name).is_symlink() and (release / name).read_text() == text
+    assert not (release / "lib").is_symlink()
 
 
 def test_activate_installs_unit_and_switches_current(tmp_path, fake_systemctl):
