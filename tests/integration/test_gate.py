@@ -124,6 +124,16 @@ def test_gate_reaches_a_service_bound_to_an_address_of_the_host(deployment: Depl
     assert code == 0 and doc["hosts"][0]["result"] == "healthy", doc
 
 
+def test_non_ascii_marker_is_counted_in_every_worker(deployment: Deployment,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """journald keeps the marker as UTF-8 and journalctl's JSON writes it so: the gate must find it there."""
+    marker = '[kdeploy-testplugin] geladen ✓ Größe "日本"'
+    deployment.set_service(env={"KDEPLOY_TESTPLUGIN_MARKER": marker}, gate=gate(30, markers=[marker]))
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0, [(h["error"], h["phases"]) for h in doc["hosts"]]
+    assert phase(doc["hosts"][0], "workers")["detail"] == "1 markers x 8 workers"
+
+
 def test_exit_at_start_fails_fast_and_rolls_back(deployment: Deployment,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     previous = push_good(deployment, capsys)
