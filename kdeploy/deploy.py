@@ -37,7 +37,14 @@ class Options:
     batch: str | None = None  # N or N%: hosts restarting at once (default: --parallel)
     max_fail: str | None = None  # N or N%: failures tolerated before new batches stop (default: no limit)
     skip_preflight: bool = False
+    command: str | None = None  # what the lock and history record (the CLI's own command line; see recorded_command)
     cancel: threading.Event = field(default_factory=threading.Event)
+
+
+def recorded_command(opts: Options, verb: str) -> str:
+    """The command the lock and history record: the CLI's (``Options.command``), else the library call.
+    Never ``sys.argv``: a wrapper script calling the library may hold secrets in its own arguments."""
+    return opts.command or f"kdeploy {verb} (library)"
 
 
 @dataclass(frozen=True)
@@ -162,7 +169,8 @@ class HostPush:
         try:
             self.remote = connect(self.inventory, host, result, self.opts)
             with result.phase("preflight") as phase:
-                self.held = lock.acquire(self.remote, sdir, wait=self.opts.lock_wait, then=state_script(host))
+                self.held = lock.acquire(self.remote, sdir, wait=self.opts.lock_wait, then=state_script(host),
+                                         command=recorded_command(self.opts, "push"))
                 state = self.state = parse_state(self.held.output)
                 delta = release.diff(local.payload.identity, state.manifest)
                 self.unit_changed = local.unit_text != state.unit_text
@@ -264,7 +272,7 @@ class HostPush:
         if self.result.result == "preflight_refused":  # a refused host is left exactly as it was
             return ""
         return finish_command(self.host, self.result, self.started, self.state.releases if self.state else [],
-                              self.local)
+                              self.local, command=recorded_command(self.opts, "push"))
 
 
 def preflight_command(host: HostConfig) -> str:
@@ -370,11 +378,11 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
 
 
 def finish_command(host: HostConfig, result: HostResult, started: float, releases: list[str],
-                   local: Local | None = None) -> str:
+                   local: Local | None = None, *, command: str) -> str:
     """Append the history line and prune old releases (sent to the lock holder, run under the lock)."""
     sdir = service_dir(host.service)
     attempted = result.data.get("attempted")
-    who = lock.holder_info()
+    who = lock.holder_info(command)
     entry = {
         "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "user": who.user, "controller": who.controller, "command": who.command,
@@ -398,7 +406,7 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
         try:
             with result.phase("preflight") as phase:
                 held = lock.acquire(remote, service_dir(host.service), wait=opts.lock_wait,
-                                    then=state_script(host))
+                                    then=state_script(host), command=recorded_command(opts, "rollback"))
                 state = parse_state(held.output)
                 target = opts.to_release or state.previous()
                 if not target:
@@ -417,7 +425,8 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
         finally:
             if held is not None:
                 recorded = state is not None and result.result not in ("invalid", "preflight_refused")
-                held.release(finish_command(host, result, started, state.releases) if recorded else "")
+                held.release(finish_command(host, result, started, state.releases,
+                                            command=recorded_command(opts, "rollback")) if recorded else "")
 
 
 def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:

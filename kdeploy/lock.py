@@ -13,7 +13,6 @@ import json
 import os
 import shlex
 import socket
-import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -42,13 +41,14 @@ class LockInfo:
         return f"{self.user}@{self.controller} pid {self.pid} since {self.since} ({self.command})"
 
 
-def holder_info(command: str | None = None) -> LockInfo:
+def holder_info(command: str) -> LockInfo:
+    """Who takes the lock; ``command`` is kdeploy's own (``deploy.recorded``), never ``sys.argv``."""
     return LockInfo(
         user=os.environ.get("KDEPLOY_USER") or getpass.getuser(),
         controller=socket.gethostname(),
         pid=os.getpid(),
         since=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        command=command or " ".join(["kdeploy", *sys.argv[1:]])[:200],
+        command=command[:200],
     )
 
 
@@ -68,13 +68,17 @@ def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: st
 
     What arrives on stdin is the finish script (history, pruning), run under the lock as the holder's last
     act; only if it arrived whole (ends with ``@@end``): a dropped link must not run half a ``rm``.
+    The service dir is created 0755 (the service runs in it, maybe as another user); what the holder writes
+    there (``.lock``, ``lock.json``, ``history.jsonl``) is for root only: umask 077.
     """
     d = shlex.quote(service_dir)
     # Escape first, then put in the one unescaped $$ (a "$$" inside the command must stay literal).
     record = _dq(json.dumps({**info.__dict__, "remote_pid": "__PID__"})).replace('\\"__PID__\\"', "$$")
     flock = f"flock -w {wait:g} 9" if wait > 0 else "flock -n 9"
     return "\n".join([
+        "umask 022",
         f"mkdir -p {d} || exit 70",
+        "umask 077",
         f"exec 9>>{d}/.lock || exit 70",
         f"if ! {flock}; then echo @@held; cat {d}/lock.json 2>/dev/null; echo; exit {HELD_RC}; fi",
         f"echo @@stale; cat {d}/lock.json 2>/dev/null; echo",
@@ -135,8 +139,7 @@ class HeldLock:
             self.channel.close()
 
 
-def acquire(remote: Remote, service_dir: str, *, wait: float = 0, then: str = "",
-            command: str | None = None) -> HeldLock:
+def acquire(remote: Remote, service_dir: str, *, command: str, wait: float = 0, then: str = "") -> HeldLock:
     """Take the lock (waiting up to ``wait`` s) and run ``then`` under it, in one round trip."""
     channel = remote.start(holder_script(service_dir, holder_info(command), wait=wait, then=then),
                            timeout=max(30.0, wait + 30))

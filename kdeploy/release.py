@@ -200,7 +200,8 @@ def release_id(manifest: dict[str, str], unit_text: str, now: datetime | None = 
 
 
 def build_tarball(payload: Payload, upload: list[str], meta: dict[str, str]) -> bytes:
-    """The files to ship plus the release metadata, as one uncompressed tar stream."""
+    """The files to ship (with their normalised modes) plus the release metadata, as one uncompressed tar
+    stream. The service reads the payload; the metadata is kdeploy's own, for root only (0700/0600)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT, dereference=True) as tar:
         for name in upload:
@@ -211,11 +212,14 @@ def build_tarball(payload: Payload, upload: list[str], meta: dict[str, str]) -> 
             info.uname = info.gname = "root"
             with src.open("rb") as fh:
                 tar.addfile(info, fh)
+        meta_dir = tarfile.TarInfo(META)
+        meta_dir.type, meta_dir.mode = tarfile.DIRTYPE, 0o700
+        tar.addfile(meta_dir)
         for name, text in meta.items():
             data = text.encode()
             info = tarfile.TarInfo(f"{META}/{name}")
             info.size = len(data)
-            info.mode = 0o644
+            info.mode = 0o600
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
 
@@ -271,7 +275,8 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
     """Point ``current`` at ``release``; with ``install_unit``, install that release's own unit and reload.
 
     The unit is copied to a temp name in the unit directory, checked against the release's recorded
-    sha256, then renamed over the live one, so systemd never sees a half-written unit.
+    sha256, made 0644 like any unit file (the release's copy is root's only), then renamed over the live
+    one, so systemd never sees a half-written unit.
     """
     d = shlex.quote(service_dir)
     rel = f"{d}/releases/{shlex.quote(release)}"
@@ -282,6 +287,7 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
             f"cp {rel}/{META}/unit.service {tmp}",
             f'echo "$(cut -c1-64 {rel}/{META}/unit.sha256)  "{tmp} | sha256sum -c --quiet --strict'
             f" || {{ rm -f {tmp}; exit 1; }}",
+            f"chmod 0644 {tmp}",
             f"mv -T {tmp} {shlex.quote(f'{UNIT_DIR}/{unit_file}')}",
         ]
     lines += [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import deploy, lock
+from kdeploy import deploy, fleet, lock
 from kdeploy.remote import Remote
 from kdeploy.render import service_dir
 from tests.conftest import Deployment
@@ -227,3 +228,39 @@ def test_state_parser_reads_a_fresh_host(deployment: Deployment) -> None:
         state = deploy.parse_state(remote.run(deploy.state_script(host)).stdout)
     assert state.current is None and state.manifest == {} and state.unit_text is None
     assert state.unit.load == "not-found" and state.releases == []
+
+
+def test_host_files_are_root_only_except_what_the_service_reads(deployment: Deployment,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service runs as `nobody` and still reads its payload; the lock, the history and the release
+    metadata are root's; the history records kdeploy's own command, never a wrapper's argv."""
+    deployment.edit(lambda doc: doc["defaults"]["service"]["unit"].update(user="nobody"))
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0, [(h["error"], h["phases"]) for h in doc["hosts"]]
+    assert deployment.sh("h1", f"ps -o user= -p {deployment.show('h1', 'MainPID')}").strip() == "nobody"
+    d = deployment.service_dir
+    release = doc["hosts"][0]["release"]
+    paths = [d, f"{d}/.lock", f"{d}/history.jsonl", f"{d}/releases", f"{d}/releases/{release}",
+             f"{d}/releases/{release}/kdeploy_testplugin", f"{d}/releases/{release}/kdeploy_testplugin/__init__.py",
+             f"{d}/releases/{release}/.kdeploy", f"{d}/releases/{release}/.kdeploy/manifest.sha256",
+             f"/etc/systemd/system/{deployment.service}.service"]
+    modes = deployment.sh("h1", "stat -c %a " + " ".join(paths)).split()
+    assert modes == ["755", "600", "600", "755", "755", "755", "644", "700", "600", "644"]
+    history = deployment.sh("h1", f"cat {d}/history.jsonl")
+    assert json.loads(history.splitlines()[-1])["command"] == f"kdeploy push test --inventory {deployment.path} --json"
+
+    host = deployment.load().hosts["h1"]
+    with _connect(deployment) as remote:
+        held = lock.acquire(remote, service_dir(host.service), command="kdeploy push test (other operator)")
+        try:
+            assert deployment.sh("h1", f"stat -c %a {d}/lock.json").strip() == "600"
+        finally:
+            held.release()
+
+    monkeypatch.setattr("sys.argv", ["deploy_wrapper.py", "--vault-token", "s3cret"])
+    report = fleet.push(deployment.load(), "test", deploy.Options(force_restart=True))
+    assert report.exit_code == 0, [(h.error, h.phases) for h in report.hosts]
+    history = deployment.sh("h1", f"cat {d}/history.jsonl")
+    assert json.loads(history.splitlines()[-1])["command"] == "kdeploy push (library)"
+    assert "s3cret" not in history

@@ -156,6 +156,24 @@ def test_acquire_hold_contend_release(tmp_path, holders):
     assert third.finish()[0] == 0
 
 
+@pytest.mark.parametrize("session_umask", ["000", "022", "077"])
+def test_lock_files_are_for_root_only_and_the_service_dir_is_not(tmp_path, session_umask):
+    """The service (maybe another user) runs in the service dir; the lock and its record are root's."""
+    sdir = tmp_path / "root" / "svc"
+    script = f"umask {session_umask}\n" + holder_script(str(sdir), INFO)
+    holder = Holder(script)
+    try:
+        holder.read_until(READY)
+        modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777
+                 for p in (tmp_path / "root", sdir, sdir / ".lock", sdir / "lock.json")}
+        assert modes == {"root": 0o755, "root/svc": 0o755, "root/svc/.lock": 0o600, "root/svc/lock.json": 0o600}
+        assert holder.finish(f"touch {sdir}/finish-file\n{END}\n".encode())[0] == 0
+        assert (sdir / "finish-file").stat().st_mode & 0o777 == 0o600   # what the finish script writes, too
+    finally:
+        if holder.proc.poll() is None:
+            holder.kill()
+
+
 def test_finish_script_runs_under_the_lock_only_when_it_arrived_whole(tmp_path, holders):
     sdir = tmp_path / "svc"
     probe = f"flock -n {sdir}/.lock true && echo free >> {tmp_path}/seen || echo held >> {tmp_path}/seen"
@@ -267,6 +285,8 @@ def test_parse_status_shapes():
 
 def test_holder_info(monkeypatch):
     monkeypatch.setenv("KDEPLOY_USER", "carol")
+    monkeypatch.setattr("sys.argv", ["wrapper.py", "--vault-token", "s3cret"])
     info = holder_info("kdeploy verify all")
     assert (info.user, info.command, info.pid, info.remote_pid) == ("carol", "kdeploy verify all", os.getpid(), None)
     assert len(info.since) == 20 and info.since.endswith("Z")
+    assert holder_info("x" * 500).command == "x" * 200

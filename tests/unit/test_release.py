@@ -238,10 +238,11 @@ def test_build_tarball_contents(tmp_path):
     data = build_tarball(payload, ["a.py", "d/b.py"], {"x": "meta\n"})
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         members = {m.name: m for m in tar.getmembers()}
-        assert list(members) == ["a.py", "d/b.py", f"{META}/x"]
-        assert all(m.isfile() and m.uid == 0 for m in members.values())
+        assert list(members) == ["a.py", "d/b.py", META, f"{META}/x"]
+        assert all(m.isfile() and m.uid == 0 for name, m in members.items() if name != META)
         assert members["a.py"].uname == "root"
         assert members["a.py"].mode == 0o644
+        assert (members[META].isdir(), members[META].mode, members[f"{META}/x"].mode) == (True, 0o700, 0o600)
         assert tar.extractfile("d/b.py").read() == b"b\n"
 
 
@@ -332,6 +333,12 @@ def test_first_stage(tmp_path):
         f"{META}/unit.sha256"]
     assert (rel / META / "unit.service").read_text() == "[Unit]\nDescription=v1\n"
     assert parse_manifest((rel / META / "manifest.sha256").read_text()) == scan_payload(payload_root).manifest
+    # what the service reads is readable by any user; kdeploy's own metadata by root only
+    assert {p.relative_to(sdir).as_posix(): p.stat().st_mode & 0o777 for p in [sdir, sdir / "releases", rel,
+            rel / "pkg", rel / "pkg/sub", rel / META, rel / META / "files"]} == {
+        ".": 0o755, "releases": 0o755, f"releases/{staged.release}": 0o755, f"releases/{staged.release}/pkg": 0o755,
+        f"releases/{staged.release}/pkg/sub": 0o755, f"releases/{staged.release}/{META}": 0o700,
+        f"releases/{staged.release}/{META}/files": 0o600}
     assert not (sdir / "current").exists()          # staging never switches anything
 
 
@@ -514,6 +521,7 @@ def test_activate_installs_unit_and_switches_current(tmp_path, fake_systemctl):
     assert os.readlink(sdir / "current") == f"releases/{staged.release}"      # relative
     assert (sdir / "current" / "a.py").read_text() == "a\n"
     assert (units / UNIT).read_bytes() == unit_text.encode()
+    assert (units / UNIT).stat().st_mode & 0o777 == 0o644                      # the release's copy is 0600
     assert sorted(p.name for p in units.iterdir()) == [UNIT]                   # no temp file left
     assert not (sdir / ".current.tmp").exists()
     assert log.read_text().splitlines() == ["daemon-reload", f"enable --quiet {UNIT}"]
