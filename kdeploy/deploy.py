@@ -453,13 +453,17 @@ def lock_host(inventory: Inventory, host: HostConfig, opts: Options, result: Hos
     with connect(inventory, host, result, opts) as remote:
         sdir = service_dir(host.service)
         status = lock.parse_status(remote.run(lock.status_command(sdir), timeout=30).stdout)
+        why = None
         if release_it:
             if status.held and not opts.force:
                 raise LockHeld(f"{host.name}: lock is held by a live deploy "
                                f"({status.info.describe() if status.info else 'unknown'}); use --force to end it")
-            remote.run(lock.release_command(sdir, status, opts.force), timeout=30)
-            status = lock.parse_status(remote.run(lock.status_command(sdir), timeout=30).stdout)
+            out = remote.run(lock.release_command(sdir, status, opts.force), timeout=lock.FORCE_WAIT + 30).stdout
+            why = lock.release_failure(out, status.info)
+            status = lock.parse_status(out)
         result.data["lock"] = {"state": status.state, "holder": status.info.__dict__ if status.info else None}
+    if why:
+        raise LockHeld(f"{host.name}: lock still held: {why}")
     result.finish("ok")
 
 

@@ -25,6 +25,7 @@ READY = "@@ready"
 END = "@@end"
 HELD_RC = 75
 RELEASE_WAIT = 5.0
+FORCE_WAIT = 5.0  # seconds `lock release --force` waits for the lock once it ended the holder
 FINISH_WAIT = 60.0
 
 
@@ -191,12 +192,51 @@ def parse_status(text: str) -> LockStatus:
     return LockStatus(held="held" in sections, info=parse_info(sections.get("info", "")))
 
 
-def release_command(service_dir: str, status: LockStatus, force: bool) -> str:
-    """Clear a stale lock record; with ``force``, also end a live holder (its flock dies with it)."""
+def release_command(service_dir: str, status: LockStatus, force: bool, *, wait: float = FORCE_WAIT) -> str:
+    """Clear the lock record once the lock is free, and print the lock's status (``status_command``).
+
+    With ``force`` and a held lock, first end the recorded holder, but only if that PID still has the lock
+    file open: a holder that is gone may have left its PID to an unrelated process, which is never killed
+    (``@@not-holder``). The holder is its SSH session's process group leader, so the group is ended with
+    it (``@@killed``); then the lock is waited for, at most ``wait`` s. The record is removed under the
+    lock, so a deploy that takes the lock meanwhile keeps its own.
+    """
     d = shlex.quote(service_dir)
-    cmds = []
-    if status.held and force and status.info and status.info.remote_pid:
-        pid = int(status.info.remote_pid)
-        cmds.append(f"pkill -TERM -P {pid} 2>/dev/null; kill -TERM {pid} 2>/dev/null; sleep 0.2")
-    cmds.append(f"rm -f {d}/lock.json")
-    return "; ".join(cmds)
+    lines = []
+    tries = 0
+    if force and status.held:
+        pid = int(status.info.remote_pid) if status.info and status.info.remote_pid else 0
+        lines += [
+            f"pid={pid} owns=",
+            f'for fd in /proc/$pid/fd/*; do [ "$fd" -ef {d}/.lock ] && owns=1 && break; done',
+            'if [ "$pid" -gt 1 ] && [ -n "$owns" ]; then',
+            "  echo @@killed; kill -TERM -$pid $pid 2>/dev/null; pkill -TERM -P $pid",
+            "else echo @@not-holder; fi",
+        ]
+        tries = int(wait * 10)
+    lines += [
+        "n=0",
+        f"while [ -e {d}/.lock ] && ! flock -n {d}/.lock rm -f {d}/lock.json; do",
+        f'  [ "$n" -lt {tries} ] || break',
+        "  n=$((n+1)); sleep 0.1",
+        "done",
+        f"[ -e {d}/.lock ] || rm -f {d}/lock.json",
+        'echo @@waited; echo "$n"',
+        status_command(service_dir),
+    ]
+    return "\n".join(lines)
+
+
+def release_failure(text: str, before: LockInfo | None) -> str | None:
+    """Why the lock is still held after ``release_command`` printed ``text``; None when it is free."""
+    sections = split_sections(text)
+    if "held" not in sections:
+        return None
+    pid = before.remote_pid if before else None
+    if "not-holder" in sections:
+        return (f"the recorded holder (pid {pid} on the host) does not hold the lock (it ended, or its PID was "
+                "reused): nothing was killed")
+    if "killed" in sections:
+        waited = int(sections.get("waited", "0").strip() or 0) / 10
+        return f"ended the recorded holder (pid {pid} on the host), but the lock was still held {waited:g}s later"
+    return "it is held by a live deploy"

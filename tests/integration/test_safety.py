@@ -90,11 +90,44 @@ def test_lock_release_clears_a_stale_lock_and_refuses_a_live_one(deployment: Dep
     host = deployment.load().hosts["h1"]
     with _connect(deployment) as remote:
         held = lock.acquire(remote, service_dir(host.service), command="live holder")
+        holder_pid = lock.parse_info(deployment.sh("h1", f"cat {deployment.service_dir}/lock.json")).remote_pid
         code, doc = deployment.json(capsys, "lock", "release", "test")
         assert code == 6 and "live" in doc["hosts"][0]["error"]
         code, doc = deployment.json(capsys, "lock", "release", "test", "--force")
-        assert code == 0 and doc["hosts"][0]["lock"]["state"] == "free"
+        assert code == 0 and doc["hosts"][0]["lock"] == {"state": "free", "holder": None}
+        # the holder's shell really ended on the host, and its SSH channel with it
+        assert deployment.sh("h1", f"kill -0 {holder_pid} 2>/dev/null && echo alive || echo gone").strip() == "gone"
+        assert held.channel.status_event.wait(10)
         held.channel.close()
+    assert deployment.kdeploy("push", "test", "--force-restart") == 0   # and the lock can be taken again
+
+
+def test_lock_release_force_never_kills_a_process_that_does_not_hold_the_lock(
+        deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """lock.json names a PID that now belongs to an unrelated process (the holder's PID was reused): it is not
+    killed, and since the lock stays held, `lock release --force` says so and exits 6."""
+    host = deployment.load().hosts["h1"]
+    d = deployment.service_dir
+    with _connect(deployment) as remote:
+        held = lock.acquire(remote, service_dir(host.service), command="live holder")
+        foreign = deployment.sh("h1", "setsid sleep 300 >/dev/null 2>&1 < /dev/null & echo $!").strip()
+        try:
+            record = json.loads(deployment.sh("h1", f"cat {d}/lock.json"))
+            record["remote_pid"] = int(foreign)
+            deployment.sh("h1", f"printf '%s\\n' '{json.dumps(record)}' > {d}/lock.json")
+            code, doc = deployment.json(capsys, "lock", "release", "test", "--force")
+            host_doc = doc["hosts"][0]
+            assert code == 6 and host_doc["result"] == "locked", doc
+            assert host_doc["error"] == (f"h1: lock still held: the recorded holder (pid {foreign} on the host) does "
+                                         "not hold the lock (it ended, or its PID was reused): nothing was killed")
+            assert host_doc["lock"]["state"] == "held"
+            assert deployment.sh("h1", f"kill -0 {foreign} && echo alive").strip() == "alive"
+            assert not held.channel.exit_status_ready()                   # the real holder is untouched too
+            code, doc = deployment.json(capsys, "lock", "status", "test")
+            assert doc["hosts"][0]["lock"]["state"] == "held"
+        finally:
+            deployment.sh("h1", f"kill -KILL {foreign}", check=False)
+            held.release()
 
 
 def test_unknown_host_key_is_refused_unless_accepted(deployment: Deployment, tmp_path: Path,
