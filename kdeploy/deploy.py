@@ -198,20 +198,32 @@ class HostPush:
             result.fail(exc)
 
     def _stage(self, delta: release.Delta) -> None:
+        """Stage the new release. A failure leaves the host unchanged (the staging dir is removed) and is no
+        bug of kdeploy's: a payload file edited during the push is invalid input (exit 2), anything else on
+        the host refuses it (exit 7), like a full disk."""
         host, local, state = self.host, self.local, self.state
         assert self.remote is not None and state is not None
         with self.result.phase("stage") as phase:
             target = release.release_id(local.payload.manifest, local.unit_text)
             meta = release.release_meta(local.payload.manifest, local.payload.modes, local.unit_text,
                                         unit_filename(host.service))
-            tarball = release.build_tarball(local.payload, delta.upload, meta)
-            out = self.remote.run(release.stage_script(service_dir(host.service), target, state.current is not None,
-                                                       delta), stdin=tarball, timeout=600)
-            if not out.ok or "STAGED" not in out.stdout:
-                error = out.last_error()
+            try:
+                tarball = release.build_tarball(local.payload, delta.upload, meta)
+                out = self.remote.run(release.stage_script(service_dir(host.service), target,
+                                                           state.current is not None, delta),
+                                      stdin=tarball, timeout=600)
+                error = "" if out.ok and "STAGED" in out.stdout else out.last_error()
+            except OSError as exc:  # a payload file vanished or shrank while the tar read it
+                error = f"cannot read the payload: {exc}"
+            if error:
+                changed = release.changed_since_scan(local.payload, delta.upload)
+                if changed:
+                    more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+                    raise InvalidInput(f"{host.name}: payload file {local.payload.files[changed[0]].source}{more} "
+                                       "changed during the push, host unchanged: push again")
                 if "No space left" in error:
                     raise PreflightRefused(f"disk full on the host, host unchanged: {error}")
-                raise PhaseFailed(f"staging failed, host unchanged: {error}")
+                raise PreflightRefused(f"staging failed, host unchanged: {error}")
             self.target = self.staged = target
             phase.detail = (f"{target}: {delta.describe()} files, {len(tarball)} bytes sent"
                             f"{', unit changed' if self.unit_changed else ''}")

@@ -118,6 +118,21 @@ def scan_payload(root: Path) -> Payload:
     return Payload(root, files)
 
 
+def changed_since_scan(payload: Payload, names: list[str]) -> list[str]:
+    """Which of ``names`` no longer hold what ``scan_payload`` hashed (edited, or gone): told apart from a
+    host-side failure when staging them failed."""
+    changed = []
+    for name in names:
+        try:
+            data = payload.files[name].source.read_bytes()
+        except OSError:
+            changed.append(name)
+            continue
+        if hashlib.sha256(data).hexdigest() != payload.files[name].sha256:
+            changed.append(name)
+    return changed
+
+
 def manifest_text(manifest: dict[str, str]) -> str:
     """``sha256sum -c`` format, sorted, so the host can verify what arrived."""
     return "".join(f"{sha}  ./{path}\n" for path, sha in sorted(manifest.items()))

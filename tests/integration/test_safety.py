@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import deploy, fleet, lock
+from kdeploy import deploy, fleet, lock, release
 from kdeploy.remote import Remote
 from kdeploy.render import service_dir
 from tests.conftest import Deployment
@@ -234,6 +234,57 @@ def test_killed_mid_staging_leaves_the_host_unchanged(deployment: Deployment,
     code, doc = deployment.json(capsys, "push", "test")
     assert code == 0 and doc["hosts"][0]["result"] == "deployed"
     assert deployment.sh("h1", f"ls -a {deployment.service_dir}/releases").count(".staging-") == 0
+
+
+def _after_failed_staging(dep: Deployment, snapshot: str) -> list[str]:
+    """The snapshot less what a failed staging may touch: the mtime of `releases/` (its temp dir came and went)
+    and the history (a push that ends `invalid` is recorded)."""
+    releases = f"{dep.service_dir}/releases "
+    return [line for line in snapshot.splitlines() if "history.jsonl" not in line and not line.startswith(releases)]
+
+
+def test_payload_file_changed_during_the_push_is_invalid_input(deployment: Deployment,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's sha256 check fails because the file changed after it was hashed: exit 2, naming the file."""
+    assert deployment.kdeploy("push", "test") == 0
+    before = _snapshot(deployment)
+    edited = deployment.payload / "kdeploy_testplugin" / "__init__.py"
+    edited.write_text(edited.read_text() + "# v2\n")
+    build = release.build_tarball
+
+    def edit_then_build(payload: release.Payload, upload: list[str], meta: dict[str, str]) -> bytes:
+        edited.write_text(edited.read_text() + "# saved by an editor during the push\n")
+        return build(payload, upload, meta)
+
+    monkeypatch.setattr(release, "build_tarball", edit_then_build)
+    code, doc = deployment.json(capsys, "push", "test")
+    host = doc["hosts"][0]
+    assert code == 2 and host["result"] == "invalid", doc
+    assert host["error"] == f"h1: payload file {edited} changed during the push, host unchanged: push again"
+    assert next(p for p in host["phases"] if p["name"] == "stage")["ok"] is False
+    assert _after_failed_staging(deployment, _snapshot(deployment)) == _after_failed_staging(deployment, before)
+
+
+def test_other_staging_failures_refuse_the_host_unchanged(deployment: Deployment,
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes corrupted on the way (the local files are intact): a refusal, exit 7, not an internal error."""
+    assert deployment.kdeploy("push", "test") == 0
+    before = _snapshot(deployment)
+    (deployment.payload / "new.py").write_text("VALUE = 'original'\n")
+    build = release.build_tarball
+
+    def corrupt(payload: release.Payload, upload: list[str], meta: dict[str, str]) -> bytes:
+        return build(payload, upload, meta).replace(b"'original'", b"'corruptd'")
+
+    monkeypatch.setattr(release, "build_tarball", corrupt)
+    code, doc = deployment.json(capsys, "push", "test")
+    host = doc["hosts"][0]
+    assert code == 7 and host["result"] == "preflight_refused", doc
+    assert host["error"].startswith("staging failed, host unchanged: sha256sum: WARNING: 1 computed checksum")
+    assert _after_failed_staging(deployment, _snapshot(deployment)) == _after_failed_staging(deployment, before)
+    assert deployment.sh("h1", f"wc -l < {deployment.service_dir}/history.jsonl").strip() == "1"  # refused: none
 
 
 def test_full_disk_is_refused_and_leaves_the_host_unchanged(deployment: Deployment,

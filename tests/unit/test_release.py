@@ -20,6 +20,7 @@ from kdeploy.release import (
     Delta,
     activate_script,
     build_tarball,
+    changed_since_scan,
     diff,
     manifest_text,
     parse_identity,
@@ -143,6 +144,17 @@ def test_scan_payload_empty_or_missing(tmp_path):
         scan_payload(root)
     with pytest.raises(InvalidInput, match="payload directory not found"):
         scan_payload(tmp_path / "missing")
+
+
+def test_changed_since_scan(tmp_path):
+    root = make_tree(tmp_path / "p", {"a.py": "a\n", "b.py": "b\n", "c.py": "c\n", "d.py": "d\n"})
+    payload = scan_payload(root)
+    assert changed_since_scan(payload, ["a.py", "b.py", "c.py"]) == []
+    (root / "a.py").write_text("A\n")                      # edited
+    (root / "b.py").unlink()                               # removed
+    (root / "d.py").write_text("D\n")                      # edited, but not among the files asked about
+    (root / "c.py").chmod(0o755)                           # a mode change is not a content change
+    assert changed_since_scan(payload, ["a.py", "b.py", "c.py"]) == ["a.py", "b.py"]
 
 
 # --- manifests, diff, ids, pruning ------------------------------------------------------------------------------
