@@ -170,8 +170,9 @@ def command_line(ctx: typer.Context) -> str:
 
 
 @app.command()
-def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
-         accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+         as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
+         parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
          no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the health gate.")] = False,
          force_restart: Annotated[bool, typer.Option("--force-restart", help="Restart even if unchanged.")] = False,
          dry_run: Annotated[bool, typer.Option("--dry-run", help="Same as `kdeploy plan`.")] = False,
@@ -340,8 +341,9 @@ def set_env(ctx: typer.Context,
 
 
 @app.command("set")
-def set_(ctx: typer.Context, assignments: Annotated[list[str], typer.Argument(help="PATH=VALUE, e.g. hicache.ratio=4.0",
-                                                                             show_default=False)],
+def set_(ctx: typer.Context,
+         assignments: Annotated[list[str], typer.Argument(help="PATH=VALUE, e.g. hicache.ratio=4.0",
+                                                          show_default=False)],
          target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
          as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
          parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:

@@ -43,7 +43,7 @@ class LockInfo:
 
 
 def holder_info(command: str) -> LockInfo:
-    """Who takes the lock; ``command`` is kdeploy's own (``deploy.recorded``), never ``sys.argv``."""
+    """Who takes the lock; ``command`` is kdeploy's own (``deploy.recorded_command``), never ``sys.argv``."""
     return LockInfo(
         user=os.environ.get("KDEPLOY_USER") or getpass.getuser(),
         controller=socket.gethostname(),
