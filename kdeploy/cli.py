@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import shlex
 import signal
 import sys
 import threading
@@ -143,9 +145,35 @@ def _options(**kw: object) -> Options:
     return Options(**{k: v for k, v in kw.items() if v is not None})
 
 
+_SECRET_NAME = re.compile(r"token|secret|passw|credential|key", re.IGNORECASE)
+
+
+def command_line(ctx: typer.Context) -> str:
+    """The command being run, as the lock and history record it on every host.
+
+    Built from kdeploy's own parsed arguments, never from ``sys.argv`` (a wrapper calling kdeploy may hold
+    secrets in its own argv): subcommand, arguments and the options not left at their default, with the
+    value of an option or a ``KEY=VALUE`` argument whose name looks secret shown as ``***``.
+    """
+    words = ctx.command_path.split()
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        values = [str(v) for v in (value if isinstance(value, list | tuple) else [value]) if v is not None]
+        if param.param_type_name == "argument":
+            for word in values:
+                key, sep, _ = word.partition("=")
+                words.append(f"{shlex.quote(key)}=***" if sep and _SECRET_NAME.search(key) else shlex.quote(word))
+        elif value not in (None, False, [], ()) and value != param.default:
+            flag = max(param.opts, key=len)
+            words += [flag] if value is True else [
+                w for v in values for w in (flag, "***" if _SECRET_NAME.search(param.name) else shlex.quote(v))]
+    return " ".join(words)
+
+
 @app.command()
-def push(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
-         accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+         as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
+         parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
          no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the health gate.")] = False,
          force_restart: Annotated[bool, typer.Option("--force-restart", help="Restart even if unchanged.")] = False,
          dry_run: Annotated[bool, typer.Option("--dry-run", help="Same as `kdeploy plan`.")] = False,
@@ -162,7 +190,7 @@ def push(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_jso
     ui = Ui(as_json)
     opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
                     lock_wait=lock_wait, workers=workers, timeout=timeout, canary=canary, batch=batch,
-                    max_fail=max_fail, skip_preflight=skip_preflight)
+                    max_fail=max_fail, skip_preflight=skip_preflight, command=command_line(ctx))
     loaded = _load(inventory)
     report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report)
@@ -214,13 +242,15 @@ def verify(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
 
 
 @app.command()
-def rollback(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+             as_json: JsonOpt = False,
              to: Annotated[str | None, typer.Option("--to", help="Release id (default: the previous one).")] = None,
              lock_wait: LockWaitOpt = 0, accept_new_host_keys: AcceptOpt = False,
              parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
     """Re-activate an older release and its unit, restart and gate."""
     ui = Ui(as_json)
-    opts = _options(to_release=to, lock_wait=lock_wait, accept_new_host_keys=accept_new_host_keys)
+    opts = _options(to_release=to, lock_wait=lock_wait, accept_new_host_keys=accept_new_host_keys,
+                    command=command_line(ctx))
     loaded = _load(inventory)
     report = ui.run(lambda listener: fleet.rollback(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report)
@@ -268,7 +298,7 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
 
 
 def _edit(command: str, path: Path, make: Callable[[], settings.Edit], as_json: bool, no_apply: bool, accept: bool,
-          parallel: int, lock_wait: float) -> None:
+          parallel: int, lock_wait: float, line: str) -> None:
     """Make, check, write and roll out an edit under the inventory's lock; a second kdeploy waits or exits 6."""
     ui = Ui(as_json)
     with settings.locked(path, lock_wait, f"kdeploy {command}"):
@@ -286,7 +316,7 @@ def _edit(command: str, path: Path, make: Callable[[], settings.Edit], as_json: 
                                                         "diff": edit.diff(), "rolled_out_to": [], "reverted": False}})
             ui.err.print(f"{edit.path} updated at {edit.level}; not rolled out (--no-apply): run `kdeploy push all`")
         else:
-            opts = _options(accept_new_host_keys=accept, lock_wait=lock_wait)
+            opts = _options(accept_new_host_keys=accept, lock_wait=lock_wait, command=line)
             report = ui.run(lambda listener: fleet.apply_edit(edit, local, command, opts, parallel=parallel,
                                                               listener=listener))
             facts = report.extra["inventory"]
@@ -308,7 +338,8 @@ EditLockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0,
 
 
 @app.command("set-env")
-def set_env(assignments: Annotated[list[str] | None, typer.Argument(help="KEY=VALUE ...", show_default=False)] = None,
+def set_env(ctx: typer.Context,
+            assignments: Annotated[list[str] | None, typer.Argument(help="KEY=VALUE ...", show_default=False)] = None,
             unset: Annotated[list[str] | None, typer.Option("--unset", help="Remove KEY at the scope.")] = None,
             target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
             as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
@@ -318,11 +349,12 @@ def set_env(assignments: Annotated[list[str] | None, typer.Argument(help="KEY=VA
     if not pairs and not unset:
         raise InvalidInput("set-env: give KEY=VALUE or --unset KEY")
     _edit("set-env", inventory, lambda: settings.set_env(inventory, pairs, list(unset or []), target), as_json,
-          no_apply, accept_new_host_keys, parallel, lock_wait)
+          no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx))
 
 
 @app.command("set")
-def set_(assignments: Annotated[list[str], typer.Argument(help="PATH=VALUE, e.g. hicache.ratio=4.0",
+def set_(ctx: typer.Context,
+         assignments: Annotated[list[str], typer.Argument(help="PATH=VALUE, e.g. hicache.ratio=4.0",
                                                           show_default=False)],
          target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
          as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
@@ -330,7 +362,7 @@ def set_(assignments: Annotated[list[str], typer.Argument(help="PATH=VALUE, e.g.
     """Change typed service settings (hicache.ratio=4.0, gate.workers=8, ...) and roll them out."""
     pairs = dict(settings.split_assignment(a) for a in assignments)
     _edit("set", inventory, lambda: settings.set_values(inventory, pairs, target), as_json, no_apply,
-          accept_new_host_keys, parallel, lock_wait)
+          accept_new_host_keys, parallel, lock_wait, command_line(ctx))
 
 
 @app.command()

@@ -52,6 +52,13 @@ class Options:
     batch: str | None = None  # N or N%: hosts restarting at once (default: --parallel)
     max_fail: str | None = None  # N or N%: failures tolerated before new batches stop (default: no limit)
     skip_preflight: bool = False
+    command: str | None = None  # what the lock and history record (the CLI's own command line; see recorded_command)
+
+
+def recorded_command(opts: Options, verb: str) -> str:
+    """The command the lock and history record: the CLI's (``Options.command``), else the library call.
+    Never ``sys.argv``: a wrapper script calling the library may hold secrets in its own arguments."""
+    return opts.command or f"kdeploy {verb} (library)"
 
 
 def connect(inventory: Inventory, host: HostConfig, result: HostResult, opts: Options) -> Remote:
@@ -68,12 +75,12 @@ def connect(inventory: Inventory, host: HostConfig, result: HostResult, opts: Op
     return remote
 
 
-def lock_and_read(remote: Remote, host: HostConfig, wait: float, *, with_history: bool = False,
+def lock_and_read(remote: Remote, host: HostConfig, wait: float, *, command: str, with_history: bool = False,
                   first: str = "") -> tuple[lock.HeldLock, HostState]:
-    """Take the deploy lock and read the host's state under it, in one round trip (``first`` runs before
-    the read, under the lock)."""
+    """Take the deploy lock (recording ``command``) and read the host's state under it, in one round trip
+    (``first`` runs before the read, under the lock)."""
     then = "\n".join(c for c in (first, state_script(host, with_history=with_history)) if c)
-    held = lock.acquire(remote, service_dir(host.service), wait=wait, then=then)
+    held = lock.acquire(remote, service_dir(host.service), wait=wait, then=then, command=command)
     return held, parse_state(held.output)
 
 
@@ -157,7 +164,7 @@ def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Option
         with result.phase("preflight") as phase:
             state = parse_state(remote.run(state_script(host), timeout=60).stdout)
             phase.detail = f"current {state.current or 'none'}, unit {state.unit.summary}"
-        decision = decide(local.payload.manifest, local.unit_text, state, force_restart=opts.force_restart)
+        decision = decide(local.payload.identity, local.unit_text, state, force_restart=opts.force_restart)
         delta = decision.delta
         unit_diff = "".join(difflib.unified_diff(
             (state.unit_text or "").splitlines(keepends=True), local.unit_text.splitlines(keepends=True),
@@ -200,9 +207,10 @@ class HostPush:
         try:
             self.remote = connect(self.inventory, host, result, self.opts)
             with result.phase("preflight") as phase:
-                self.held, state = lock_and_read(self.remote, host, self.opts.lock_wait)
+                self.held, state = lock_and_read(self.remote, host, self.opts.lock_wait,
+                                                 command=recorded_command(self.opts, "push"))
                 self.state = state
-                decision = decide(local.payload.manifest, local.unit_text, state,
+                decision = decide(local.payload.identity, local.unit_text, state,
                                   force_restart=self.opts.force_restart)
                 self.install_unit = decision.install_unit
                 no_op = decision.no_op
@@ -230,21 +238,33 @@ class HostPush:
             result.fail(exc)
 
     def _stage(self, delta: release.Delta) -> None:
+        """Stage the new release. A failure leaves the host unchanged (the staging dir is removed) and is no
+        bug of kdeploy's: a payload file edited during the push is invalid input (exit 2), anything else on
+        the host refuses it (exit 7), like a full disk."""
         host, local, state = self.host, self.local, self.state
         assert self.remote is not None and state is not None
         with self.result.phase("stage") as phase:
             target = release.release_id(local.payload.manifest, local.unit_text)
-            meta = release.release_meta(local.payload.manifest, local.unit_text, unit_filename(host.service),
-                                        local.spec.to_json())
-            tarball = release.build_tarball(local.payload, delta.upload, meta)
+            meta = release.release_meta(local.payload.manifest, local.payload.modes, local.unit_text,
+                                        unit_filename(host.service), local.spec.to_json())
             self.result.attempted = target
-            out = self.remote.run(release.stage_script(service_dir(host.service), target, state.current is not None,
-                                                       delta), stdin=tarball, timeout=600, cancel=self.cancel)
-            if not out.ok or "STAGED" not in out.stdout:
-                error = out.last_error()
+            try:
+                tarball = release.build_tarball(local.payload, delta.upload, meta)
+                out = self.remote.run(release.stage_script(service_dir(host.service), target,
+                                                           state.current is not None, delta),
+                                      stdin=tarball, timeout=600, cancel=self.cancel)
+                error = "" if out.ok and "STAGED" in out.stdout else out.last_error()
+            except OSError as exc:  # a payload file vanished or shrank while the tar read it
+                error = f"cannot read the payload: {exc}"
+            if error:
+                changed = release.changed_since_scan(local.payload, delta.upload)
+                if changed:
+                    more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+                    raise InvalidInput(f"{host.name}: payload file {local.payload.files[changed[0]].source}{more} "
+                                       "changed during the push, host unchanged: push again")
                 if "No space left" in error:
                     raise PreflightRefused(f"disk full on the host, host unchanged: {error}")
-                raise PhaseFailed(f"staging failed, host unchanged: {error}")
+                raise PreflightRefused(f"staging failed, host unchanged: {error}")
             self.target = self.staged = target
             phase.detail = (f"{target}: {delta.describe()} files, {len(tarball)} bytes sent"
                             f"{', unit changed' if self.install_unit else ''}")
@@ -297,7 +317,8 @@ class HostPush:
                     remote.run(lock.end_holder_command(sdir, self.held.remote_pid), timeout=30)
                 # Holding the lock, no revert can be half way: one waiting for it would end us, stop it.
                 waiting = provisional.stop_revert_service(provisional.timer_unit(self.host.service.name))
-                self.held, state = lock_and_read(remote, self.host, RELOCK_WAIT, first=waiting)
+                self.held, state = lock_and_read(remote, self.host, RELOCK_WAIT, first=waiting,
+                                                 command=recorded_command(self.opts, "push"))
                 phase.detail = f"lock taken again; current {state.current or 'none'}"
         except KdeployError as exc:
             self.held = None
@@ -339,7 +360,7 @@ class HostPush:
         state = self.state
         keep = {state.current, state.confirmed} if state else set()
         return finish_command(self.host, self.result, self.started, state.releases if state else [], self.local,
-                              keep)
+                              keep, command=recorded_command(self.opts, "push"))
 
 
 def preflight_command(host: HostConfig) -> str:
@@ -492,7 +513,7 @@ def _disarm(remote: Remote, host: HostConfig, result: HostResult, pending: provi
 
 
 def finish_command(host: HostConfig, result: HostResult, started: float, releases: list[str],
-                   local: Local | None = None, keep: set[str | None] = frozenset()) -> str:
+                   local: Local | None = None, keep: set[str | None] = frozenset(), *, command: str) -> str:
     """Append the history line and prune old releases (sent to the lock holder, run under the lock).
 
     Never pruned: the release now current, the one attempted, and ``keep`` (what ran before the command
@@ -500,7 +521,7 @@ def finish_command(host: HostConfig, result: HostResult, started: float, release
     """
     sdir = service_dir(host.service)
     attempted = result.attempted
-    who = lock.holder_info()
+    who = lock.holder_info(command)
     entry = {
         "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "user": who.user, "controller": who.controller, "command": who.command,
@@ -523,7 +544,8 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
         state = None
         try:
             with result.phase("preflight") as phase:
-                held, state = lock_and_read(remote, host, opts.lock_wait, with_history=True)
+                held, state = lock_and_read(remote, host, opts.lock_wait, with_history=True,
+                                            command=recorded_command(opts, "rollback"))
                 target = opts.to_release or state.previous()
                 if not target:
                     raise PreflightRefused(f"{host.name}: no older release to roll back to")
@@ -548,7 +570,8 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
             if held is not None:
                 recorded = state is not None and result.result not in ("invalid", "preflight_refused")
                 keep = {state.current, state.confirmed} if state else set()
-                held.release(finish_command(host, result, started, state.releases, keep=keep) if recorded else "")
+                held.release(finish_command(host, result, started, state.releases, keep=keep,
+                                            command=recorded_command(opts, "rollback")) if recorded else "")
 
 
 def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
@@ -579,13 +602,17 @@ def lock_host(inventory: Inventory, host: HostConfig, opts: Options, result: Hos
     with connect(inventory, host, result, opts) as remote:
         sdir = service_dir(host.service)
         status = lock.parse_status(remote.run(lock.status_command(sdir), timeout=30).stdout)
+        why = None
         if release_it:
             if status.held and not opts.force:
                 raise LockHeld(f"{host.name}: lock is held by a live deploy "
                                f"({status.info.describe() if status.info else 'unknown'}); use --force to end it")
-            remote.run(lock.release_command(sdir, status, opts.force), timeout=30)
-            status = lock.parse_status(remote.run(lock.status_command(sdir), timeout=30).stdout)
+            out = remote.run(lock.release_command(sdir, status, opts.force), timeout=lock.FORCE_WAIT + 30).stdout
+            why = lock.release_failure(out, status.info)
+            status = lock.parse_status(out)
         result.details = LockView(status.state, status.info)
+    if why:
+        raise LockHeld(f"{host.name}: lock still held: {why}")
     result.finish("ok")
 
 
@@ -593,7 +620,7 @@ def status_host(inventory: Inventory, host: HostConfig, local: Local, opts: Opti
     with connect(inventory, host, result, opts) as remote, result.phase("status") as phase:
         status = parse_status(remote.run(status_script(host), timeout=60).stdout)
     state = status.state
-    found = drift(local.payload.manifest, local.unit_text, status)
+    found = drift(local.payload.identity, local.unit_text, status)
     result.release = state.current
     result.details = StatusView(state.unit.active, state.unit.sub, state.unit.active_since,
                                 {k: v for k, v in status.env.items() if k not in ("PYTHONPATH", "PYTHONUNBUFFERED")},

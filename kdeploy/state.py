@@ -23,7 +23,7 @@ _RAN = ("deployed", "restored", "rolled_back", "reverted")
 @dataclass(frozen=True)
 class HostState:
     current: str | None
-    manifest: dict[str, str]
+    manifest: dict[str, str]  # path -> "<sha256> <mode>" of the current release (release.file_identity)
     unit_text: str | None
     releases: list[str]
     unit: systemd.UnitState
@@ -56,6 +56,7 @@ def state_script(host: HostConfig, *, with_history: bool = False) -> str:
     lines = [
         f"echo @@current; r=$(readlink {d}/current 2>/dev/null) && basename \"$r\"",
         f"echo @@manifest; cat {d}/current/{release.META}/manifest.sha256 2>/dev/null",
+        f"echo @@modes; cat {d}/current/{release.META}/modes 2>/dev/null",
         f"if [ -f {unit} ]; then echo @@unit; cat {unit}; echo; fi",
         f"echo @@releases; ls -1 {d}/releases 2>/dev/null",
         f"echo @@pending; {provisional.read_command(service_dir(host.service))}",
@@ -84,7 +85,7 @@ def parse_state(text: str) -> HostState:
     unit_text = sections.get("unit")  # `cat unit; echo` ends it with one extra empty line
     return HostState(
         current=sections.get("current", "").strip() or None,
-        manifest=release.parse_manifest(sections.get("manifest", "")),
+        manifest=release.parse_identity(sections.get("manifest", ""), sections.get("modes", "")),
         unit_text=None if unit_text is None else unit_text.removesuffix("\n") + "\n",
         releases=[r for r in sections.get("releases", "").split() if r],
         unit=systemd.parse_show(sections.get("show", "")),
@@ -110,8 +111,9 @@ class Decision:
         return not self.restart
 
 
-def decide(manifest: dict[str, str], unit_text: str, state: HostState, *, force_restart: bool = False) -> Decision:
-    delta = release.diff(manifest, state.manifest)
+def decide(identity: dict[str, str], unit_text: str, state: HostState, *, force_restart: bool = False) -> Decision:
+    """``identity``: the payload's files as ``Payload.identity`` (content and mode) against the host's."""
+    delta = release.diff(identity, state.manifest)
     unit_changed = unit_text != state.unit_text
     reasons = []
     if state.current is None:
@@ -167,12 +169,12 @@ def parse_status(text: str) -> Status:
         extra=sections.get("extra", "").split())
 
 
-def drift(manifest: dict[str, str], unit_text: str, status: Status) -> list[str]:
+def drift(identity: dict[str, str], unit_text: str, status: Status) -> list[str]:
     """How the host differs from what the inventory would deploy now (empty: no drift): the reasons a push
     would act on, plus hand edits inside the release."""
     if status.state.current is None:
         return ["never deployed"]
-    found = decide(manifest, unit_text, status.state).reasons
+    found = decide(identity, unit_text, status.state).reasons
     if status.edited:
         found.append("release files edited on the host: "
                      + ", ".join(p.removeprefix("./") for p in status.edited[:5]))

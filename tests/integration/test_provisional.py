@@ -154,7 +154,7 @@ def test_switched_but_never_restarted_is_a_change_and_reverts(quick: Deployment,
     assert _current(quick) == new and quick.show("h1", "InvocationID") == invocation
 
     seen = state.parse_state(quick.sh("h1", state.state_script(host)))
-    decision = state.decide(local.payload.manifest, local.unit_text, seen)
+    decision = state.decide(local.payload.identity, local.unit_text, seen)
     assert seen.pending and seen.pending.target == new and seen.confirmed == old
     assert decision.restart and not decision.no_op, decision
 
