@@ -54,5 +54,11 @@ bench: venv
 	@$(BIN)/python -c 'import ansible, matplotlib, pyinstrument' 2>/dev/null && test -x $(BIN)/py-spy || $(BIN)/pip install -q -r bench/requirements.txt
 	$(BIN)/python bench/run.py
 
+# The kdtree verify kernel against SGLang's kernels (issue 17; docs/benchmarks.md "Kernel"). Needs a CUDA GPU and a
+# python3 with torch + triton; SGLANG_WHEEL = the sglang 0.5.23 wheel (or a zip of its attention files).
+.PHONY: bench-kernel
+bench-kernel:
+	python3 bench/kernel.py --tune --sglang $(SGLANG_WHEEL)
+
 clean:
 	rm -rf $(VENV) .sandbox

@@ -25,7 +25,8 @@ Timing: triton.testing.do_bench, median, L2 flushed before every call; the devic
 
 Phases: precompile (every kernel variant the run needs, on tiny problems, in parallel processes — Triton's
 on-disk cache then serves the timed process), --tune (tile configs and split rules of our kernel on a few
-shapes; the best is used for the rest), the table. Writes kernel-<tag>.json / .txt / .md under --out.
+shapes; the best is used for the rest), the table. Writes kernel-<tag>.json and .md under --out (default
+bench/results; keep what it prints as kernel-<tag>.txt).
 ``--cpu-smoke``: tiny fp32 shapes under TRITON_INTERPRET=1 (checks the script, times nothing meaningful).
 """
 
