@@ -1,7 +1,7 @@
 """The kdtree verify kernel's tests. CPU: scripts run under Triton's interpreter (``TRITON_INTERPRET=1``) with
 the cached CPU SGLang venv's python (torch + triton + the real sglang 0.5.23), built once by
-``kdeploy.lab.sglang_env`` exactly as tests/sglang does; ``KDEPLOY_SKIP_SGLANG=1`` skips them. GPU: see
-test_mla_verify_gpu.py (skipped without CUDA).
+``kdeploy.lab.sglang_env`` (the ``sglang_python`` fixture of tests/conftest.py); ``KDEPLOY_SKIP_SGLANG=1``
+skips them. GPU: see test_mla_verify_gpu.py (skipped without CUDA).
 """
 
 from __future__ import annotations
@@ -12,24 +12,9 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 PAYLOAD = REPO / "kernels" / "kdtree"
 HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture(scope="session")
-def kernel_python() -> str:
-    if os.environ.get("KDEPLOY_SKIP_SGLANG") == "1":
-        pytest.skip("KDEPLOY_SKIP_SGLANG=1")
-    from kdeploy.lab import sglang_env
-
-    try:
-        path = sglang_env.ensure_venv()
-    except sglang_env.SglangEnvError as exc:
-        pytest.fail(str(exc))
-    return str(sglang_env.venv_python(path))
 
 
 @dataclass

@@ -13,8 +13,8 @@ from tests.kernels.conftest import Script, run_script
 
 
 @pytest.fixture(scope="module")
-def checks(kernel_python: str) -> dict[str, dict]:
-    run: Script = run_script(kernel_python, "backend_check.py")
+def checks(sglang_python: str) -> dict[str, dict]:
+    run: Script = run_script(sglang_python, "backend_check.py")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     found = {}
     for line in run.stdout.splitlines():

@@ -17,8 +17,8 @@ TOL = {"float32": 1e-5, "float16": 5e-3, "half_partials": 2e-3}
 
 
 @pytest.fixture(scope="module")
-def interp(kernel_python: str) -> Script:
-    run = run_script(kernel_python, "interp_check.py")
+def interp(sglang_python: str) -> Script:
+    run = run_script(sglang_python, "interp_check.py")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.result["cases"] == len(run.cases) > 0
     return run
@@ -47,6 +47,7 @@ def test_covers_trees_chains_pages_layouts_and_splits(interp: Script):
     assert min(prefixes) == 0 and max(prefixes) >= 300
     assert any(c.get("mask") is False for c in cases)            # no custom mask: causal chain drafts
     assert any(c.get("mask_dtype") == "uint8" for c in cases)    # SGLang's graph buffer dtype
+    assert {c.get("config", {}).get("dv_split", 1) for c in cases} == {1, 2}   # value channels split or not
 
 
 def test_empty_partitions_exit_early(interp: Script):

@@ -13,26 +13,11 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
-from kdeploy.lab import sglang_env
-
 REPO = Path(__file__).resolve().parents[2]
 PAYLOAD = REPO / "kernels" / "kdtree"
 HARNESS = Path(__file__).with_name("harness.py")
 DEBIAN_PYTHON = "/usr/bin/python3"
 PID_RE = re.compile(r"\bpid=(\d+)")
-
-
-@pytest.fixture(scope="session")
-def sglang_python() -> str:
-    if os.environ.get("KDEPLOY_SKIP_SGLANG") == "1":
-        pytest.skip("KDEPLOY_SKIP_SGLANG=1")
-    try:
-        path = sglang_env.ensure_venv()
-    except sglang_env.SglangEnvError as exc:
-        pytest.fail(str(exc))
-    return str(sglang_env.venv_python(path))
 
 
 @dataclass
