@@ -55,16 +55,22 @@ SCALE = mv.default_sm_scale()
 NSPLIT = 64
 CONTEXTS = (4096, 16384, 32768, 65536)
 SHAPES = [(bs, h, q, ctx) for ctx in CONTEXTS for bs in (1, 8) for h in (8, 16) for q in (9, 16)]
-TUNE_SHAPES = [(8, 16, 16, 65536), (8, 8, 9, 65536), (1, 8, 16, 16384), (1, 16, 9, 32768), (1, 8, 9, 4096)]
+TUNE_SHAPES = [(8, 16, 16, 65536), (8, 8, 9, 65536), (1, 8, 16, 16384), (1, 16, 9, 32768), (1, 8, 9, 4096),
+               (8, 16, 9, 65536)]
 TILE_CONFIGS = [   # all compile without spills for sm_90 (checked offline: registers, shared memory, SASS)
     dict(block_m=64, block_n=64, num_warps=8, num_stages=2),
     dict(block_m=64, block_n=32, num_warps=8, num_stages=3),
     dict(block_m=64, block_n=32, num_warps=8, num_stages=2),
 ]
+# run 3 (2026-12-01) tried the value channels split over two programs (dv_split=2: 4 warps x 64 rows, or
+# 8 warps x 128 rows; 16-100% slower: bench/results/kernel-h200-sweep1.json).
 # run 1 (2026-12-01) also tried block_n=16 (4 stages) and 16-row mma.sync tiles (slower), bf16 partials (slower)
-SPLIT_RULES = [dict(min_chunk=mc, max_ctas=cap) for mc in (128, 256) for cap in (384, 512, 768)]
+# wave_sms=-1: the partition count that fills the last wave of programs best (the default since run 3); 0: off
+SPLIT_RULES = [dict(min_chunk=mc, max_ctas=cap, wave_sms=w) for mc in (128, 256) for cap in (384, 512, 768)
+               for w in (-1, 0)]
 COMBINE_CONFIGS = [dict(combine_block_s=bs, combine_block_d=bd, combine_warps=w)
                    for bs, bd, w in ((32, 256, 4), (16, 256, 4), (32, 512, 8), (64, 256, 8))]
+COMBINE_CONFIGS.append(dict(combine_block_s=32, combine_block_d=256, combine_warps=4, pdl=True))
 
 STATE: dict = {}
 
@@ -346,6 +352,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--shapes", default=None, help="JSON list of [bs, H, Q, ctx]")
     ap.add_argument("--no-precompile", action="store_true")
+    ap.add_argument("--sweep", default=None, help="JSON list of config overrides: time only our kernel with each "
+                    "of them on every shape (kernel-<tag>-sweep.json), no baselines")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
     if args.sglang:
@@ -370,6 +378,8 @@ def main() -> int:
     info["copy_GBps"] = copy_gbps()
     info["matmul_bf16_TFLOPs"] = matmul_tflops()
     log("INFO " + json.dumps(info))
+    if args.sweep:
+        return sweep(json.loads(args.sweep), shapes, info, args, device, dtype)
     methods = ["kdtree", "kdtree_ns1", "extend", "verify_mla", "sdpa"]
     user_cfg = json.loads(args.config) if args.config else None
     configs = [dict(user_cfg)] if user_cfg else [{}]
@@ -434,6 +444,46 @@ def main() -> int:
     (out / f"kernel-{args.tag}.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / f"kernel-{args.tag}.md").write_text(table + "\n")
     log(table)
+    return 0
+
+
+def sweep(configs: list[dict], shapes, info, args, device, dtype) -> int:
+    """Our kernel alone, every config on every shape (checked against the reference first): a table of us."""
+    if device == "cuda" and not args.no_precompile:
+        t0 = time.time()
+        results = precompile(tasks_for(shapes, ["kdtree"], configs, (NSPLIT,)), args.workers)
+        log(f"precompile: {len(results)} variants in {time.time() - t0:.0f}s, "
+            f"{sum(r.startswith('FAILED') for r in results)} failed")
+        for r in results:
+            if r.startswith("FAILED"):
+                log("  " + r)
+    base = mv.default_config(device)
+    rows = []
+    for bs, h, q, ctx in shapes:
+        prob = problem(bs, h, q, ctx, device=device, dtype=dtype, seed=ctx + 31 * bs + h + q)
+        ref = run_reference(prob, SCALE)
+        row = {"shape": [bs, h, q, ctx], "us": [], "floor_us": round(kv_bytes(bs, ctx) / (info["copy_GBps"] * 1e3), 2)
+               if info.get("copy_GBps") else None}
+        for cfg in configs:
+            r = run_method("kdtree", prob, ref, config=mv.with_config(base, **cfg))
+            row["us"].append(round(r["ms"] * 1e3, 1) if "ms" in r and r["ok"] else
+                             (r.get("error") or f"WRONG {r.get('rel_err')}"))
+        rows.append(row)
+        log(f"SWEEP {bs} {h} {q} {ctx // 1024}k: " + " | ".join(str(u) for u in row["us"]))
+        del prob, ref
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"kernel-{args.tag}-sweep.json").write_text(json.dumps({"info": info, "configs": configs, "rows": rows},
+                                                                  indent=1) + "\n")
+    for i, cfg in enumerate(configs):
+        ts = [r["us"][i] for r in rows]
+        if all(isinstance(t, float) for t in ts):
+            geo = math.exp(sum(math.log(t) for t in ts) / len(ts))
+            log(f"config {i} {cfg}: geomean {geo:.1f} us")
+        else:
+            log(f"config {i} {cfg}: failed on some shapes")
     return 0
 
 

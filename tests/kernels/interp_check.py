@@ -59,6 +59,12 @@ def cases() -> list[dict]:
                     layout="indptr", seed=23, config=dict(block_m=32, block_n=32, min_chunk=64), dtype="float32"))
     out.append(dict(bs=3, heads=2, q_len=4, prefix_lens=[90, 0, 180], page_size=1, tree=True, nsplit=16,
                     layout="req_to_token", seed=24, config=dict(max_ctas=6, combine_block_s=2), dtype="float32"))
+    # the 512 value channels split over two programs (dv_split=2): scores from two latent halves + rope
+    out.append(dict(bs=2, heads=4, q_len=7, prefix_lens=[150, 20], page_size=64, tree=True, nsplit=4,
+                    layout="indptr", seed=26, config=dict(dv_split=2), dtype="float32"))
+    out.append(dict(bs=1, heads=2, q_len=9, prefix_lens=[0], page_size=1, tree=False, nsplit=2,
+                    layout="req_to_token", seed=27, config=dict(dv_split=2, block_m=32, block_n=32, min_chunk=32),
+                    dtype="float32"))
     # half-precision partial outputs (the interpreter cannot do bf16: fp16 stands in) and other combine tiles
     out.append(dict(bs=2, heads=4, q_len=9, prefix_lens=[200, 77], page_size=64, tree=True, nsplit=8,
                     layout="indptr", seed=25, dtype="float32",
@@ -68,6 +74,8 @@ def cases() -> list[dict]:
                     layout="indptr", seed=30, dtype="float16"))
     out.append(dict(bs=1, heads=8, q_len=16, prefix_lens=[250], page_size=1, tree=False, nsplit=8,
                     layout="req_to_token", seed=31, dtype="float16"))
+    out.append(dict(bs=2, heads=4, q_len=5, prefix_lens=[90, 170], page_size=1, tree=True, nsplit=4,
+                    layout="indptr", seed=32, config=dict(dv_split=2), dtype="float16"))
     return out
 
 

@@ -57,6 +57,7 @@ FULL = [
     (4, 16, 16, [0, 100, 30000, 65536], 64, 64, "indptr", True, 4.0),
     (2, 8, 16, [4096, 4095], 64, 16, "req_to_token", True, 1.0),
     (1, 16, 1, [32768], 1, 128, "indptr", True, 1.0),
+    (1, 16, 9, [65536], 1, 64, "indptr", False, 1.0),     # wave-aware split: 44 partitions (43 used)
     (3, 8, 64, [5000, 1, 12000], 1, 32, "indptr", True, 2.0),
     (6, 16, 16, [3, 0, 17, 64, 63, 200], 64, 8, "indptr", True, 3.0),   # the draft tree dominates
 ]
@@ -79,9 +80,10 @@ def test_float16_and_no_mask_chain():
     check(run_kernel(prob, SCALE, 64, out=poisoned(prob)), run_reference(prob, SCALE))
 
 
-def test_cuda_graph_capture_and_replay_give_identical_output():
+@pytest.mark.parametrize("overrides", [{}, {"pdl": True}, {"pdl": False, "wave_sms": 0}])
+def test_cuda_graph_capture_and_replay_give_identical_output(overrides):
     bs, heads, q_len, max_ctx, nsplit = 4, 16, 16, 65536, 64
-    config = mv.default_config(DEV)
+    config = mv.with_config(mv.default_config(DEV), **overrides)
     first = make_problem(bs, heads, q_len, [max_ctx, 1000, 0, 30000], page_size=64, dtype=torch.bfloat16,
                          device=DEV, seed=1, mask_dtype=torch.uint8)
     second = make_problem(bs, heads, q_len, [7, max_ctx, 20000, 1], page_size=1, dtype=torch.bfloat16,
@@ -206,7 +208,12 @@ def test_tree_matches_sglang_extend_attention():
                                     dict(block_m=64, block_n=32, num_warps=8, num_stages=3),
                                     dict(block_m=64, block_n=16, num_warps=8, num_stages=4),
                                     dict(block_m=16, block_n=32, num_warps=4, num_stages=2),
-                                    dict(partial_dtype="bfloat16")])
+                                    dict(partial_dtype="bfloat16"),
+                                    dict(dv_split=2, block_m=64, block_n=64, num_warps=4, num_stages=2),
+                                    dict(dv_split=2, block_m=64, block_n=32, num_warps=4, num_stages=3),
+                                    dict(dv_split=2, block_m=128, block_n=32, num_warps=8, num_stages=2),
+                                    dict(dv_split=2, block_m=64, block_n=32, num_warps=4, num_stages=4),
+                                    dict(pdl=True), dict(wave_sms=0)])
 def test_other_tile_configs(config):
     prob = make_problem(3, 16, 16, [40000, 9, 3000], page_size=64, dtype=torch.bfloat16, device=DEV, seed=11)
     out = run_kernel(prob, SCALE, 64, config=mv.with_config(mv.GPU_CONFIG, **config), out=poisoned(prob))

@@ -37,6 +37,7 @@ softmax, weighted sum). Under ``TRITON_INTERPRET=1`` the same kernels run on CPU
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -54,7 +55,13 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class KernelConfig:
     """Launch parameters. ``max_ctas`` caps ``row_blocks * bs * nsplit`` (0: no cap) by using fewer
-    partitions for a batch that already fills the GPU; ``min_chunk`` is the shortest partition (tokens)."""
+    partitions for a batch that already fills the GPU; ``min_chunk`` is the shortest partition (tokens).
+    ``wave_sms`` (> 0: that many multiprocessors; -1: the current CUDA device's; 0: off) picks, under those
+    caps, the partition count that wastes least of the last wave of programs (one program per multiprocessor:
+    time ~ waves x tiles per program); ``dv_split`` 2 gives each half of the 512 value channels its own
+    program (measured slower on H200: kept as an option, see docs/benchmarks.md); ``pdl`` launches the
+    combine as a programmatic dependent launch (sm_90+): it starts while the split kernel's last programs
+    run, attends the draft tree, then waits (``griddepcontrol.wait``) before reading the partials."""
 
     block_m: int = 64
     block_n: int = 64
@@ -64,6 +71,9 @@ class KernelConfig:
     max_ctas: int = 512
     partial_dtype: str = "float32"
     warp_specialize: bool = False
+    dv_split: int = 1
+    wave_sms: int = 0
+    pdl: bool = False
     combine_block_s: int = 32
     combine_block_d: int = 256
     combine_block_j: int = 16
@@ -71,14 +81,18 @@ class KernelConfig:
 
     def describe(self) -> str:
         return (f"block_m={self.block_m} block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} "
-                f"min_chunk={self.min_chunk} max_ctas={self.max_ctas} partials={self.partial_dtype} "
+                f"dv_split={self.dv_split} "
+                f"min_chunk={self.min_chunk} max_ctas={self.max_ctas} wave_sms={self.wave_sms} "
+                f"pdl={int(self.pdl)} partials={self.partial_dtype} "
                 f"combine=s{self.combine_block_s}/d{self.combine_block_d}/w{self.combine_warps}")
 
 
 # Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
 # x 64 keys per tile, 8 warps, 2 cp.async stages (216 KB of shared memory, 255 registers, no spills), partitions
-# of at least 256 tokens and at most 512 programs per launch, fp32 partials.
-GPU_CONFIG = KernelConfig()
+# of at least 256 tokens and at most 512 programs per launch, fp32 partials. Since run 3 (same day): the
+# partition count that fills the last wave of programs best (wave_sms=-1) and the combine as a programmatic
+# dependent launch (pdl; sm_90+ only, else off): bs=1 H=16 and bs=8 H=16 Q=9 5-24% faster, the rest 0-3%.
+GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -98,24 +112,36 @@ def _chunk_len(prefix, nsplit, min_chunk, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _prefix_tile(acc, m_i, l_i, q_lat, q_rope, KBuf, KvIdx, kv_base, n0, end, qk_scale, stride_kb,
-                 DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """One BLOCK_N tile of prefix keys: gather the rows, scores, online softmax update, P V."""
+def _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, KvIdx, kv_base, n0, end, qk_scale, stride_kb, dv0,
+                 DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """One BLOCK_N tile of prefix keys: gather the rows, scores, online softmax update, P V.
+
+    DV_SPLIT == 2: this program owns value channels [dv0, dv0 + 256); the latent part of Q K^T is done as
+    its own half (also the values) plus the other half (q_oth / k_oth), so nothing is loaded twice."""
+    BLOCK_DV: tl.constexpr = DL // DV_SPLIT
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_dl = tl.arange(0, DL)
+    offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, DR)
     if MASKED:
         n_ok = offs_n < end
         loc = tl.load(KvIdx + kv_base + offs_n, mask=n_ok, other=0).to(tl.int64)
-        k_row = KBuf + loc[:, None] * stride_kb
-        k_lat = tl.load(k_row + offs_dl[None, :], mask=n_ok[:, None], other=0.0)
-        k_rope = tl.load(k_row + DL + offs_dr[None, :], mask=n_ok[:, None], other=0.0)
     else:
         loc = tl.load(KvIdx + kv_base + offs_n).to(tl.int64)
-        k_row = KBuf + loc[:, None] * stride_kb
-        k_lat = tl.load(k_row + offs_dl[None, :])
+    k_row = KBuf + loc[:, None] * stride_kb
+    if MASKED:
+        k_own = tl.load(k_row + dv0 + offs_dv[None, :], mask=n_ok[:, None], other=0.0)
+        k_rope = tl.load(k_row + DL + offs_dr[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        k_own = tl.load(k_row + dv0 + offs_dv[None, :])
         k_rope = tl.load(k_row + DL + offs_dr[None, :])
-    s = tl.dot(q_lat, tl.trans(k_lat))
+    s = tl.dot(q_own, tl.trans(k_own))
+    if DV_SPLIT == 2:
+        if MASKED:
+            k_oth = tl.load(k_row + (BLOCK_DV - dv0) + offs_dv[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_oth = tl.load(k_row + (BLOCK_DV - dv0) + offs_dv[None, :])
+        s = tl.dot(q_oth, tl.trans(k_oth), s)
     s = tl.dot(q_rope, tl.trans(k_rope), s)
     s = s * qk_scale
     if MASKED:
@@ -125,7 +151,7 @@ def _prefix_tile(acc, m_i, l_i, q_lat, q_rope, KBuf, KvIdx, kv_base, n0, end, qk
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(k_lat.dtype), k_lat, acc)
+    acc = tl.dot(p.to(k_own.dtype), k_own, acc)
     return acc, m_new, l_i
 
 
@@ -137,9 +163,16 @@ def _split_kernel(
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_INDPTR: tl.constexpr, WARP_SPEC: tl.constexpr,
+    DV_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One prefix partition x BLOCK_M (token, head) rows of one request -> partial output + log2-sum-exp."""
-    pid_m = tl.program_id(0)
+    """One prefix partition x BLOCK_M (token, head) rows of one request (x one half of the 512 value channels
+    when DV_SPLIT == 2: neighbouring programs take the two halves of the same rows and keys, so the second
+    reads its keys from L2) -> partial output + log2-sum-exp."""
+    BLOCK_DV: tl.constexpr = DL // DV_SPLIT
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()      # the combine may be launched once every program runs
+    pid_m = tl.program_id(0) // DV_SPLIT
+    dv0 = (tl.program_id(0) % DV_SPLIT) * BLOCK_DV
     split = tl.program_id(1)
     b = tl.program_id(2)
 
@@ -161,31 +194,38 @@ def _split_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < rows
-    offs_dl = tl.arange(0, DL)
+    offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, DR)
     q_row = Q + (q_start + offs_m // H).to(tl.int64)[:, None] * stride_qt + (offs_m % H)[:, None] * stride_qh
-    q_lat = tl.load(q_row + offs_dl[None, :], mask=row_ok[:, None], other=0.0).to(KBuf.dtype.element_ty)
+    q_own = tl.load(q_row + dv0 + offs_dv[None, :], mask=row_ok[:, None], other=0.0).to(KBuf.dtype.element_ty)
+    if DV_SPLIT == 2:
+        q_oth = tl.load(q_row + (BLOCK_DV - dv0) + offs_dv[None, :], mask=row_ok[:, None],
+                        other=0.0).to(KBuf.dtype.element_ty)
+    else:
+        q_oth = q_own                              # unused
     q_rope = tl.load(q_row + DL + offs_dr[None, :], mask=row_ok[:, None], other=0.0).to(KBuf.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, DL], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     # no mask in the prefix; one load of [c_kv | k_rope] serves Q K^T and P V (values = c_kv).
     # Whole BLOCK_N tiles run unmasked; the partition's last partial tile (if any) runs masked.
     n_full = start + ((end - start) // BLOCK_N) * BLOCK_N
     for n0 in tl.range(start, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
-        acc, m_i, l_i = _prefix_tile(acc, m_i, l_i, q_lat, q_rope, KBuf, KvIdx, kv_base, n0, end, qk_scale,
-                                     stride_kb, DL, DR, BLOCK_N, False)
+        acc, m_i, l_i = _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, KvIdx, kv_base, n0, end, qk_scale,
+                                     stride_kb, dv0, DL, DR, BLOCK_N, DV_SPLIT, False)
     if n_full < end:
-        acc, m_i, l_i = _prefix_tile(acc, m_i, l_i, q_lat, q_rope, KBuf, KvIdx, kv_base, n_full, end, qk_scale,
-                                     stride_kb, DL, DR, BLOCK_N, True)
+        acc, m_i, l_i = _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, KvIdx, kv_base, n_full, end,
+                                     qk_scale, stride_kb, dv0, DL, DR, BLOCK_N, DV_SPLIT, True)
 
     out = acc / l_i[:, None]                       # every partition has >= 1 key: l_i > 0
     lse = m_i + tl.log2(l_i)
     part = b.to(tl.int64) * stride_pb + split.to(tl.int64) * stride_ps
-    tl.store(PartO + part + offs_m[:, None] * stride_pr + offs_dl[None, :], out.to(PartO.dtype.element_ty),
+    tl.store(PartO + part + offs_m[:, None] * stride_pr + dv0 + offs_dv[None, :], out.to(PartO.dtype.element_ty),
              mask=row_ok[:, None])
-    tl.store(PartLse + b.to(tl.int64) * stride_lb + split.to(tl.int64) * stride_ls + offs_m, lse, mask=row_ok)
+    # both value halves compute the same scores (same instructions, same order): one of them writes the LSE
+    if dv0 == 0:
+        tl.store(PartLse + b.to(tl.int64) * stride_lb + split.to(tl.int64) * stride_ls + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
@@ -196,6 +236,7 @@ def _combine_kernel(
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, stride_ot, stride_oh,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, KV_INDPTR: tl.constexpr, HAS_MASK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (token, head) row x BLOCK_D output channels: attention over the draft tree (done here, once per
     row, in fp32; the tree mask is read only here), merged with the non-empty prefix partitions by their
@@ -249,6 +290,8 @@ def _combine_kernel(
         m_run = m_new
 
     # ---- the prefix partitions (normalised partial outputs, weight 2^lse), BLOCK_S at a time
+    if PDL:
+        tl.extra.cuda.gdc_wait()                   # the split kernel has finished and its writes are visible
     n_act = tl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, BLOCK_N))
     base_o = PartO + b.to(tl.int64) * stride_pb + row * stride_pr
     base_l = PartLse + b.to(tl.int64) * stride_lb + row
@@ -301,12 +344,46 @@ class Workspace:
         return self.part_o.numel() * self.part_o.element_size() + self.part_lse.numel() * 4
 
 
+@functools.lru_cache(maxsize=8)
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=1024)
+def _wave_nsplit(ns: int, blocks: int, sms: int) -> int:
+    """The n <= ns with the most partitions per wave (n / ceil(blocks * n / sms)); ties: the larger n.
+    Cached: it runs on every launch, and at bs=1 the host time is part of the latency."""
+    return max(range(1, ns + 1), key=lambda n: (n / -(-(blocks * n) // sms), n))
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_ok() -> bool:
+    return torch.cuda.is_available()
+
+
+@functools.lru_cache(maxsize=8)
+def _pdl_ok(index: int) -> bool:
+    """Programmatic dependent launch (griddepcontrol) needs sm_90 or newer."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _wave_sms(config: KernelConfig) -> int:
+    if config.wave_sms >= 0:
+        return config.wave_sms
+    return _device_sms(torch.cuda.current_device()) if _cuda_ok() else 0
+
+
 def effective_nsplit(nsplit: int, bs: int, rows: int, config: KernelConfig) -> int:
-    """Partitions a launch uses: ``nsplit``, fewer when ``bs`` requests already make ``max_ctas`` programs."""
+    """Partitions a launch uses: ``nsplit``, fewer when ``bs`` requests already make ``max_ctas`` programs,
+    and (``wave_sms``) the count under that which maximises partitions per wave of programs: e.g. 3 row
+    blocks on 132 multiprocessors run 44 partitions in one wave rather than 64 in two (a host-side function
+    of static sizes only: CUDA-graph safe)."""
     if config.max_ctas <= 0:
         return nsplit
-    blocks = bs * triton.cdiv(rows, config.block_m)
-    return max(1, min(nsplit, config.max_ctas // max(blocks, 1)))
+    blocks = max(bs * triton.cdiv(rows, config.block_m) * config.dv_split, 1)
+    ns = max(1, min(nsplit, config.max_ctas // blocks))
+    sms = _wave_sms(config)
+    return _wave_nsplit(ns, blocks, sms) if sms > 0 else ns
 
 
 def _flat(t: torch.Tensor, last: int) -> torch.Tensor:
@@ -364,13 +441,17 @@ def mla_tree_verify(
     mask = custom_mask if has_mask else qo_indptr      # any pointer: never read without HAS_MASK
     mindptr = mask_indptr if has_mask else qo_indptr
     qk_scale = sm_scale * LOG2E
-    _split_kernel[(triton.cdiv(rows, config.block_m), ns, bs)](
+    pdl = config.pdl and q.is_cuda and _pdl_ok(torch.cuda.current_device() if q.device.index is None
+                                               else q.device.index)
+    assert config.dv_split in (1, 2), "dv_split: 1 or 2 programs per row block (512 or 256 value channels)"
+    _split_kernel[(triton.cdiv(rows, config.block_m) * config.dv_split, ns, bs)](
         q, kbuf, qo_indptr, kv_start, kv_lens, kv_idx, part_o, part_lse,
         qk_scale, ns, min_chunk, mult,
         q.stride(0), q.stride(1), kbuf.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=config.block_m, BLOCK_N=config.block_n, KV_INDPTR=use_indptr,
-        WARP_SPEC=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
+        WARP_SPEC=config.warp_specialize, DV_SPLIT=config.dv_split, PDL=pdl, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     _combine_kernel[(rows, bs, D_LATENT // config.combine_block_d)](
         q, kext, vext, mask, mindptr, part_o, part_lse, o3, qo_indptr, kv_start, kv_lens,
@@ -380,7 +461,7 @@ def mla_tree_verify(
         o3.stride(0), o3.stride(1),
         H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n, BLOCK_S=config.combine_block_s,
         BLOCK_D=config.combine_block_d, BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask,
-        num_warps=config.combine_warps,
+        PDL=pdl, num_warps=config.combine_warps, **({"launch_pdl": True} if pdl else {}),
     )
     return o
 
