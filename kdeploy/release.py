@@ -210,8 +210,11 @@ def diff(local: dict[str, str], remote: dict[str, str]) -> Delta:
 
 
 def release_id(manifest: dict[str, str], unit_text: str, now: datetime | None = None) -> str:
+    """``<UTC time to the millisecond>-<hash>``: ids sort in the order they were made (pruning and the
+    rollback fallback rely on it), also for pushes within one second."""
+    now = now or datetime.now(UTC)
     digest = sha256_text(manifest_text(manifest) + "\0" + unit_text)[:8]
-    return f"{(now or datetime.now(UTC)):%Y%m%dT%H%M%SZ}-{digest}"
+    return f"{now:%Y%m%dT%H%M%S}.{now.microsecond // 1000:03d}Z-{digest}"
 
 
 def build_tarball(payload: Payload, upload: list[str], meta: dict[str, str]) -> bytes:

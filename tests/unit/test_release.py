@@ -208,13 +208,15 @@ def test_a_mode_change_is_a_change():
 def test_release_id():
     manifest = {"a.py": SHA_A}
     rid = release_id(manifest, "unit-1", T0)
-    assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{8}", rid)
-    assert rid.startswith("20250102T030405Z-")
+    assert re.fullmatch(r"\d{8}T\d{6}\.\d{3}Z-[0-9a-f]{8}", rid)
+    assert rid.startswith("20250102T030405.000Z-")
     assert release_id(manifest, "unit-1", T0) == rid                       # deterministic
     assert release_id(manifest, "unit-2", T0) != rid                       # the unit text counts
     assert release_id({"a.py": SHA_B}, "unit-1", T0) != rid                # so does the payload
-    assert release_id(manifest, "unit-1", T0 + timedelta(seconds=1))[:16] == "20250102T030406Z"
-    assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{8}", release_id(manifest, "u"))    # now, in UTC
+    assert release_id(manifest, "unit-1", T0 + timedelta(seconds=1))[:20] == "20250102T030406.000Z"
+    later = release_id(manifest, "unit-1", T0 + timedelta(milliseconds=7))
+    assert later[:20] == "20250102T030405.007Z" and later > rid            # same second: still in order
+    assert re.fullmatch(r"\d{8}T\d{6}\.\d{3}Z-[0-9a-f]{8}", release_id(manifest, "u"))    # now, in UTC
 
 
 def test_releases_to_prune():
