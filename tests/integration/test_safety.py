@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import deploy, lock
+from kdeploy import deploy, lock, sshconfig
 from kdeploy.errors import RemoteTimeout
 from kdeploy.remote import Remote
 from kdeploy.render import service_dir
@@ -23,7 +23,7 @@ from tests.conftest import Deployment
 def _connect(dep: Deployment, host: str = "h1") -> Remote:
     inv = dep.load()
     cfg = inv.hosts[host]
-    return Remote.connect(cfg, known_hosts=Path(cfg.known_hosts), identity_file=Path(cfg.identity_file))
+    return Remote.connect(cfg, sshconfig.target_for(inv, cfg))
 
 
 def _snapshot(dep: Deployment, host: str = "h1") -> str:
@@ -73,7 +73,7 @@ def test_stale_lock_is_reported_and_taken_over_loudly(deployment: Deployment,
         holder_pid = lock.parse_info(info).remote_pid
         # the holder dies without cleaning up (like a host-side kill -9)
         deployment.sh("h1", f"kill -KILL {holder_pid} $(pgrep -P {holder_pid}) 2>/dev/null; true")  # no cleanup runs
-        held.channel.close()
+        held.process.close()
     code, doc = deployment.json(capsys, "lock", "status", "test")
     assert doc["hosts"][0]["lock"]["state"] == "stale"
     assert doc["hosts"][0]["lock"]["holder"]["command"] == "kdeploy push (crashed)"
@@ -95,7 +95,7 @@ def test_lock_release_clears_a_stale_lock_and_refuses_a_live_one(deployment: Dep
         assert code == 6 and "live" in doc["hosts"][0]["error"]
         code, doc = deployment.json(capsys, "lock", "release", "test", "--force")
         assert code == 0 and doc["hosts"][0]["lock"]["state"] == "free"
-        held.channel.close()
+        held.process.close()
 
 
 def test_unknown_host_key_is_refused_unless_accepted(deployment: Deployment, tmp_path: Path,
@@ -276,8 +276,7 @@ def test_state_parser_reads_a_fresh_host(deployment: Deployment) -> None:
 def test_a_slow_remote_command_is_a_timeout_not_unreachable(deployment: Deployment) -> None:
     inv = deployment.load()
     host = inv.hosts["h1"]
-    with Remote.connect(host, known_hosts=inv.local_path(host.known_hosts),
-                        identity_file=inv.local_path(host.identity_file)) as remote:
+    with Remote.connect(host, sshconfig.target_for(inv, host)) as remote:
         with pytest.raises(RemoteTimeout, match=r"did not finish within 0\.5s"):
             remote.run("sleep 3", timeout=0.5)
         assert remote.run("echo still here", timeout=10).stdout == "still here\n"
