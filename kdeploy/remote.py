@@ -10,6 +10,7 @@ long-running commands (the lock holder, the exit watcher) are handed out as :cla
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import random
 import socket
@@ -387,7 +388,9 @@ class Process:
         self.channel.settimeout(None)
 
     def close(self) -> None:
-        self.channel.close()
+        """Close it; on a link that is already gone there is nothing left to close."""
+        with contextlib.suppress(OSError, paramiko.SSHException, EOFError):
+            self.channel.close()
 
 
 class Remote:
@@ -475,7 +478,10 @@ class Remote:
         return Process(self.host.name, channel)
 
     def close(self) -> None:
-        self._transport.close()
+        """Close the host's connection (the jump hosts' stay for other hosts); closing a connection whose
+        jump host link is already gone has nothing left to tell it."""
+        with contextlib.suppress(OSError, paramiko.SSHException, EOFError):
+            self._transport.close()
 
     def __enter__(self) -> Remote:
         return self
