@@ -81,7 +81,7 @@ class _Transport(paramiko.Transport):
         return super().preferred_keys
 
 
-def _new_transport(sock: socket.socket | paramiko.Channel) -> _Transport:
+def _new_transport(sock: socket.socket | _Tunnel) -> _Transport:
     transport = _Transport(sock)
     options = transport.get_security_options()
     options.ciphers = PREFERRED_CIPHERS + tuple(c for c in options.ciphers if c not in PREFERRED_CIPHERS)
@@ -234,7 +234,7 @@ def _authenticate(transport: paramiko.Transport, hop: Hop) -> None:
                       f"{'; ' + '; '.join(skipped) if skipped else ''})")
 
 
-def _handshake(hop: Hop, open_sock: Callable[[], socket.socket | paramiko.Channel],
+def _handshake(hop: Hop, open_sock: Callable[[], socket.socket | _Tunnel],
                accept_new: bool) -> tuple[paramiko.Transport, str | None, list[str]]:
     """Connect (retrying transient failures), verify the host key, authenticate: (transport, newly recorded
     key, failed attempts). Unreachable names the hop."""
@@ -316,12 +316,55 @@ def _user_timeout(hop: Hop) -> float:
     return max(30.0, float(hop.keepalive * hop.keepalive_count))
 
 
-def _channel_opener(via: paramiko.Transport, hop: Hop) -> Callable[[], paramiko.Channel]:
+class _Tunnel:
+    """A direct-tcpip channel used as the socket of the next hop's connection.
+
+    paramiko's Channel builds a data packet under its lock but sends it after releasing it, so a send racing
+    close() can put data on the wire after the channel's CLOSE; OpenSSH then drops the whole jump-host
+    connection ("data packet referred to nonexistent channel"), and every host behind it with it. Here a
+    send and the close never overlap, and nothing is sent after the close."""
+
+    def __init__(self, channel: paramiko.Channel) -> None:
+        self.channel = channel
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def send(self, data: bytes) -> int:
+        with self.lock:
+            if self.closed:
+                raise OSError(errno.EPIPE, "jump channel closed")
+            return self.channel.send(data)
+
+    def recv(self, size: int) -> bytes:
+        return self.channel.recv(size)
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.channel.settimeout(timeout)
+
+    def gettimeout(self) -> float | None:
+        return self.channel.gettimeout()
+
+    def getpeername(self) -> tuple[str, int]:
+        return self.channel.getpeername()
+
+    @property
+    def _closed(self) -> bool:  # paramiko's Transport reads it like socket._closed
+        return self.closed
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.channel.close()
+
+
+def _channel_opener(via: paramiko.Transport, hop: Hop) -> Callable[[], _Tunnel]:
     """A TCP connection to ``hop`` made by the previous hop (``ssh -J``'s direct-tcpip channel)."""
-    def open_channel() -> paramiko.Channel:
+    def open_channel() -> _Tunnel:
         try:
-            return via.open_channel("direct-tcpip", (hop.hostname, hop.port), ("127.0.0.1", 0),
-                                    timeout=hop.connect_timeout)
+            return _Tunnel(via.open_channel("direct-tcpip", (hop.hostname, hop.port), ("127.0.0.1", 0),
+                                            timeout=hop.connect_timeout))
         except paramiko.ChannelException as exc:  # refused or unresolvable, seen from the jump host
             raise _Transient(f"the jump host cannot connect: {exc.text}") from None
         except (OSError, paramiko.SSHException, EOFError) as exc:

@@ -110,6 +110,8 @@ def test_one_bastion_connection_carries_every_host_behind_it(
     gateway = deployment.fleet.gateway
     sessions = deployment.sh("h1", f"ss -Htn state established '( sport = :22 )' dst {gateway} | wc -l")
     assert int(sessions) == 1  # our one connection to the bastion, still open for later hosts
+    # no data after a channel's close: OpenSSH would have dropped the bastion connection for every host
+    assert "nonexistent channel" not in deployment.sh("h1", "journalctl -u ssh --no-pager -q")
 
 
 def test_two_jump_hops(deployment: Deployment, hidden: list[str], capsys: pytest.CaptureFixture[str]) -> None:
