@@ -37,7 +37,7 @@ test: venv lint
 	$(BIN)/python -m pytest -q tests
 
 demo: venv
-	$(BIN)/python -m kdeploy.sglang_env
+	$(BIN)/python -m kdeploy.lab.sglang_env
 	$(BIN)/kdeploy sandbox down
 	$(BIN)/kdeploy sandbox up --hosts 2 --inventory-out $(SANDBOX_INVENTORY)
 	$(BIN)/kdeploy push all --inventory $(SANDBOX_INVENTORY)
@@ -53,6 +53,12 @@ demo-down: venv
 bench: venv
 	@$(BIN)/python -c 'import ansible, matplotlib, pyinstrument' 2>/dev/null && test -x $(BIN)/py-spy || $(BIN)/pip install -q -r bench/requirements.txt
 	$(BIN)/python bench/run.py
+
+# The kdtree verify kernel against SGLang's kernels (issue 17; docs/benchmarks.md "Kernel"). Needs a CUDA GPU and a
+# python3 with torch + triton; SGLANG_WHEEL = the sglang 0.5.23 wheel (or a zip of its attention files).
+.PHONY: bench-kernel
+bench-kernel:
+	python3 bench/kernel.py --tune --sglang $(SGLANG_WHEEL)
 
 clean:
 	rm -rf $(VENV) .sandbox

@@ -58,9 +58,9 @@ BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))
 
 from kdeploy import fleet, inventory, markers  # noqa: E402
-from kdeploy.demo import demo_service, project_dir  # noqa: E402
+from kdeploy.lab.demo import demo_service, project_dir  # noqa: E402
+from kdeploy.lab.sandbox import HOST_VENV, Sandbox  # noqa: E402
 from kdeploy.render import render_unit  # noqa: E402
-from kdeploy.sandbox import HOST_VENV, Sandbox  # noqa: E402
 
 SERVICE = "sglang-demo"           # kdeploy's service (the demo service, reference server + kdtree payload)
 ANS_SERVICE, ANS_PORT, ANS_ROOT = "sglang-ans", 30001, "/srv/kdeploy-ans"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import shlex
 import signal
 import sys
 import threading
@@ -25,9 +27,9 @@ from rich.table import Table
 
 from kdeploy import fleet, settings
 from kdeploy import inventory as inv
-from kdeploy.deploy import Options
+from kdeploy.deploy import History, LockView, Options, Plan, StatusView
 from kdeploy.errors import ExitCode, InvalidInput, KdeployError
-from kdeploy.lock import LockInfo
+from kdeploy.probe import ProbeReport
 from kdeploy.render import render_unit
 from kdeploy.report import Report
 
@@ -159,9 +161,35 @@ def _pop_option(args: list[str], name: str) -> str | None:
     return value
 
 
+_SECRET_NAME = re.compile(r"token|secret|passw|credential|key", re.IGNORECASE)
+
+
+def command_line(ctx: typer.Context) -> str:
+    """The command being run, as the lock and history record it on every host.
+
+    Built from kdeploy's own parsed arguments, never from ``sys.argv`` (a wrapper calling kdeploy may hold
+    secrets in its own argv): subcommand, arguments and the options not left at their default, with the
+    value of an option or a ``KEY=VALUE`` argument whose name looks secret shown as ``***``.
+    """
+    words = ctx.command_path.split()
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        values = [str(v) for v in (value if isinstance(value, list | tuple) else [value]) if v is not None]
+        if param.param_type_name == "argument":
+            for word in values:
+                key, sep, _ = word.partition("=")
+                words.append(f"{shlex.quote(key)}=***" if sep and _SECRET_NAME.search(key) else shlex.quote(word))
+        elif value not in (None, False, [], ()) and value != param.default:
+            flag = max(param.opts, key=len)
+            words += [flag] if value is True else [
+                w for v in values for w in (flag, "***" if _SECRET_NAME.search(param.name) else shlex.quote(v))]
+    return " ".join(words)
+
+
 @app.command()
-def push(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
-         accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+         as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
+         parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
          no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the health gate.")] = False,
          force_restart: Annotated[bool, typer.Option("--force-restart", help="Restart even if unchanged.")] = False,
          dry_run: Annotated[bool, typer.Option("--dry-run", help="Same as `kdeploy plan`.")] = False,
@@ -178,7 +206,7 @@ def push(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_jso
     ui = Ui(as_json)
     opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
                     lock_wait=lock_wait, workers=workers, timeout=timeout, canary=canary, batch=batch,
-                    max_fail=max_fail, skip_preflight=skip_preflight)
+                    max_fail=max_fail, skip_preflight=skip_preflight, command=command_line(ctx))
     loaded = _load(inventory)
     report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report)
@@ -192,18 +220,18 @@ def _plan(target: str, inventory: Path, as_json: bool, accept: bool, parallel: i
 
     def show(rep: Report) -> None:
         for host in rep.hosts:
-            plan = host.data.get("plan")
-            if not plan:
+            plan = host.details
+            if not isinstance(plan, Plan):
                 continue
-            ui.err.rule(f"{host.host}: restart={'yes' if plan['restart'] else 'no'} "
-                        f"daemon-reload={'yes' if plan['daemon_reload'] else 'no'}")
-            for reason in plan["reasons"]:
+            ui.err.rule(f"{host.host}: restart={'yes' if plan.restart else 'no'} "
+                        f"daemon-reload={'yes' if plan.daemon_reload else 'no'}")
+            for reason in plan.reasons:
                 ui.err.print(f"  because: {reason}", markup=False)
-            for key, sign in (("add", "+"), ("change", "~"), ("remove", "-")):
-                for path in plan[key]:
+            for paths, sign in ((plan.add, "+"), (plan.change, "~"), (plan.remove, "-")):
+                for path in paths:
                     ui.err.print(f"  {sign} {path}", markup=False)
-            if plan["unit_diff"]:
-                ui.err.print(plan["unit_diff"], markup=False, end="")
+            if plan.unit_diff:
+                ui.err.print(plan.unit_diff, markup=False, end="")
 
     ui.report(report, show)
     _exit(report)
@@ -230,13 +258,15 @@ def verify(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
 
 
 @app.command()
-def rollback(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+             as_json: JsonOpt = False,
              to: Annotated[str | None, typer.Option("--to", help="Release id (default: the previous one).")] = None,
              lock_wait: LockWaitOpt = 0, accept_new_host_keys: AcceptOpt = False,
              parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
     """Re-activate an older release and its unit, restart and gate."""
     ui = Ui(as_json)
-    opts = _options(to_release=to, lock_wait=lock_wait, accept_new_host_keys=accept_new_host_keys)
+    opts = _options(to_release=to, lock_wait=lock_wait, accept_new_host_keys=accept_new_host_keys,
+                    command=command_line(ctx))
     loaded = _load(inventory)
     report = ui.run(lambda listener: fleet.rollback(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report)
@@ -253,8 +283,8 @@ def probe(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVEN
 
     def show(rep: Report) -> None:
         for host in rep.hosts:
-            if "probe" in host.data:
-                ui.err.print(f"{host.host}: {host.data['probe']['summary']}", markup=False)
+            if isinstance(host.details, ProbeReport):
+                ui.err.print(f"{host.host}: {host.details.summary()}", markup=False)
 
     ui.report(report, show, table=False)
     _exit(report)
@@ -274,7 +304,7 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
         for col in ("host", "time", "user", "controller", "release", "result", "seconds"):
             table.add_column(col)
         for host in rep.hosts:
-            for rec in host.data.get("history", []):
+            for rec in host.details.records if isinstance(host.details, History) else []:
                 table.add_row(host.host, rec.get("time", ""), rec.get("user", ""), rec.get("controller", ""),
                               rec.get("release") or "-", rec.get("result", ""), str(rec.get("duration", "")))
         ui.err.print(table)
@@ -284,7 +314,7 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
 
 
 def _edit(command: str, path: Path, make: Callable[[], settings.Edit], as_json: bool, no_apply: bool, accept: bool,
-          parallel: int, lock_wait: float) -> None:
+          parallel: int, lock_wait: float, line: str) -> None:
     """Make, check, write and roll out an edit under the inventory's lock; a second kdeploy waits or exits 6."""
     ui = Ui(as_json)
     with settings.locked(path, lock_wait, f"kdeploy {command}"):
@@ -302,7 +332,7 @@ def _edit(command: str, path: Path, make: Callable[[], settings.Edit], as_json: 
                                                         "diff": edit.diff(), "rolled_out_to": [], "reverted": False}})
             ui.err.print(f"{edit.path} updated at {edit.level}; not rolled out (--no-apply): run `kdeploy push all`")
         else:
-            opts = _options(accept_new_host_keys=accept, lock_wait=lock_wait)
+            opts = _options(accept_new_host_keys=accept, lock_wait=lock_wait, command=line)
             report = ui.run(lambda listener: fleet.apply_edit(edit, local, command, opts, parallel=parallel,
                                                               listener=listener))
             facts = report.extra["inventory"]
@@ -324,7 +354,8 @@ EditLockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0,
 
 
 @app.command("set-env")
-def set_env(assignments: Annotated[list[str] | None, typer.Argument(help="KEY=VALUE ...", show_default=False)] = None,
+def set_env(ctx: typer.Context,
+            assignments: Annotated[list[str] | None, typer.Argument(help="KEY=VALUE ...", show_default=False)] = None,
             unset: Annotated[list[str] | None, typer.Option("--unset", help="Remove KEY at the scope.")] = None,
             target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
             as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
@@ -334,11 +365,12 @@ def set_env(assignments: Annotated[list[str] | None, typer.Argument(help="KEY=VA
     if not pairs and not unset:
         raise InvalidInput("set-env: give KEY=VALUE or --unset KEY")
     _edit("set-env", inventory, lambda: settings.set_env(inventory, pairs, list(unset or []), target), as_json,
-          no_apply, accept_new_host_keys, parallel, lock_wait)
+          no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx))
 
 
 @app.command("set")
-def set_(assignments: Annotated[list[str], typer.Argument(help="PATH=VALUE, e.g. hicache.ratio=4.0",
+def set_(ctx: typer.Context,
+         assignments: Annotated[list[str], typer.Argument(help="PATH=VALUE, e.g. hicache.ratio=4.0",
                                                           show_default=False)],
          target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
          as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
@@ -346,7 +378,7 @@ def set_(assignments: Annotated[list[str], typer.Argument(help="PATH=VALUE, e.g.
     """Change typed service settings (hicache.ratio=4.0, gate.workers=8, ...) and roll them out."""
     pairs = dict(settings.split_assignment(a) for a in assignments)
     _edit("set", inventory, lambda: settings.set_values(inventory, pairs, target), as_json, no_apply,
-          accept_new_host_keys, parallel, lock_wait)
+          accept_new_host_keys, parallel, lock_wait, command_line(ctx))
 
 
 @app.command()
@@ -362,14 +394,14 @@ def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
         for col in ("host", "state", "since", "release", "env", "last deploy", "drift"):
             table.add_column(col, overflow="fold")
         for host in rep.hosts:
-            st = host.data.get("status")
-            if not st:
+            st = host.details
+            if not isinstance(st, StatusView):
                 continue
-            last = st["last_deploy"]
+            last = st.last_deploy
             deployed = f"{last.get('time')} {last.get('result')} by {last.get('user')}" if last else "-"
-            drifted = "[red]" + escape("; ".join(st["drift"])) + "[/]" if st["drift"] else "[green]none[/]"
-            table.add_row(host.host, f"{st['active']}/{st['sub']}", st["since"] or "-", host.release or "-",
-                          escape(" ".join(f"{k}={v}" for k, v in st["env"].items())) or "-", deployed, drifted)
+            drifted = "[red]" + escape("; ".join(st.drift)) + "[/]" if st.drift else "[green]none[/]"
+            table.add_row(host.host, f"{st.active}/{st.sub}", st.since or "-", host.release or "-",
+                          escape(" ".join(f"{k}={v}" for k, v in st.env.items())) or "-", deployed, drifted)
         ui.err.print(table)
 
     ui.report(report, show, table=False)
@@ -382,10 +414,9 @@ def _lock(target: str, inventory: Path, as_json: bool, release: bool, force: boo
 
     def show(rep: Report) -> None:
         for host in rep.hosts:
-            info = host.data.get("lock")
-            if info:
-                who = LockInfo(**info["holder"]).describe() if info["holder"] else ""
-                ui.err.print(f"{host.host}: {info['state']} {who}", markup=False)
+            if isinstance(host.details, LockView):
+                who = host.details.holder.describe() if host.details.holder else ""
+                ui.err.print(f"{host.host}: {host.details.state} {who}", markup=False)
 
     ui.report(report, show, table=False)
     _exit(report)
@@ -418,7 +449,7 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
                                                         "sandbox CA; known_hosts trusts only the CA.")] = False
                ) -> None:
     """Boot local hosts (systemd-nspawn) and write an inventory for them."""
-    from kdeploy import demo, sandbox
+    from kdeploy.lab import demo, sandbox
 
     box = sandbox.Sandbox(instance=instance)
     box.check_requirements()
@@ -434,7 +465,7 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
 @sandbox_app.command("status")
 def sandbox_status(as_json: JsonOpt = False, instance: InstanceOpt = 0) -> None:
     """Show the sandbox hosts and whether each one's systemd is running."""
-    from kdeploy import sandbox
+    from kdeploy.lab import sandbox
 
     rows = sandbox.Sandbox(instance=instance).status()
     if as_json:
@@ -451,7 +482,7 @@ def sandbox_status(as_json: JsonOpt = False, instance: InstanceOpt = 0) -> None:
 @sandbox_app.command("down")
 def sandbox_down(instance: InstanceOpt = 0) -> None:
     """Stop every sandbox host and remove everything it created."""
-    from kdeploy import sandbox
+    from kdeploy.lab import sandbox
 
     box = sandbox.Sandbox(instance=instance)
     box.check_requirements()

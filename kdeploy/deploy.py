@@ -11,8 +11,9 @@ import difflib
 import shlex
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from typing import ClassVar
 
 from kdeploy import gate, history, lock, probe, provisional, release, sshconfig, systemd
 from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused, RemoteTimeout, Unreachable
@@ -21,7 +22,17 @@ from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.remote import Remote
 from kdeploy.render import service_dir, unit_filename
 from kdeploy.report import Cancelled, HostResult, PhaseFailed
-from kdeploy.state import HostState, decide, parse_state, split_sections, state_script
+from kdeploy.state import (
+    HostState,
+    decide,
+    drift,
+    parse_running,
+    parse_state,
+    parse_status,
+    running_script,
+    state_script,
+    status_script,
+)
 
 RELOCK_WAIT = 30.0  # after a reconnect: the host's own revert may be holding the lock while it runs
 
@@ -42,7 +53,13 @@ class Options:
     max_fail: str | None = None  # N or N%: failures tolerated before new batches stop (default: no limit)
     skip_preflight: bool = False
     ssh_config: str | None = None  # --ssh-config: overrides KDEPLOY_SSH_CONFIG and the inventory's
-    cancel: threading.Event = field(default_factory=threading.Event)
+    command: str | None = None  # what the lock and history record (the CLI's own command line; see recorded_command)
+
+
+def recorded_command(opts: Options, verb: str) -> str:
+    """The command the lock and history record: the CLI's (``Options.command``), else the library call.
+    Never ``sys.argv``: a wrapper script calling the library may hold secrets in its own arguments."""
+    return opts.command or f"kdeploy {verb} (library)"
 
 
 def connect(inventory: Inventory, host: HostConfig, result: HostResult, opts: Options) -> Remote:
@@ -53,8 +70,17 @@ def connect(inventory: Inventory, host: HostConfig, result: HostResult, opts: Op
     return remote
 
 
-def _check(opts: Options) -> None:
-    if opts.cancel.is_set():
+def lock_and_read(remote: Remote, host: HostConfig, wait: float, *, command: str, with_history: bool = False,
+                  first: str = "") -> tuple[lock.HeldLock, HostState]:
+    """Take the deploy lock (recording ``command``) and read the host's state under it, in one round trip
+    (``first`` runs before the read, under the lock)."""
+    then = "\n".join(c for c in (first, state_script(host, with_history=with_history)) if c)
+    held = lock.acquire(remote, service_dir(host.service), wait=wait, then=then, command=command)
+    return held, parse_state(held.output)
+
+
+def _check(cancel: threading.Event) -> None:
+    if cancel.is_set():
         raise Cancelled("interrupted")
 
 
@@ -79,22 +105,67 @@ def _overridden(spec: GateSpec, opts: Options) -> GateSpec:
     return spec.model_copy(update=update) if update else spec
 
 
+@dataclass(frozen=True)
+class Plan:
+    key: ClassVar[str] = "plan"
+    add: list[str]
+    change: list[str]
+    remove: list[str]
+    unit_diff: str
+    daemon_reload: bool
+    restart: bool
+    reasons: list[str]  # why the host needs a restart (the words of preflight and status drift)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StatusView:
+    key: ClassVar[str] = "status"
+    active: str
+    sub: str
+    since: str
+    env: dict[str, str]  # the unit's live flags (kdeploy's own PYTHONPATH/PYTHONUNBUFFERED left out)
+    last_deploy: dict | None
+    drift: list[str]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class History:
+    key: ClassVar[str] = "history"
+    records: list[dict]
+
+    def to_json(self) -> list[dict]:
+        return self.records
+
+
+@dataclass(frozen=True)
+class LockView:
+    key: ClassVar[str] = "lock"
+    state: str  # free | held | stale
+    holder: lock.LockInfo | None
+
+    def to_json(self) -> dict:
+        return {"state": self.state, "holder": asdict(self.holder) if self.holder else None}
+
+
 def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Options, result: HostResult) -> None:
     """Show what a push would do; reads only (no lock, no directories created)."""
     with connect(inventory, host, result, opts) as remote:
         with result.phase("preflight") as phase:
             state = parse_state(remote.run(state_script(host), timeout=60).stdout)
             phase.detail = f"current {state.current or 'none'}, unit {state.unit.summary}"
-        decision = decide(local.payload.manifest, local.unit_text, state, force_restart=opts.force_restart)
+        decision = decide(local.payload.identity, local.unit_text, state, force_restart=opts.force_restart)
         delta = decision.delta
         unit_diff = "".join(difflib.unified_diff(
             (state.unit_text or "").splitlines(keepends=True), local.unit_text.splitlines(keepends=True),
             fromfile=f"{host.name}:{unit_filename(host.service)}", tofile="rendered"))
-        result.data["plan"] = {
-            "add": delta.added, "change": delta.changed, "remove": delta.removed,
-            "unit_diff": unit_diff, "daemon_reload": decision.install_unit, "restart": decision.restart,
-            "reasons": decision.reasons,
-        }
+        result.details = Plan(delta.added, delta.changed, delta.removed, unit_diff, decision.install_unit,
+                              decision.restart, decision.reasons)
         result.release = state.current
         result.finish("planned")
 
@@ -108,8 +179,10 @@ class HostPush:
     """
 
     def __init__(self, inventory: Inventory, host: HostConfig, local: Local, opts: Options,
-                 result: HostResult) -> None:
+                 result: HostResult, cancel: threading.Event) -> None:
+        """``cancel``: Ctrl-C; checked before each change and during the upload."""
         self.inventory, self.host, self.local, self.opts, self.result = inventory, host, local, opts, result
+        self.cancel = cancel
         self.remote: Remote | None = None
         self.held: lock.HeldLock | None = None
         self.state: HostState | None = None
@@ -126,13 +199,13 @@ class HostPush:
 
     def prepare(self) -> None:
         host, local, result = self.host, self.local, self.result
-        sdir = service_dir(host.service)
         try:
             self.remote = connect(self.inventory, host, result, self.opts)
             with result.phase("preflight") as phase:
-                self.held = lock.acquire(self.remote, sdir, wait=self.opts.lock_wait, then=state_script(host))
-                state = self.state = parse_state(self.held.output)
-                decision = decide(local.payload.manifest, local.unit_text, state,
+                self.held, state = lock_and_read(self.remote, host, self.opts.lock_wait,
+                                                 command=recorded_command(self.opts, "push"))
+                self.state = state
+                decision = decide(local.payload.identity, local.unit_text, state,
                                   force_restart=self.opts.force_restart)
                 self.install_unit = decision.install_unit
                 no_op = decision.no_op
@@ -146,7 +219,7 @@ class HostPush:
                     upload = sum(local.payload.files[p].size for p in decision.delta.upload)
                     out = self.remote.run(preflight_command(host), timeout=120)
                     phase.detail += "; " + preflight_verdict(host, out.stdout, upload)
-            _check(self.opts)
+            _check(self.cancel)
             if no_op:
                 with result.phase("stage") as phase:
                     phase.detail = "nothing changed: no upload, no restart"
@@ -160,21 +233,33 @@ class HostPush:
             result.fail(exc)
 
     def _stage(self, delta: release.Delta) -> None:
+        """Stage the new release. A failure leaves the host unchanged (the staging dir is removed) and is no
+        bug of kdeploy's: a payload file edited during the push is invalid input (exit 2), anything else on
+        the host refuses it (exit 7), like a full disk."""
         host, local, state = self.host, self.local, self.state
         assert self.remote is not None and state is not None
         with self.result.phase("stage") as phase:
             target = release.release_id(local.payload.manifest, local.unit_text)
-            meta = release.release_meta(local.payload.manifest, local.unit_text, unit_filename(host.service),
-                                        local.spec.to_json())
-            tarball = release.build_tarball(local.payload, delta.upload, meta)
-            self.result.data["attempted"] = target
-            out = self.remote.run(release.stage_script(service_dir(host.service), target, state.current is not None,
-                                                       delta), stdin=tarball, timeout=600, cancel=self.opts.cancel)
-            if not out.ok or "STAGED" not in out.stdout:
-                error = out.last_error()
+            meta = release.release_meta(local.payload.manifest, local.payload.modes, local.unit_text,
+                                        unit_filename(host.service), local.spec.to_json())
+            self.result.attempted = target
+            try:
+                tarball = release.build_tarball(local.payload, delta.upload, meta)
+                out = self.remote.run(release.stage_script(service_dir(host.service), target,
+                                                           state.current is not None, delta),
+                                      stdin=tarball, timeout=600, cancel=self.cancel)
+                error = "" if out.ok and "STAGED" in out.stdout else out.last_error()
+            except OSError as exc:  # a payload file vanished or shrank while the tar read it
+                error = f"cannot read the payload: {exc}"
+            if error:
+                changed = release.changed_since_scan(local.payload, delta.upload)
+                if changed:
+                    more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+                    raise InvalidInput(f"{host.name}: payload file {local.payload.files[changed[0]].source}{more} "
+                                       "changed during the push, host unchanged: push again")
                 if "No space left" in error:
                     raise PreflightRefused(f"disk full on the host, host unchanged: {error}")
-                raise PhaseFailed(f"staging failed, host unchanged: {error}")
+                raise PreflightRefused(f"staging failed, host unchanged: {error}")
             self.target = self.staged = target
             phase.detail = (f"{target}: {delta.describe()} files, {len(tarball)} bytes sent"
                             f"{', unit changed' if self.install_unit else ''}")
@@ -183,7 +268,7 @@ class HostPush:
         assert self.remote is not None and self.state is not None and self.target is not None
         self.result.release = self.target
         try:
-            _check(self.opts)
+            _check(self.cancel)
             previous = self.state.confirmed
             self.switch = provisional.new_pending(previous, self.target, revert_after(self.host, self.local.spec))
             activate_and_gate(self.remote, self.host, self.result, self.opts, target=self.target,
@@ -227,9 +312,8 @@ class HostPush:
                     remote.run(lock.end_holder_command(sdir, self.held.remote_pid), timeout=30)
                 # Holding the lock, no revert can be half way: one waiting for it would end us, stop it.
                 waiting = provisional.stop_revert_service(provisional.timer_unit(self.host.service.name))
-                self.held = lock.acquire(remote, sdir, wait=RELOCK_WAIT,
-                                         then=f"{waiting}\n{state_script(self.host)}")
-                state = parse_state(self.held.output)
+                self.held, state = lock_and_read(remote, self.host, RELOCK_WAIT, first=waiting,
+                                                 command=recorded_command(self.opts, "push"))
                 phase.detail = f"lock taken again; current {state.current or 'none'}"
         except KdeployError as exc:
             self.held = None
@@ -271,7 +355,7 @@ class HostPush:
         state = self.state
         keep = {state.current, state.confirmed} if state else set()
         return finish_command(self.host, self.result, self.started, state.releases if state else [], self.local,
-                              keep)
+                              keep, command=recorded_command(self.opts, "push"))
 
 
 def preflight_command(host: HostConfig) -> str:
@@ -360,7 +444,7 @@ def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts
                       previous_spec: GateSpec) -> None:
     """Switch to ``target`` provisionally, restart, gate, confirm; on a failed gate go back to the last
     confirmed release (``pending.previous``) by itself."""
-    result.data["attempted"] = target
+    result.attempted = target
     try:
         _activate(remote, host, result, target, install_unit, pending)
         started = restart_and_follow(remote, host, result, host.service.unit.timeout_stop_sec + 60)
@@ -424,15 +508,15 @@ def _disarm(remote: Remote, host: HostConfig, result: HostResult, pending: provi
 
 
 def finish_command(host: HostConfig, result: HostResult, started: float, releases: list[str],
-                   local: Local | None = None, keep: set[str | None] = frozenset()) -> str:
+                   local: Local | None = None, keep: set[str | None] = frozenset(), *, command: str) -> str:
     """Append the history line and prune old releases (sent to the lock holder, run under the lock).
 
     Never pruned: the release now current, the one attempted, and ``keep`` (what ran before the command
     and the last confirmed release: a rollback's targets).
     """
     sdir = service_dir(host.service)
-    attempted = result.data.get("attempted")
-    who = lock.holder_info()
+    attempted = result.attempted
+    who = lock.holder_info(command)
     entry = {
         "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "user": who.user, "controller": who.controller, "command": who.command,
@@ -455,9 +539,8 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
         state = None
         try:
             with result.phase("preflight") as phase:
-                held = lock.acquire(remote, service_dir(host.service), wait=opts.lock_wait,
-                                    then=state_script(host, with_history=True))
-                state = parse_state(held.output)
+                held, state = lock_and_read(remote, host, opts.lock_wait, with_history=True,
+                                            command=recorded_command(opts, "rollback"))
                 target = opts.to_release or state.previous()
                 if not target:
                     raise PreflightRefused(f"{host.name}: no older release to roll back to")
@@ -482,30 +565,19 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
             if held is not None:
                 recorded = state is not None and result.result not in ("invalid", "preflight_refused")
                 keep = {state.current, state.confirmed} if state else set()
-                held.release(finish_command(host, result, started, state.releases, keep=keep) if recorded else "")
-
-
-def verify_script(host: HostConfig) -> str:
-    d = shlex.quote(service_dir(host.service))
-    return "\n".join([
-        f"echo @@current; r=$(readlink {d}/current 2>/dev/null) && basename \"$r\"",
-        f"echo @@pending; {provisional.read_command(service_dir(host.service))}",
-        f"echo @@gate; cat {d}/current/{release.META}/gate.json 2>/dev/null",
-        "true",
-    ])
+                held.release(finish_command(host, result, started, state.releases, keep=keep,
+                                            command=recorded_command(opts, "rollback")) if recorded else "")
 
 
 def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
     """The gate against what runs now, as its release was deployed (else as the inventory says); changes
     nothing."""
     with connect(inventory, host, result, opts) as remote:
-        sections = split_sections(remote.run(verify_script(host), timeout=30).stdout)
-        result.release = sections.get("current", "").strip() or None
-        pending = provisional.parse_pending(sections.get("pending", ""))
-        if pending:
-            result.log.append(pending.describe())
-        stored = GateSpec.from_json(sections.get("gate", ""))
-        spec = _overridden(stored, opts) if stored else inventory_spec(inventory, host, opts)
+        running = parse_running(remote.run(running_script(host), timeout=30).stdout)
+        result.release = running.current
+        if running.pending:
+            result.log.append(running.pending.describe())
+        spec = _overridden(running.gate, opts) if running.gate else inventory_spec(inventory, host, opts)
         try:
             gate.run_gate(remote, spec, result, release=result.release)
         except PhaseFailed as exc:
@@ -517,7 +589,7 @@ def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: H
 def history_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
     with connect(inventory, host, result, opts) as remote:
         out = remote.run(history.read_command(service_dir(host.service), opts.history_limit), timeout=30)
-        result.data["history"] = history.parse(out.stdout)
+        result.details = History(history.parse(out.stdout))
     result.finish("ok")
 
 
@@ -525,60 +597,29 @@ def lock_host(inventory: Inventory, host: HostConfig, opts: Options, result: Hos
     with connect(inventory, host, result, opts) as remote:
         sdir = service_dir(host.service)
         status = lock.parse_status(remote.run(lock.status_command(sdir), timeout=30).stdout)
+        why = None
         if release_it:
             if status.held and not opts.force:
                 raise LockHeld(f"{host.name}: lock is held by a live deploy "
                                f"({status.info.describe() if status.info else 'unknown'}); use --force to end it")
-            remote.run(lock.release_command(sdir, status, opts.force), timeout=30)
-            status = lock.parse_status(remote.run(lock.status_command(sdir), timeout=30).stdout)
-        result.data["lock"] = {"state": status.state, "holder": status.info.__dict__ if status.info else None}
+            out = remote.run(lock.release_command(sdir, status, opts.force), timeout=lock.FORCE_WAIT + 30).stdout
+            why = lock.release_failure(out, status.info)
+            status = lock.parse_status(out)
+        result.details = LockView(status.state, status.info)
+    if why:
+        raise LockHeld(f"{host.name}: lock still held: {why}")
     result.finish("ok")
-
-
-def status_script(host: HostConfig) -> str:
-    """The push state plus what status shows: live Environment, last deploy, hand edits in the release."""
-    d = shlex.quote(service_dir(host.service))
-    unit = shlex.quote(unit_filename(host.service))
-    return "\n".join([
-        state_script(host),
-        f"echo @@env; systemctl show -p Environment --value {unit}",
-        f"echo @@last; tail -n 1 {d}/history.jsonl 2>/dev/null",
-        f"echo @@edited; cd {d}/current 2>/dev/null && sha256sum -c --quiet {release.META}/manifest.sha256 2>&1"
-        " | sed 's/: FAILED.*//'",
-        f"echo @@extra; cd {d}/current 2>/dev/null && find . -type f ! -path './{release.META}/*' "
-        f"! -path '*/__pycache__/*' | LC_ALL=C sort | comm -23 - {release.META}/files",
-        "true",
-    ])
-
-
-def drift(local: Local, state: HostState, edited: list[str], extra: list[str]) -> list[str]:
-    """How the host differs from what the inventory would deploy now (empty: no drift): the reasons a push
-    would act on, plus hand edits inside the release."""
-    if state.current is None:
-        return ["never deployed"]
-    found = decide(local.payload.manifest, local.unit_text, state).reasons
-    if edited:
-        found.append(f"release files edited on the host: {', '.join(p.removeprefix('./') for p in edited[:5])}")
-    if extra:
-        found.append(f"extra files in the release: {', '.join(p.removeprefix('./') for p in extra[:5])}")
-    return found
 
 
 def status_host(inventory: Inventory, host: HostConfig, local: Local, opts: Options, result: HostResult) -> None:
     with connect(inventory, host, result, opts) as remote, result.phase("status") as phase:
-        text = remote.run(status_script(host), timeout=60).stdout
-    sections = split_sections(text)
-    state = parse_state(text)
-    env = systemd.parse_environment(sections.get("env", ""))
-    last = history.parse(sections.get("last", ""))
-    edited = sorted({line for line in sections.get("edited", "").splitlines() if line.startswith("./")})
-    found = drift(local, state, edited, sections.get("extra", "").split())
+        status = parse_status(remote.run(status_script(host), timeout=60).stdout)
+    state = status.state
+    found = drift(local.payload.identity, local.unit_text, status)
     result.release = state.current
-    result.data["status"] = {
-        "active": state.unit.active, "sub": state.unit.sub, "since": state.unit.active_since,
-        "env": {k: v for k, v in env.items() if k not in ("PYTHONPATH", "PYTHONUNBUFFERED")},
-        "last_deploy": last[-1] if last else None, "drift": found,
-    }
+    result.details = StatusView(state.unit.active, state.unit.sub, state.unit.active_since,
+                                {k: v for k, v in status.env.items() if k not in ("PYTHONPATH", "PYTHONUNBUFFERED")},
+                                status.last_deploy, found)
     phase.detail = "; ".join(found) or "in sync with the inventory"
     result.finish("ok")
 
@@ -589,5 +630,5 @@ def probe_host(inventory: Inventory, host: HostConfig, opts: Options, result: Ho
         out = remote.run(probe.probe_command(host.service.python), timeout=60)
         report = probe.parse_probe(out.stdout, out.stderr, out.rc)
         phase.detail = report.summary()
-    result.data["probe"] = report.to_json()
+    result.details = report
     result.finish("ok" if report.compatible else "incompatible", None if report.compatible else report.summary())

@@ -44,7 +44,7 @@ def run_parallel(jobs: list[tuple[HostResult, Callable[[], None]]], parallel: in
         except (KdeployError, PhaseFailed, Cancelled) as exc:
             result.fail(exc)
         except Exception as exc:
-            result.data["traceback"] = traceback.format_exc()
+            result.traceback = traceback.format_exc()
             result.finish("failed", f"internal error: {type(exc).__name__}: {exc}")
 
     if not jobs:
@@ -97,19 +97,20 @@ def plan_batches(names: list[str], canary: int, batch: int) -> list[list[str]]:
 
 
 def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opts: Options, *, parallel: int,
-            listener: Listener | None = None) -> Report:
+            listener: Listener | None = None, cancel: threading.Event | None = None) -> Report:
     """Stage on every host in parallel, then restart canary and batches in turn, each gated before the next.
 
     A failing canary stops the rollout; more than ``max_fail`` failures stop new batches. Hosts that are
     not started end ``skipped`` with their staged release removed, so they are left as they were.
     """
+    cancel = cancel or threading.Event()
     results = {name: HostResult(name, listener=listener) for name in names}
-    steps = {name: deploy.HostPush(inventory, inventory.hosts[name], local[name], opts, results[name])
+    steps = {name: deploy.HostPush(inventory, inventory.hosts[name], local[name], opts, results[name], cancel)
              for name in names}
     try:
-        _rollout(names, steps, results, opts, parallel)
+        _rollout(names, steps, results, opts, parallel, cancel)
     except KeyboardInterrupt:  # between batches: what has not started is skipped, the report still prints
-        opts.cancel.set()
+        cancel.set()
         for step in steps.values():
             step.skip("not restarted: interrupted", "interrupted")
     finally:
@@ -118,14 +119,14 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
 
 
 def _rollout(names: list[str], steps: dict[str, deploy.HostPush], results: dict[str, HostResult], opts: Options,
-             parallel: int) -> None:
-    run_parallel([(results[n], steps[n].prepare) for n in names], parallel, opts.cancel)
+             parallel: int, cancel: threading.Event) -> None:
+    run_parallel([(results[n], steps[n].prepare) for n in names], parallel, cancel)
     failed = sum(1 for r in results.values() if r.done and not r.ok)
     max_fail = count(opts.max_fail, len(names), len(names))
     pending = [n for n in names if steps[n].pending]
     batches = plan_batches(pending, opts.canary, count(opts.batch, len(pending), parallel))
     for index, batch in enumerate(batches):
-        if opts.cancel.is_set():
+        if cancel.is_set():
             for name in batch:
                 steps[name].skip("not restarted: interrupted", "interrupted")
             continue
@@ -133,7 +134,7 @@ def _rollout(names: list[str], steps: dict[str, deploy.HostPush], results: dict[
             for name in batch:
                 steps[name].skip(f"not restarted: max-fail exceeded ({failed} failed > {max_fail})")
             continue
-        run_parallel([(results[n], steps[n].activate) for n in batch], len(batch), opts.cancel)
+        run_parallel([(results[n], steps[n].activate) for n in batch], len(batch), cancel)
         batch_failed = sum(1 for n in batch if not results[n].ok)
         failed += batch_failed
         if index == 0 and opts.canary and batch_failed:
@@ -160,17 +161,19 @@ def prepare(inventory: Inventory, names: list[str], opts: Options | None = None)
 
 
 def push(inventory: Inventory, target: str | None, opts: Options | None = None, *, dry_run: bool = False,
-         parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
+         parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None,
+         cancel: threading.Event | None = None) -> Report:
+    """``cancel``: set it (or press Ctrl-C in the main thread) to stop before the next change."""
     opts = opts or Options()
     names = inventory.resolve(target)
     local = prepare(inventory, names, opts)
     if dry_run:
         return fan_out(inventory, names, "plan",
                        lambda host, result: deploy.plan_host(inventory, host, local[host.name], opts, result),
-                       parallel=parallel, listener=listener, cancel=opts.cancel)
+                       parallel=parallel, listener=listener, cancel=cancel)
     for spec in (opts.batch, opts.max_fail):
         count(spec, 1, 1)  # bad syntax fails before any host is touched
-    return rollout(inventory, names, local, opts, parallel=parallel, listener=listener)
+    return rollout(inventory, names, local, opts, parallel=parallel, listener=listener, cancel=cancel)
 
 
 def _each(inventory: Inventory, target: str | None, command: str, step: Callable, opts: Options | None,
@@ -178,7 +181,7 @@ def _each(inventory: Inventory, target: str | None, command: str, step: Callable
     opts = opts or Options()
     return fan_out(inventory, inventory.resolve(target), command,
                    lambda host, result: step(inventory, host, opts, result),
-                   parallel=parallel, listener=listener, cancel=opts.cancel)
+                   parallel=parallel, listener=listener)
 
 
 def verify(inventory: Inventory, target: str | None, opts: Options | None = None, *,
@@ -214,7 +217,7 @@ def status(inventory: Inventory, target: str | None, opts: Options | None = None
     local = prepare(inventory, names)
     return fan_out(inventory, names, "status",
                    lambda host, result: deploy.status_host(inventory, host, local[host.name], opts, result),
-                   parallel=parallel, listener=listener, cancel=opts.cancel)
+                   parallel=parallel, listener=listener)
 
 
 def changed_hosts(old: Inventory, new: Inventory) -> list[str]:
@@ -231,7 +234,8 @@ def check_edit(edit: settings.Edit) -> dict[str, Local]:
 
 
 def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts: Options | None = None, *,
-               parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
+               parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None,
+               cancel: threading.Event | None = None) -> Report:
     """Write an inventory edit and push it to the hosts it changes (``local``, from ``check_edit``); a failed
     rollout reverts the edit.
 
@@ -248,7 +252,8 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
     settings.write(edit)
     if not names:
         return Report(command, [], facts)
-    report = rollout(edit.new, names, local, opts, parallel=parallel, listener=listener)
+    report = rollout(edit.new, names, local, opts, parallel=parallel, listener=listener,
+                     cancel=cancel or threading.Event())
     report.command, report.extra = command, facts
     if report.ok:
         return report
@@ -262,15 +267,16 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
     if moved:
         # Its own cancel state: the Ctrl-C that stopped the rollout must not stop the way back (a new one
         # does). No canary or max-fail either: every host that moved goes back.
-        back_opts = replace(opts, cancel=threading.Event(), canary=0, max_fail=None)
+        back_opts = replace(opts, canary=0, max_fail=None)
         try:
-            back = push(edit.old, ",".join(moved), back_opts, parallel=parallel, listener=listener).hosts
+            back = push(edit.old, ",".join(moved), back_opts, parallel=parallel, listener=listener,
+                        cancel=threading.Event()).hosts
         except KdeployError as exc:  # the old payload or template is gone or unreadable by now
             back = [HostResult(name).finish("failed", str(exc)) for name in moved]
         facts["inventory"]["restored_hosts"] = {h.host: h.result for h in back}
         for host, restored in zip(moved, back, strict=True):
             match = next(h for h in report.hosts if h.host == host)
-            match.data["restored"] = restored.result
+            match.restored = restored.result
             if not restored.ok:
                 match.finish("rollback_failed", f"put back to the old config failed: {restored.error}")
     return report

@@ -169,7 +169,7 @@ def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str
             state = _show(remote, unit)
             invocation = invocation or state.invocation
 
-    with tunnel.ServiceHttp(remote, spec.port, timeout=min(10.0, max(2.0, interval * 4))) as http:
+    with tunnel.ServiceHttp(remote, spec.host, spec.port, timeout=min(10.0, max(2.0, interval * 4))) as http:
         with result.phase("ready") as phase:
             watch = remote.start(exit_watch_command(state.main_pid, deadline - time.monotonic()))
             try:

@@ -105,6 +105,7 @@ class GateSpec(_Frozen):
     """Everything the gate checks on one run; the release it must have loaded is passed beside it."""
 
     unit: str
+    host: str = "127.0.0.1"  # the address the server binds (sglang.host): the gate dials it on the host
     port: int
     ready_path: str
     model: str
@@ -138,7 +139,8 @@ def gate_spec(service: Service, payload: PayloadGate | None, *, workers: int | N
     else:
         markers = payload.markers_for(config) if payload else []
     return GateSpec(
-        unit=unit_filename(service), port=service.sglang.port, ready_path=service.gate.ready_path,
+        unit=unit_filename(service), host=service.sglang.host, port=service.sglang.port,
+        ready_path=service.gate.ready_path,
         model=service.sglang.served_model_name or service.sglang.model_path,
         prompts=[Prompt(prompt=p.prompt, expect=p.expect) for p in service.gate.prompts],
         max_tokens=service.gate.max_tokens, workers=workers or service.workers, markers=markers,

@@ -7,8 +7,9 @@ import shlex
 
 
 def append_command(service_dir: str, record: dict) -> str:
+    """Append ``record``; a new history file is for root only (umask 077), like the lock record."""
     line = json.dumps(record, sort_keys=True, separators=(",", ":"))
-    return f"printf '%s\\n' {shlex.quote(line)} >> {shlex.quote(service_dir)}/history.jsonl"
+    return f"(umask 077 && printf '%s\\n' {shlex.quote(line)} >> {shlex.quote(service_dir)}/history.jsonl)"
 
 
 def read_command(service_dir: str, limit: int) -> str:

@@ -8,6 +8,7 @@ because a newline in a value would inject a unit directive.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import re
 import types
 import typing
@@ -41,8 +42,25 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _no_control(value: str) -> str:
+    """Refuse what would break the unit file: control characters, and any other character ``str.splitlines``
+    breaks at (U+0085, U+2028, U+2029): the unit is read back line by line, so it would never compare equal."""
     if _CONTROL.search(value):
         raise ValueError("contains a newline or control character (it would corrupt the unit file)")
+    if value.splitlines() not in ([value], []):
+        breaker = next(c for c in value if len(f"a{c}b".splitlines()) > 1)
+        raise ValueError(f"contains the line separator U+{ord(breaker):04X} (the unit file would not read back "
+                         "as written)")
+    return value
+
+
+def _bind_address(value: str) -> str:
+    """``sglang.host``: the gate tunnels to the server at the address it binds, so it must be one it can dial."""
+    if value != "localhost":
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError("must be an IP address (127.0.0.1, 0.0.0.0, ::, an address of the host) or "
+                             "'localhost': the gate reaches the server through SSH at the address it binds") from None
     return value
 
 
@@ -95,7 +113,7 @@ class SGLang(_Strict):
     model_path: SafeStr
     served_model_name: SafeStr | None = None
     tp: int = Field(default=1, gt=0)
-    host: SafeStr = "127.0.0.1"
+    host: Annotated[str, AfterValidator(_bind_address)] = "127.0.0.1"
     port: int = Field(default=30000, gt=0, lt=65536)
     attention_backend: SafeStr | None = None
     speculative: Speculative = Speculative()

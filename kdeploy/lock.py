@@ -13,7 +13,6 @@ import json
 import os
 import shlex
 import socket
-import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -24,6 +23,7 @@ READY = "@@ready"
 END = "@@end"
 HELD_RC = 75
 RELEASE_WAIT = 5.0
+FORCE_WAIT = 5.0  # seconds `lock release --force` waits for the lock once it ended the holder
 FINISH_WAIT = 60.0
 
 
@@ -40,13 +40,14 @@ class LockInfo:
         return f"{self.user}@{self.controller} pid {self.pid} since {self.since} ({self.command})"
 
 
-def holder_info(command: str | None = None) -> LockInfo:
+def holder_info(command: str) -> LockInfo:
+    """Who takes the lock; ``command`` is kdeploy's own (``deploy.recorded_command``), never ``sys.argv``."""
     return LockInfo(
         user=os.environ.get("KDEPLOY_USER") or getpass.getuser(),
         controller=socket.gethostname(),
         pid=os.getpid(),
         since=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        command=command or " ".join(["kdeploy", *sys.argv[1:]])[:200],
+        command=command[:200],
     )
 
 
@@ -66,13 +67,17 @@ def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: st
 
     What arrives on stdin is the finish script (history, pruning), run under the lock as the holder's last
     act; only if it arrived whole (ends with ``@@end``): a dropped link must not run half a ``rm``.
+    The service dir is created 0755 (the service runs in it, maybe as another user); what the holder writes
+    there (``.lock``, ``lock.json``, ``history.jsonl``) is for root only: umask 077.
     """
     d = shlex.quote(service_dir)
     # Escape first, then put in the one unescaped $$ (a "$$" inside the command must stay literal).
     record = _dq(json.dumps({**info.__dict__, "remote_pid": "__PID__"})).replace('\\"__PID__\\"', "$$")
     flock = f"flock -w {wait:g} 9" if wait > 0 else "flock -n 9"
     return "\n".join([
+        "umask 022",
         f"mkdir -p {d} || exit 70",
+        "umask 077",
         f"exec 9>>{d}/.lock || exit 70",
         f"if ! {flock}; then echo @@held; cat {d}/lock.json 2>/dev/null; echo; exit {HELD_RC}; fi",
         f"echo @@stale; cat {d}/lock.json 2>/dev/null; echo",
@@ -134,8 +139,7 @@ class HeldLock:
             self.process.close()
 
 
-def acquire(remote: Remote, service_dir: str, *, wait: float = 0, then: str = "",
-            command: str | None = None) -> HeldLock:
+def acquire(remote: Remote, service_dir: str, *, command: str, wait: float = 0, then: str = "") -> HeldLock:
     """Take the lock (waiting up to ``wait`` s) and run ``then`` under it, in one round trip."""
     process = remote.start(holder_script(service_dir, holder_info(command), wait=wait, then=then),
                            timeout=max(30.0, wait + 30))
@@ -190,12 +194,51 @@ def parse_status(text: str) -> LockStatus:
     return LockStatus(held="held" in sections, info=parse_info(sections.get("info", "")))
 
 
-def release_command(service_dir: str, status: LockStatus, force: bool) -> str:
-    """Clear a stale lock record; with ``force``, also end a live holder (its flock dies with it)."""
+def release_command(service_dir: str, status: LockStatus, force: bool, *, wait: float = FORCE_WAIT) -> str:
+    """Clear the lock record once the lock is free, and print the lock's status (``status_command``).
+
+    With ``force`` and a held lock, first end the recorded holder, but only if that PID still has the lock
+    file open: a holder that is gone may have left its PID to an unrelated process, which is never killed
+    (``@@not-holder``). The holder is its SSH session's process group leader, so the group is ended with
+    it (``@@killed``); then the lock is waited for, at most ``wait`` s. The record is removed under the
+    lock, so a deploy that takes the lock meanwhile keeps its own.
+    """
     d = shlex.quote(service_dir)
-    cmds = []
-    if status.held and force and status.info and status.info.remote_pid:
-        pid = int(status.info.remote_pid)
-        cmds.append(f"pkill -TERM -P {pid} 2>/dev/null; kill -TERM {pid} 2>/dev/null; sleep 0.2")
-    cmds.append(f"rm -f {d}/lock.json")
-    return "; ".join(cmds)
+    lines = []
+    tries = 0
+    if force and status.held:
+        pid = int(status.info.remote_pid) if status.info and status.info.remote_pid else 0
+        lines += [
+            f"pid={pid} owns=",
+            f'for fd in /proc/$pid/fd/*; do [ "$fd" -ef {d}/.lock ] && owns=1 && break; done',
+            'if [ "$pid" -gt 1 ] && [ -n "$owns" ]; then',
+            "  echo @@killed; kill -TERM -$pid $pid 2>/dev/null; pkill -TERM -P $pid",
+            "else echo @@not-holder; fi",
+        ]
+        tries = int(wait * 10)
+    lines += [
+        "n=0",
+        f"while [ -e {d}/.lock ] && ! flock -n {d}/.lock rm -f {d}/lock.json; do",
+        f'  [ "$n" -lt {tries} ] || break',
+        "  n=$((n+1)); sleep 0.1",
+        "done",
+        f"[ -e {d}/.lock ] || rm -f {d}/lock.json",
+        'echo @@waited; echo "$n"',
+        status_command(service_dir),
+    ]
+    return "\n".join(lines)
+
+
+def release_failure(text: str, before: LockInfo | None) -> str | None:
+    """Why the lock is still held after ``release_command`` printed ``text``; None when it is free."""
+    sections = split_sections(text)
+    if "held" not in sections:
+        return None
+    pid = before.remote_pid if before else None
+    if "not-holder" in sections:
+        return (f"the recorded holder (pid {pid} on the host) does not hold the lock (it ended, or its PID was "
+                "reused): nothing was killed")
+    if "killed" in sections:
+        waited = int(sections.get("waited", "0").strip() or 0) / 10
+        return f"ended the recorded holder (pid {pid} on the host), but the lock was still held {waited:g}s later"
+    return "it is held by a live deploy"

@@ -18,6 +18,7 @@ import json
 import re
 import shlex
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 PROBE_PREFIX = "KDEPLOY_PROBE "
 SECTION = "@@kdeploy "
@@ -102,6 +103,7 @@ def probe_command(python: str) -> str:
 
 @dataclass(frozen=True)
 class ProbeReport:
+    key: ClassVar[str] = "probe"  # its place in a host's --json (kdeploy.report.Details)
     ok: bool                      # the probe ran and printed its line
     installed: bool = False
     version: str | None = None

@@ -54,7 +54,7 @@ if [ "$prev" = "-" ]; then
 else
   release="\"$prev\""
   cp "$d/releases/$prev/.kdeploy/unit.service" "UNIT_DIR/.$unit.kdeploy-revert" &&
-    mv -T "UNIT_DIR/.$unit.kdeploy-revert" "UNIT_DIR/$unit"
+    chmod 0644 "UNIT_DIR/.$unit.kdeploy-revert" && mv -T "UNIT_DIR/.$unit.kdeploy-revert" "UNIT_DIR/$unit"
   ln -sfn "releases/$prev" "$d/.current.tmp" && mv -T "$d/.current.tmp" "$d/current"
   systemctl daemon-reload
   systemctl restart "$unit"

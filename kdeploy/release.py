@@ -2,7 +2,8 @@
 
 Remote layout, per service::
 
-    <remote_root>/<service>/releases/<UTC time>-<hash>/   payload files + .kdeploy/{manifest.sha256,files,unit.service}
+    <remote_root>/<service>/releases/<UTC time>-<hash>/   payload files + .kdeploy/ (manifest.sha256, modes,
+                                                           files, unit.service, unit.sha256, unit.name)
     <remote_root>/<service>/current -> releases/<id>       swapped atomically (temp link + rename)
     <remote_root>/<service>/history.jsonl                  one line per deploy
 
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import shlex
+import stat
 import tarfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -33,6 +36,7 @@ class LocalFile:
     path: str  # relative, "/"-separated
     sha256: str
     size: int
+    mode: int  # what the host gets: 0o755 when its owner may execute it here, else 0o644
     source: Path
 
 
@@ -46,27 +50,87 @@ class Payload:
         return {p: f.sha256 for p, f in self.files.items()}
 
     @property
+    def modes(self) -> dict[str, int]:
+        return {p: f.mode for p, f in self.files.items()}
+
+    @property
+    def identity(self) -> dict[str, str]:
+        """What decides whether a file changed on the host: content and mode (``file_identity``)."""
+        return file_identity(self.manifest, self.modes)
+
+    @property
     def size(self) -> int:
         return sum(f.size for f in self.files.values())
 
 
+def _walk(root: Path) -> list[Path]:
+    """Every file under ``root``, through symlinked files and directories, caches skipped.
+
+    A broken symlink or one that leads back to a directory it is in is refused: skipping either would ship
+    a payload without something that was put in it.
+    """
+    files: list[Path] = []
+
+    def visit(directory: Path, ancestors: dict[tuple[int, int], Path]) -> None:
+        for path in sorted(directory.iterdir()):
+            if path.name in _SKIP_DIRS:
+                continue
+            if path.is_symlink() and not path.exists():  # exists() is False for a dangling or looping link
+                raise InvalidInput(f"{path}: broken symlink in the payload (-> {os.readlink(path)})")
+            if path.is_dir():
+                st = path.stat()
+                key = (st.st_dev, st.st_ino)
+                if key in ancestors:
+                    raise InvalidInput(f"{path}: symlink cycle in the payload (the same directory as "
+                                       f"{ancestors[key]}, which contains it)")
+                visit(path, {**ancestors, key: path})
+            elif path.is_file() and path.suffix not in _SKIP_SUFFIXES:
+                files.append(path)
+
+    st = root.stat()
+    visit(root, {(st.st_dev, st.st_ino): root})
+    return files
+
+
 def scan_payload(root: Path) -> Payload:
-    """Hash every file of the payload directory (symlinks followed, caches skipped)."""
+    """Hash every file of the payload directory (``_walk``) and fix its mode.
+
+    Files land on the service's PYTHONPATH as root extracts them: a world-writable one would let any local
+    user change the service's code, a setuid one would stay setuid. Those are refused; every other file
+    gets 0644, or 0755 when its owner may execute it.
+    """
     if not root.is_dir():
         raise InvalidInput(f"{root}: payload directory not found")
     files: dict[str, LocalFile] = {}
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root)
-        if any(part in _SKIP_DIRS for part in rel.parts) or path.suffix in _SKIP_SUFFIXES or not path.is_file():
-            continue
-        name = rel.as_posix()
+    for path in _walk(root):
+        name = path.relative_to(root).as_posix()
         if any(c in name for c in "\n\r\\") or any(ord(c) < 32 for c in name):
             raise InvalidInput(f"{path}: payload file names may not contain control characters or backslashes")
+        mode = path.stat().st_mode
+        if mode & (stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH):
+            raise InvalidInput(f"{path}: mode {stat.S_IMODE(mode):04o}: setuid, setgid and world-writable files "
+                               "are refused in the payload (chmod it)")
         data = path.read_bytes()
-        files[name] = LocalFile(name, hashlib.sha256(data).hexdigest(), len(data), path)
+        files[name] = LocalFile(name, hashlib.sha256(data).hexdigest(), len(data),
+                                0o755 if mode & stat.S_IXUSR else 0o644, path)
     if not files:
         raise InvalidInput(f"{root}: payload directory is empty")
     return Payload(root, files)
+
+
+def changed_since_scan(payload: Payload, names: list[str]) -> list[str]:
+    """Which of ``names`` no longer hold what ``scan_payload`` hashed (edited, or gone): told apart from a
+    host-side failure when staging them failed."""
+    changed = []
+    for name in names:
+        try:
+            data = payload.files[name].source.read_bytes()
+        except OSError:
+            changed.append(name)
+            continue
+        if hashlib.sha256(data).hexdigest() != payload.files[name].sha256:
+            changed.append(name)
+    return changed
 
 
 def manifest_text(manifest: dict[str, str]) -> str:
@@ -81,6 +145,36 @@ def parse_manifest(text: str) -> dict[str, str]:
         if sep and len(sha) == 64:
             out[path.removeprefix("./")] = sha
     return out
+
+
+def _in_file_order(paths: dict[str, object]) -> list[str]:
+    """Byte order of ``./path``, as ``LC_ALL=C sort`` lists the staged files on the host."""
+    return sorted(paths, key=lambda p: f"./{p}".encode())
+
+
+def modes_text(modes: dict[str, int]) -> str:
+    """``.kdeploy/modes``: ``0644 ./path`` per file, as ``find -printf '%#m %p'`` prints them on the host."""
+    return "".join(f"{modes[p]:04o} ./{p}\n" for p in _in_file_order(modes))
+
+
+def parse_modes(text: str) -> dict[str, int]:
+    out = {}
+    for line in text.splitlines():
+        mode, sep, path = line.partition(" ")
+        if sep and path.startswith("./") and len(mode) == 4 and set(mode) <= set("01234567"):
+            out[path.removeprefix("./")] = int(mode, 8)
+    return out
+
+
+def file_identity(manifest: dict[str, str], modes: dict[str, int]) -> dict[str, str]:
+    """Per file, ``"<sha256> <mode>"``: a file changed when either did. A file without a recorded mode (a
+    release staged before modes were recorded) matches nothing, so it ships once more, with its mode."""
+    return {p: f"{sha} {modes[p]:04o}" if p in modes else f"{sha} ?" for p, sha in manifest.items()}
+
+
+def parse_identity(manifest: str, modes: str) -> dict[str, str]:
+    """The host's side of ``Payload.identity``, from a release's ``manifest.sha256`` and ``modes``."""
+    return file_identity(parse_manifest(manifest), parse_modes(modes))
 
 
 def sha256_text(text: str) -> str:
@@ -121,21 +215,26 @@ def release_id(manifest: dict[str, str], unit_text: str, now: datetime | None = 
 
 
 def build_tarball(payload: Payload, upload: list[str], meta: dict[str, str]) -> bytes:
-    """The files to ship plus the release metadata, as one uncompressed tar stream."""
+    """The files to ship (with their normalised modes) plus the release metadata, as one uncompressed tar
+    stream. The service reads the payload; the metadata is kdeploy's own, for root only (0700/0600)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT, dereference=True) as tar:
         for name in upload:
             src = payload.files[name].source
             info = tar.gettarinfo(str(src), arcname=name)
+            info.mode = payload.files[name].mode
             info.uid = info.gid = 0
             info.uname = info.gname = "root"
             with src.open("rb") as fh:
                 tar.addfile(info, fh)
+        meta_dir = tarfile.TarInfo(META)
+        meta_dir.type, meta_dir.mode = tarfile.DIRTYPE, 0o700
+        tar.addfile(meta_dir)
         for name, text in meta.items():
             data = text.encode()
             info = tarfile.TarInfo(f"{META}/{name}")
             info.size = len(data)
-            info.mode = 0o644
+            info.mode = 0o600
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
 
@@ -164,6 +263,8 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
         f"sha256sum -c --quiet --strict {META}/unit.sha256",
         f"find . -type f ! -path './{META}/*' | LC_ALL=C sort > {META}/found",
         f"cmp -s {META}/files {META}/found || {{ echo 'staged files differ from the manifest' >&2; exit 1; }}",
+        f"find . -type f ! -path './{META}/*' -printf '%#m %p\\n' | LC_ALL=C sort -k2 | cmp -s {META}/modes - "
+        "|| { echo 'staged file modes differ from the manifest' >&2; exit 1; }",
         "find . -mindepth 1 -type d -empty -delete",
         f"rm -f {META}/found",
         "sync -f . 2>/dev/null || sync",
@@ -174,13 +275,15 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
     return "\n".join(lines) + "\n"
 
 
-def release_meta(manifest: dict[str, str], unit_text: str, unit_name: str, gate: str = "") -> dict[str, str]:
+def release_meta(manifest: dict[str, str], modes: dict[str, int], unit_text: str, unit_name: str,
+                 gate: str = "") -> dict[str, str]:
     """The release's own record: what to verify it against, its unit, and what its gate checks (``gate``:
     a GateSpec as JSON, so a rollback to it is gated the way it was deployed)."""
     return {
         **({"gate.json": gate + "\n"} if gate else {}),
         "manifest.sha256": manifest_text(manifest),
-        "files": "".join(f"./{p}\n" for p in sorted(manifest, key=lambda p: f"./{p}".encode())),
+        "modes": modes_text(modes),
+        "files": "".join(f"./{p}\n" for p in _in_file_order(manifest)),
         "unit.service": unit_text,
         "unit.sha256": f"{sha256_text(unit_text)}  {META}/unit.service\n",
         "unit.name": unit_name + "\n",
@@ -192,7 +295,8 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
 
     ``arm`` (``provisional.arm_script``) runs first, so no switch is ever left without its revert. The
     unit is copied to a temp name in the unit directory, checked against the release's recorded sha256,
-    then renamed over the live one, so systemd never sees a half-written unit.
+    made 0644 like any unit file (the release's copy is root's only), then renamed over the live one, so
+    systemd never sees a half-written unit.
     """
     d = shlex.quote(service_dir)
     rel = f"{d}/releases/{shlex.quote(release)}"
@@ -203,6 +307,7 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
             f"cp {rel}/{META}/unit.service {tmp}",
             f'echo "$(cut -c1-64 {rel}/{META}/unit.sha256)  "{tmp} | sha256sum -c --quiet --strict'
             f" || {{ rm -f {tmp}; exit 1; }}",
+            f"chmod 0644 {tmp}",
             f"mv -T {tmp} {shlex.quote(f'{UNIT_DIR}/{unit_file}')}",
         ]
     lines += [

@@ -80,6 +80,19 @@ def quote_exec_arg(arg: str) -> str:
     return f'"{escaped}"'
 
 
+def unit_value(value: str, where: str) -> str:
+    """A value systemd reads verbatim to the end of its line (Description=, User=, WorkingDirectory=, ...),
+    with specifiers escaped (``%`` -> ``%%``).
+
+    Such lines are not unquoted, so nothing else can be escaped: blanks around the value (systemd strips
+    them) and a trailing backslash (it continues the line into the next directive) are refused.
+    """
+    if value != value.strip(" ") or value.endswith("\\"):
+        raise InvalidInput(f"{where} {value!r}: blanks at either end or a trailing backslash cannot be written "
+                           "on a unit line")
+    return value.replace("%", "%%")
+
+
 def quote_env_assignment(name: str, value: str) -> str:
     """One Environment= assignment; systemd does not expand $ there, but it does expand % specifiers."""
     escaped = f"{name}={value}".replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
@@ -97,19 +110,28 @@ def _template(source: str) -> jinja2.Template:
 
 
 def render_unit(inventory: Inventory, host: HostConfig) -> str:
+    """The unit text; every inventory value in it is escaped or quoted for the line it lands on."""
     service = host.service
     path = inventory.local_path(service.template)
     try:
         template = _template(path.read_text())
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot read unit template: {exc.strerror}") from None
+
+    def value(text: str | None, key: str) -> str | None:
+        return None if text is None else unit_value(text, f"{host.name}: service.{key}")
+
+    description = (value(service.unit.description, "unit.description")
+                   or value(f"SGLang {service.sglang.served_model_name or service.name}", "sglang.served_model_name"))
     return template.render(
         host=host,
         service=service,
         unit=service.unit,
-        description=service.unit.description or f"SGLang {service.sglang.served_model_name or service.name}",
+        description=description,
+        user=value(service.unit.user, "unit.user"),
+        environment_file=value(service.environment_file, "environment_file"),
         environment=[quote_env_assignment(k, v) for k, v in unit_env(service).items()],
         exec_start=" ".join(quote_exec_arg(a) for a in launch_argv(service)),
-        working_directory=service_dir(service),
+        working_directory=value(service_dir(service), "remote_root"),
         template_name=Path(service.template).name,
     )

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from typing import ClassVar, Protocol
 
 from kdeploy.errors import ExitCode, KdeployError, most_severe
 
@@ -76,6 +77,14 @@ _BY_CODE = {code: next(r for r in Result if r.exit_code == code)
             for code in (ExitCode.UNREACHABLE, ExitCode.LOCKED, ExitCode.PREFLIGHT, ExitCode.INVALID)}
 
 
+class Details(Protocol):
+    """A command's typed findings on one host; ``--json`` puts ``to_json()`` under the host's ``key``."""
+
+    key: ClassVar[str]
+
+    def to_json(self) -> object: ...
+
+
 Listener = Callable[[str, str, str], None]  # (host, phase, status) status: start|ok|fail|info
 
 
@@ -89,7 +98,10 @@ class HostResult:
     exit_code: int = 0
     error: str | None = None
     log: list[str] = field(default_factory=list)
-    data: dict = field(default_factory=dict)
+    attempted: str | None = None  # the release the command staged or switched to
+    restored: Result | None = None  # set-env/set: how putting the old config back ended on this host
+    traceback: str | None = None  # an internal error's, for --debug and the JSON
+    details: Details | None = None  # the command's own findings (plan, status, history, lock, probe)
     listener: Listener | None = field(default=None, repr=False, compare=False)
     done: bool = field(default=False, repr=False, compare=False)
     prefix: str = field(default="", repr=False, compare=False)
@@ -150,7 +162,11 @@ class HostResult:
                "phases": [asdict(p) for p in self.phases], "exit_code": self.exit_code, "error": self.error}
         if self.log:
             out["log"] = self.log
-        out.update(self.data)
+        for key in ("attempted", "restored", "traceback"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.details is not None:
+            out[self.details.key] = self.details.to_json()
         return out
 
 

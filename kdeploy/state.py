@@ -23,7 +23,7 @@ _RAN = ("deployed", "restored", "rolled_back", "reverted")
 @dataclass(frozen=True)
 class HostState:
     current: str | None
-    manifest: dict[str, str]
+    manifest: dict[str, str]  # path -> "<sha256> <mode>" of the current release (release.file_identity)
     unit_text: str | None
     releases: list[str]
     unit: systemd.UnitState
@@ -56,6 +56,7 @@ def state_script(host: HostConfig, *, with_history: bool = False) -> str:
     lines = [
         f"echo @@current; r=$(readlink {d}/current 2>/dev/null) && basename \"$r\"",
         f"echo @@manifest; cat {d}/current/{release.META}/manifest.sha256 2>/dev/null",
+        f"echo @@modes; cat {d}/current/{release.META}/modes 2>/dev/null",
         f"if [ -f {unit} ]; then echo @@unit; cat {unit}; echo; fi",
         f"echo @@releases; ls -1 {d}/releases 2>/dev/null",
         f"echo @@pending; {provisional.read_command(service_dir(host.service))}",
@@ -84,7 +85,7 @@ def parse_state(text: str) -> HostState:
     unit_text = sections.get("unit")  # `cat unit; echo` ends it with one extra empty line
     return HostState(
         current=sections.get("current", "").strip() or None,
-        manifest=release.parse_manifest(sections.get("manifest", "")),
+        manifest=release.parse_identity(sections.get("manifest", ""), sections.get("modes", "")),
         unit_text=None if unit_text is None else unit_text.removesuffix("\n") + "\n",
         releases=[r for r in sections.get("releases", "").split() if r],
         unit=systemd.parse_show(sections.get("show", "")),
@@ -110,8 +111,9 @@ class Decision:
         return not self.restart
 
 
-def decide(manifest: dict[str, str], unit_text: str, state: HostState, *, force_restart: bool = False) -> Decision:
-    delta = release.diff(manifest, state.manifest)
+def decide(identity: dict[str, str], unit_text: str, state: HostState, *, force_restart: bool = False) -> Decision:
+    """``identity``: the payload's files as ``Payload.identity`` (content and mode) against the host's."""
+    delta = release.diff(identity, state.manifest)
     unit_changed = unit_text != state.unit_text
     reasons = []
     if state.current is None:
@@ -130,3 +132,76 @@ def decide(manifest: dict[str, str], unit_text: str, state: HostState, *, force_
     if force_restart:
         reasons.append("--force-restart")
     return Decision(delta, unit_changed, stage, bool(reasons), unit_changed or state.unit.need_reload, reasons)
+
+
+def status_script(host: HostConfig) -> str:
+    """The push state plus what status shows: live Environment, last deploy, hand edits in the release."""
+    d = shlex.quote(service_dir(host.service))
+    unit = shlex.quote(unit_filename(host.service))
+    return "\n".join([
+        state_script(host),
+        f"echo @@env; systemctl show -p Environment --value {unit}",
+        f"echo @@last; tail -n 1 {d}/history.jsonl 2>/dev/null",
+        f"echo @@edited; cd {d}/current 2>/dev/null && sha256sum -c --quiet {release.META}/manifest.sha256 2>&1"
+        " | sed 's/: FAILED.*//'",
+        f"echo @@extra; cd {d}/current 2>/dev/null && find . -type f ! -path './{release.META}/*' "
+        f"! -path '*/__pycache__/*' | LC_ALL=C sort | comm -23 - {release.META}/files",
+        "true",
+    ])
+
+
+@dataclass(frozen=True)
+class Status:
+    state: HostState
+    env: dict[str, str]  # the unit's live Environment
+    last_deploy: dict | None
+    edited: list[str]  # release files whose content no longer matches the manifest
+    extra: list[str]  # files in the release the manifest does not list
+
+
+def parse_status(text: str) -> Status:
+    sections = split_sections(text)
+    last = history.parse(sections.get("last", ""))
+    return Status(
+        state=parse_state(text), env=systemd.parse_environment(sections.get("env", "")),
+        last_deploy=last[-1] if last else None,
+        edited=sorted({line for line in sections.get("edited", "").splitlines() if line.startswith("./")}),
+        extra=sections.get("extra", "").split())
+
+
+def drift(identity: dict[str, str], unit_text: str, status: Status) -> list[str]:
+    """How the host differs from what the inventory would deploy now (empty: no drift): the reasons a push
+    would act on, plus hand edits inside the release."""
+    if status.state.current is None:
+        return ["never deployed"]
+    found = decide(identity, unit_text, status.state).reasons
+    if status.edited:
+        found.append("release files edited on the host: "
+                     + ", ".join(p.removeprefix("./") for p in status.edited[:5]))
+    if status.extra:
+        found.append(f"extra files in the release: {', '.join(p.removeprefix('./') for p in status.extra[:5])}")
+    return found
+
+
+def running_script(host: HostConfig) -> str:
+    """What verify needs: the release that runs, an unconfirmed switch, and the gate it was deployed with."""
+    d = shlex.quote(service_dir(host.service))
+    return "\n".join([
+        f"echo @@current; r=$(readlink {d}/current 2>/dev/null) && basename \"$r\"",
+        f"echo @@pending; {provisional.read_command(service_dir(host.service))}",
+        f"echo @@gate; cat {d}/current/{release.META}/gate.json 2>/dev/null",
+        "true",
+    ])
+
+
+@dataclass(frozen=True)
+class Running:
+    current: str | None
+    pending: provisional.Pending | None
+    gate: GateSpec | None
+
+
+def parse_running(text: str) -> Running:
+    sections = split_sections(text)
+    return Running(sections.get("current", "").strip() or None,
+                   provisional.parse_pending(sections.get("pending", "")), GateSpec.from_json(sections.get("gate", "")))

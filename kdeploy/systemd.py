@@ -112,12 +112,16 @@ def parse_show(text: str) -> UnitState:
 
 
 def journal_command(invocation: str, *, grep: Iterable[str] = (), lines: int | None = None) -> str:
-    """Journal records of ONE invocation as JSON, optionally only those containing a fixed string."""
+    """Journal records of ONE invocation as JSON, optionally only those containing a fixed string.
+
+    The grep runs on journalctl's JSON, so it looks for each string as that JSON writes it: ``"`` and ``\\``
+    escaped, non-ASCII text as plain UTF-8 (never ``\\u`` escapes).
+    """
     cmd = (f"journalctl --no-pager -o json --output-fields=MESSAGE,_PID "
            f"{shlex.quote('_SYSTEMD_INVOCATION_ID=' + invocation)}")
     if lines is not None:
         cmd += f" -n {int(lines)}"
-    patterns = [json.dumps(p)[1:-1] for p in grep]
+    patterns = [json.dumps(p, ensure_ascii=False)[1:-1] for p in grep]
     if patterns:
         cmd += " | grep -F " + " ".join(f"-e {shlex.quote(p)}" for p in patterns) + " || true"
     return cmd

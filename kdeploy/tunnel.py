@@ -6,6 +6,8 @@ that commands which never speak HTTP (a no-op push, status, history) do not pay 
 
 from __future__ import annotations
 
+import ipaddress
+
 import httpcore
 import httpx
 import paramiko
@@ -14,12 +16,28 @@ from kdeploy.errors import Unreachable
 from kdeploy.remote import Remote
 
 
-class ServiceHttp:
-    """Requests to 127.0.0.1:port on the host; transport errors come back as values, never raised."""
+def dial_address(bind: str) -> str:
+    """Where, on the host, to reach a server bound to ``bind`` (``sglang.host``: an IP or ``localhost``).
 
-    def __init__(self, remote: Remote, port: int, *, timeout: float = 10.0) -> None:
-        self.client = httpx.Client(transport=_ChannelTransport(remote, port), base_url=f"http://127.0.0.1:{port}",
-                                   timeout=timeout)
+    A wildcard listens on the loopback too, so it is reached there; a specific address only on itself, so it
+    is dialled as it is (sshd connects on the host, the traffic never leaves it); ``localhost`` is resolved
+    by sshd on the host, as the server resolved it.
+    """
+    if bind == "localhost":
+        return bind
+    ip = ipaddress.ip_address(bind)
+    if ip.is_unspecified:
+        return "::1" if ip.version == 6 else "127.0.0.1"
+    return str(ip)
+
+
+class ServiceHttp:
+    """Requests to the service on the host, which listens on ``bind``:``port``; transport errors come back as
+    values, never raised. The URL's host is nominal: every request goes to ``dial_address(bind)``."""
+
+    def __init__(self, remote: Remote, bind: str, port: int, *, timeout: float = 10.0) -> None:
+        self.client = httpx.Client(transport=_ChannelTransport(remote, dial_address(bind), port),
+                                   base_url=f"http://127.0.0.1:{port}", timeout=timeout)
 
     def status(self, path: str) -> int | str:
         """The status code of GET ``path``, or the name of the error that stopped it."""
@@ -74,25 +92,27 @@ class _ChannelStream(httpcore.NetworkStream):
 
 
 class _ChannelBackend(httpcore.NetworkBackend):
-    def __init__(self, remote: Remote, port: int) -> None:
+    def __init__(self, remote: Remote, address: str, port: int) -> None:
         self.remote = remote
+        self.address = address
         self.port = port
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
                     socket_options: object = None) -> httpcore.NetworkStream:
         try:
             channel = self.remote.transport.open_channel(
-                "direct-tcpip", ("127.0.0.1", self.port), ("127.0.0.1", 0), timeout=timeout)
+                "direct-tcpip", (self.address, self.port), ("127.0.0.1", 0), timeout=timeout)
         except paramiko.ChannelException as exc:
-            raise httpcore.ConnectError(f"127.0.0.1:{self.port} on {self.remote.host.name}: {exc.text}") from exc
+            raise httpcore.ConnectError(f"{self.address} port {self.port} on {self.remote.host.name}: "
+                                        f"{exc.text}") from exc
         except (OSError, paramiko.SSHException, EOFError, Unreachable) as exc:
             raise httpcore.ConnectError(str(exc)) from exc
         return _ChannelStream(channel)
 
 
 class _ChannelTransport(httpx.BaseTransport):
-    def __init__(self, remote: Remote, port: int) -> None:
-        self.pool = httpcore.ConnectionPool(network_backend=_ChannelBackend(remote, port), max_connections=4)
+    def __init__(self, remote: Remote, address: str, port: int) -> None:
+        self.pool = httpcore.ConnectionPool(network_backend=_ChannelBackend(remote, address, port), max_connections=4)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,14 +18,28 @@ import pytest
 from ruamel.yaml import YAML
 
 from kdeploy import cli, inventory, render
-from kdeploy.demo import demo_service, project_dir
-from kdeploy.sandbox import Sandbox
+from kdeploy.lab import sglang_env
+from kdeploy.lab.demo import demo_service, project_dir
+from kdeploy.lab.sandbox import Sandbox
 
 FLEET_SIZE = 8
 TEST_PLUGIN = Path(__file__).parent / "data" / "testplugin"
 TEST_MARKER = "[kdeploy-testplugin] loaded"
 _ports = itertools.count(31000)
 _names = itertools.count(1)
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> str:
+    """The python of the cached CPU venv with the real ``sglang==0.5.23`` (built once, then reused), for tests
+    that run the payload or its kernels on SGLang itself. ``KDEPLOY_SKIP_SGLANG=1`` skips them."""
+    if os.environ.get("KDEPLOY_SKIP_SGLANG") == "1":
+        pytest.skip("KDEPLOY_SKIP_SGLANG=1")
+    try:
+        path = sglang_env.ensure_venv()
+    except sglang_env.SglangEnvError as exc:
+        pytest.fail(str(exc))
+    return str(sglang_env.venv_python(path))
 
 
 @pytest.fixture(scope="session")

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from kdeploy import fleet
-from kdeploy.demo import PLUGIN_LOADED
 from kdeploy.deploy import Options
-from kdeploy.refserver import READY_MESSAGE
+from kdeploy.lab.demo import PLUGIN_LOADED
+from kdeploy.lab.refserver import READY_MESSAGE
 from tests.conftest import TEST_MARKER, Deployment
 
 GATE_PHASES = ["unit", "ready", "completion", "workers"]
@@ -110,6 +110,31 @@ def test_healthy_push_passes_all_four_phases_and_verify_counts_workers(
     workers = failed_phase(host)
     assert workers["name"] == "workers"
     assert "8/7" in workers["detail"]
+
+
+def test_gate_reaches_a_service_bound_to_an_address_of_the_host(deployment: Deployment,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Bound to the host's own (non-loopback) address, the server is not on 127.0.0.1: the gate dials that
+    address through SSH, and passes well within its timeout."""
+    address = deployment.load().hosts["h1"].address
+    deployment.edit(lambda doc: doc["defaults"]["service"]["sglang"].update(host=address))
+    deployment.set_service(gate=gate(30))
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0, [(h["error"], h["phases"]) for h in doc["hosts"]]
+    assert phase(doc["hosts"][0], "ready")["seconds"] < 20
+    assert f"{address}:{deployment.port}" in deployment.sh("h1", f"ss -Hltn 'sport = :{deployment.port}'")
+    code, doc = deployment.json(capsys, "verify", "test")
+    assert code == 0 and doc["hosts"][0]["result"] == "healthy", doc
+
+
+def test_non_ascii_marker_is_counted_in_every_worker(deployment: Deployment,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """journald keeps the marker as UTF-8 and journalctl's JSON writes it so: the gate must find it there."""
+    marker = '[kdeploy-testplugin] geladen ✓ Größe "日本"'
+    deployment.set_service(env={"KDEPLOY_TESTPLUGIN_MARKER": marker}, gate=gate(30, markers=[marker]))
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0, [(h["error"], h["phases"]) for h in doc["hosts"]]
+    assert phase(doc["hosts"][0], "workers")["detail"] == "1 markers x 8 workers"
 
 
 def test_exit_at_start_fails_fast_and_rolls_back(deployment: Deployment,

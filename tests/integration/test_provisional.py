@@ -125,7 +125,7 @@ def test_host_blackholed_after_the_switch_is_back_on_its_old_release_after_heal(
         h2 = results["h2"]
         assert h2.result == "unreachable", (h2.error, h2.phases)
         assert "by itself" in (h2.error or ""), h2.error
-        new = h2.data["attempted"]
+        new = h2.attempted
     finally:
         quick.fleet.heal("h2")
     record = _wait_reverted(quick, old["h2"], new, "h2")
@@ -144,7 +144,7 @@ def test_switched_but_never_restarted_is_a_change_and_reverts(quick: Deployment,
     host = inv.hosts["h1"]
     local = fleet.prepare(inv, ["h1"])["h1"]
     result = HostResult("h1")
-    step = deploy.HostPush(inv, host, local, Options(), result)
+    step = deploy.HostPush(inv, host, local, Options(), result, threading.Event())
     step.prepare()
     assert step.staged and not result.done, result
     pending = provisional.new_pending(step.state.confirmed, step.staged, REVERT_AFTER)
@@ -154,7 +154,7 @@ def test_switched_but_never_restarted_is_a_change_and_reverts(quick: Deployment,
     assert _current(quick) == new and quick.show("h1", "InvocationID") == invocation
 
     seen = state.parse_state(quick.sh("h1", state.state_script(host)))
-    decision = state.decide(local.payload.manifest, local.unit_text, seen)
+    decision = state.decide(local.payload.identity, local.unit_text, seen)
     assert seen.pending and seen.pending.target == new and seen.confirmed == old
     assert decision.restart and not decision.no_op, decision
 

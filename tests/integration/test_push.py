@@ -135,3 +135,54 @@ def test_history_records_each_push(deployment: Deployment, capsys: pytest.Captur
     assert [r["result"] for r in records] == ["deployed", "unchanged"]
     for rec in records:
         assert {"time", "user", "controller", "release", "payload_hash", "unit_hash", "result", "duration"} <= set(rec)
+
+
+def test_percent_in_unit_values_arrives_intact(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """systemd expands %-specifiers on every unit line: what it reads back must be what the inventory says."""
+    root = f"/srv/kdeploy/{deployment.service}/100%n"
+    deployment.set_service(remote_root=root, environment_file="/etc/kdeploy-%i.env")
+    deployment.edit(lambda doc: doc["defaults"]["service"]["unit"].update(description='GPU 100% %n "q"'))
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0, doc
+    assert deployment.show("h1", "Description") == 'GPU 100% %n "q"'
+    assert deployment.show("h1", "WorkingDirectory") == f"{root}/{deployment.service}"
+    assert deployment.show("h1", "EnvironmentFiles") == "/etc/kdeploy-%i.env (ignore_errors=yes)"
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0 and doc["hosts"][0]["result"] == "unchanged", doc
+
+
+def test_payload_modes_arrive_normalised_and_a_mode_change_ships(deployment: Deployment,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    (deployment.payload / "private.py").write_text("X = 1\n")
+    (deployment.payload / "private.py").chmod(0o600)
+    (deployment.payload / "tool.sh").write_text("#!/bin/sh\n")
+    (deployment.payload / "tool.sh").chmod(0o700)
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0, doc
+    current = f"{deployment.service_dir}/current"
+
+    def modes() -> str:
+        return deployment.sh("h1", f"cd {current} && stat -c '%a %n' private.py tool.sh kdeploy_testplugin/__init__.py")
+
+    assert modes() == "644 private.py\n755 tool.sh\n644 kdeploy_testplugin/__init__.py\n"
+
+    (deployment.payload / "private.py").chmod(0o744)  # a mode-only change ships
+    code, doc = deployment.json(capsys, "push", "test")
+    host = doc["hosts"][0]
+    assert code == 0 and host["result"] == "deployed", doc
+    assert "+0 ~1 -0" in next(p for p in host["phases"] if p["name"] == "stage")["detail"]
+    assert modes() == "755 private.py\n755 tool.sh\n644 kdeploy_testplugin/__init__.py\n"
+
+    # a release staged before modes were recorded: every file ships once more, then the host is in sync
+    deployment.sh("h1", f"rm {current}/.kdeploy/modes")
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0, doc
+    files = len(deployment.sh("h1", f"cat {current}/.kdeploy/files").split())
+    assert f"+0 ~{files} -0 =0" in next(p for p in doc["hosts"][0]["phases"] if p["name"] == "stage")["detail"]
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0 and doc["hosts"][0]["result"] == "unchanged", doc
+
+    (deployment.payload / "tool.sh").chmod(0o4755)   # refused before any host is contacted
+    code = deployment.kdeploy("push", "test")
+    assert code == 2
+    assert "tool.sh: mode 4755: setuid, setgid and world-writable files are refused" in capsys.readouterr().err

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import deploy, lock, sshconfig
+from kdeploy import deploy, fleet, lock, release, sshconfig, state
 from kdeploy.errors import RemoteTimeout
 from kdeploy.remote import Remote
 from kdeploy.render import service_dir
@@ -91,11 +91,47 @@ def test_lock_release_clears_a_stale_lock_and_refuses_a_live_one(deployment: Dep
     host = deployment.load().hosts["h1"]
     with _connect(deployment) as remote:
         held = lock.acquire(remote, service_dir(host.service), command="live holder")
+        holder_pid = lock.parse_info(deployment.sh("h1", f"cat {deployment.service_dir}/lock.json")).remote_pid
         code, doc = deployment.json(capsys, "lock", "release", "test")
         assert code == 6 and "live" in doc["hosts"][0]["error"]
         code, doc = deployment.json(capsys, "lock", "release", "test", "--force")
-        assert code == 0 and doc["hosts"][0]["lock"]["state"] == "free"
+        assert code == 0 and doc["hosts"][0]["lock"] == {"state": "free", "holder": None}
+        # the holder's shell really ended on the host, and its SSH channel with it
+        assert deployment.sh("h1", f"kill -0 {holder_pid} 2>/dev/null && echo alive || echo gone").strip() == "gone"
+        deadline = time.monotonic() + 10
+        while not held.process.exit_status_ready() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert held.process.exit_status_ready()
         held.process.close()
+    assert deployment.kdeploy("push", "test", "--force-restart") == 0   # and the lock can be taken again
+
+
+def test_lock_release_force_never_kills_a_process_that_does_not_hold_the_lock(
+        deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """lock.json names a PID that now belongs to an unrelated process (the holder's PID was reused): it is not
+    killed, and since the lock stays held, `lock release --force` says so and exits 6."""
+    host = deployment.load().hosts["h1"]
+    d = deployment.service_dir
+    with _connect(deployment) as remote:
+        held = lock.acquire(remote, service_dir(host.service), command="live holder")
+        foreign = deployment.sh("h1", "setsid sleep 300 >/dev/null 2>&1 < /dev/null & echo $!").strip()
+        try:
+            record = json.loads(deployment.sh("h1", f"cat {d}/lock.json"))
+            record["remote_pid"] = int(foreign)
+            deployment.sh("h1", f"printf '%s\\n' '{json.dumps(record)}' > {d}/lock.json")
+            code, doc = deployment.json(capsys, "lock", "release", "test", "--force")
+            host_doc = doc["hosts"][0]
+            assert code == 6 and host_doc["result"] == "locked", doc
+            assert host_doc["error"] == (f"h1: lock still held: the recorded holder (pid {foreign} on the host) does "
+                                         "not hold the lock (it ended, or its PID was reused): nothing was killed")
+            assert host_doc["lock"]["state"] == "held"
+            assert deployment.sh("h1", f"kill -0 {foreign} && echo alive").strip() == "alive"
+            assert not held.process.exit_status_ready()                   # the real holder is untouched too
+            code, doc = deployment.json(capsys, "lock", "status", "test")
+            assert doc["hosts"][0]["lock"]["state"] == "held"
+        finally:
+            deployment.sh("h1", f"kill -KILL {foreign}", check=False)
+            held.release()
 
 
 def test_unknown_host_key_is_refused_unless_accepted(deployment: Deployment, tmp_path: Path,
@@ -246,6 +282,57 @@ def test_interrupt_mid_upload_stops_within_a_second(deployment: Deployment, caps
     assert last["result"] == "interrupted" and last["attempted"] == host["attempted"]
 
 
+def _after_failed_staging(dep: Deployment, snapshot: str) -> list[str]:
+    """The snapshot less what a failed staging may touch: the mtime of `releases/` (its temp dir came and went)
+    and the history (a push that ends `invalid` is recorded)."""
+    releases = f"{dep.service_dir}/releases "
+    return [line for line in snapshot.splitlines() if "history.jsonl" not in line and not line.startswith(releases)]
+
+
+def test_payload_file_changed_during_the_push_is_invalid_input(deployment: Deployment,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's sha256 check fails because the file changed after it was hashed: exit 2, naming the file."""
+    assert deployment.kdeploy("push", "test") == 0
+    before = _snapshot(deployment)
+    edited = deployment.payload / "kdeploy_testplugin" / "__init__.py"
+    edited.write_text(edited.read_text() + "# v2\n")
+    build = release.build_tarball
+
+    def edit_then_build(payload: release.Payload, upload: list[str], meta: dict[str, str]) -> bytes:
+        edited.write_text(edited.read_text() + "# saved by an editor during the push\n")
+        return build(payload, upload, meta)
+
+    monkeypatch.setattr(release, "build_tarball", edit_then_build)
+    code, doc = deployment.json(capsys, "push", "test")
+    host = doc["hosts"][0]
+    assert code == 2 and host["result"] == "invalid", doc
+    assert host["error"] == f"h1: payload file {edited} changed during the push, host unchanged: push again"
+    assert next(p for p in host["phases"] if p["name"] == "stage")["ok"] is False
+    assert _after_failed_staging(deployment, _snapshot(deployment)) == _after_failed_staging(deployment, before)
+
+
+def test_other_staging_failures_refuse_the_host_unchanged(deployment: Deployment,
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes corrupted on the way (the local files are intact): a refusal, exit 7, not an internal error."""
+    assert deployment.kdeploy("push", "test") == 0
+    before = _snapshot(deployment)
+    (deployment.payload / "new.py").write_text("VALUE = 'original'\n")
+    build = release.build_tarball
+
+    def corrupt(payload: release.Payload, upload: list[str], meta: dict[str, str]) -> bytes:
+        return build(payload, upload, meta).replace(b"'original'", b"'corruptd'")
+
+    monkeypatch.setattr(release, "build_tarball", corrupt)
+    code, doc = deployment.json(capsys, "push", "test")
+    host = doc["hosts"][0]
+    assert code == 7 and host["result"] == "preflight_refused", doc
+    assert host["error"].startswith("staging failed, host unchanged: sha256sum: WARNING: 1 computed checksum")
+    assert _after_failed_staging(deployment, _snapshot(deployment)) == _after_failed_staging(deployment, before)
+    assert deployment.sh("h1", f"wc -l < {deployment.service_dir}/history.jsonl").strip() == "1"  # refused: none
+
+
 def test_full_disk_is_refused_and_leaves_the_host_unchanged(deployment: Deployment,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     small = f"/srv/kdeploy-small-{deployment.service}"
@@ -268,9 +355,10 @@ def test_full_disk_is_refused_and_leaves_the_host_unchanged(deployment: Deployme
 def test_state_parser_reads_a_fresh_host(deployment: Deployment) -> None:
     host = deployment.load().hosts["h1"]
     with _connect(deployment) as remote:
-        state = deploy.parse_state(remote.run(deploy.state_script(host)).stdout)
-    assert state.current is None and state.manifest == {} and state.unit_text is None
-    assert state.unit.load == "not-found" and state.releases == []
+        fresh = state.parse_state(remote.run(state.state_script(host, with_history=True)).stdout)
+    assert fresh.current is None and fresh.manifest == {} and fresh.unit_text is None
+    assert fresh.unit.load == "not-found" and fresh.releases == []
+    assert fresh.pending is None and fresh.gates == {} and fresh.history == []
 
 
 def test_a_slow_remote_command_is_a_timeout_not_unreachable(deployment: Deployment) -> None:
@@ -280,3 +368,39 @@ def test_a_slow_remote_command_is_a_timeout_not_unreachable(deployment: Deployme
         with pytest.raises(RemoteTimeout, match=r"did not finish within 0\.5s"):
             remote.run("sleep 3", timeout=0.5)
         assert remote.run("echo still here", timeout=10).stdout == "still here\n"
+
+
+def test_host_files_are_root_only_except_what_the_service_reads(deployment: Deployment,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service runs as `nobody` and still reads its payload; the lock, the history and the release
+    metadata are root's; the history records kdeploy's own command, never a wrapper's argv."""
+    deployment.edit(lambda doc: doc["defaults"]["service"]["unit"].update(user="nobody"))
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0, [(h["error"], h["phases"]) for h in doc["hosts"]]
+    assert deployment.sh("h1", f"ps -o user= -p {deployment.show('h1', 'MainPID')}").strip() == "nobody"
+    d = deployment.service_dir
+    release = doc["hosts"][0]["release"]
+    paths = [d, f"{d}/.lock", f"{d}/history.jsonl", f"{d}/releases", f"{d}/releases/{release}",
+             f"{d}/releases/{release}/kdeploy_testplugin", f"{d}/releases/{release}/kdeploy_testplugin/__init__.py",
+             f"{d}/releases/{release}/.kdeploy", f"{d}/releases/{release}/.kdeploy/manifest.sha256",
+             f"/etc/systemd/system/{deployment.service}.service"]
+    modes = deployment.sh("h1", "stat -c %a " + " ".join(paths)).split()
+    assert modes == ["755", "600", "600", "755", "755", "755", "644", "700", "600", "644"]
+    history = deployment.sh("h1", f"cat {d}/history.jsonl")
+    assert json.loads(history.splitlines()[-1])["command"] == f"kdeploy push test --inventory {deployment.path} --json"
+
+    host = deployment.load().hosts["h1"]
+    with _connect(deployment) as remote:
+        held = lock.acquire(remote, service_dir(host.service), command="kdeploy push test (other operator)")
+        try:
+            assert deployment.sh("h1", f"stat -c %a {d}/lock.json").strip() == "600"
+        finally:
+            held.release()
+
+    monkeypatch.setattr("sys.argv", ["deploy_wrapper.py", "--vault-token", "s3cret"])
+    report = fleet.push(deployment.load(), "test", deploy.Options(force_restart=True))
+    assert report.exit_code == 0, [(h.error, h.phases) for h in report.hosts]
+    history = deployment.sh("h1", f"cat {d}/history.jsonl")
+    assert json.loads(history.splitlines()[-1])["command"] == "kdeploy push (library)"
+    assert "s3cret" not in history

@@ -275,8 +275,9 @@ def test_a_host_refusing_connections_for_3s_is_reached_through_retries(
 def test_sandbox_with_bastion_and_host_certs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`sandbox up --bastion --host-certs`: an inventory of ssh_config aliases behind a jump host, with
     certified host keys, that kdeploy and OpenSSH both reach; the hosts are not reachable directly."""
-    from kdeploy import cli, demo
-    from kdeploy.sandbox import Sandbox
+    from kdeploy import cli
+    from kdeploy.lab import demo
+    from kdeploy.lab.sandbox import Sandbox
 
     box = next((b for b in (Sandbox(instance=i, sglang=False) for i in range(6, -1, -1)) if not b.hosts()), None)
     if box is None:

@@ -1,5 +1,5 @@
 """The real ``sglang==0.5.23`` package on CPU: a session fixture builds (once, then cached) the SGLang venv
-with ``kdeploy.sglang_env.ensure_venv()``; tests run their checks as subprocesses of that venv's python.
+with ``kdeploy.lab.sglang_env.ensure_venv()``; tests run their checks as subprocesses of that venv's python.
 
 ``KDEPLOY_SKIP_SGLANG=1`` skips these tests (e.g. on a machine that cannot reach PyPI).
 """
@@ -13,26 +13,11 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
-from kdeploy import sglang_env
-
 REPO = Path(__file__).resolve().parents[2]
 PAYLOAD = REPO / "kernels" / "kdtree"
 HARNESS = Path(__file__).with_name("harness.py")
 DEBIAN_PYTHON = "/usr/bin/python3"
 PID_RE = re.compile(r"\bpid=(\d+)")
-
-
-@pytest.fixture(scope="session")
-def sglang_python() -> str:
-    if os.environ.get("KDEPLOY_SKIP_SGLANG") == "1":
-        pytest.skip("KDEPLOY_SKIP_SGLANG=1")
-    try:
-        path = sglang_env.ensure_venv()
-    except sglang_env.SglangEnvError as exc:
-        pytest.fail(str(exc))
-    return str(sglang_env.venv_python(path))
 
 
 @dataclass

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from kdeploy import cli
-from kdeploy.demo import demo_service
 from kdeploy.errors import SandboxError
-from kdeploy.sandbox import SGLANG_HOST_VENV, Sandbox
+from kdeploy.lab.demo import demo_service
+from kdeploy.lab.sandbox import SGLANG_HOST_VENV, Sandbox
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,15 @@ def test_append_and_read_round_trip(tmp_path):
     assert parse(sh(read_command(str(sdir), 3))) == [{**RECORD, "n": i} for i in (2, 3, 4)]
 
 
+def test_a_new_history_file_is_for_root_only(tmp_path):
+    """Even from a shell with a permissive umask (the fallback path runs in a fresh one)."""
+    sdir = tmp_path / "svc"
+    sdir.mkdir()
+    sh(f"umask 000; {append_command(str(sdir), RECORD)}; touch {sdir}/after")
+    assert (sdir / "history.jsonl").stat().st_mode & 0o777 == 0o600
+    assert (sdir / "after").stat().st_mode & 0o777 == 0o666           # the caller's umask is left alone
+
+
 def test_read_without_history(tmp_path):
     assert sh(read_command(str(tmp_path / "never-deployed"), 20)) == ""
 

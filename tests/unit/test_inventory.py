@@ -212,6 +212,12 @@ def test_paths_relative_to_inventory(example, tmp_path):
     assert example.payload_dir(example.hosts["ct200"]) == REPO / "kernels/kdtree"
 
 
+@pytest.mark.parametrize("bind", ["127.0.0.1", "0.0.0.0", "::", "10.1.2.3", "fe80::1%eth0", "localhost"])
+def test_sglang_host_accepts_ip_literals_and_localhost(tmp_path, bind):
+    text = BASE.replace("model_path: /models/a", f"model_path: /models/a\n        host: '{bind}'")
+    assert load(write(tmp_path, text)).hosts["ct200"].service.sglang.host == bind
+
+
 # --- bad files: one line `<file>:<line>: <key.path>: <reason>`, exit code 2 --------------------------------
 
 BAD = [
@@ -262,6 +268,22 @@ BAD = [
                               '          - --ok\n          - "x\\ny"  # <-'),
                  "hosts.ct201.service.sglang.extra_args.1",
                  "contains a newline or control character (it would corrupt the unit file)", id="extra-args-newline"),
+    pytest.param(BASE.replace('KDTREE_VERIFY: "on"', 'KDTREE_VERIFY: "a\\u2028b"  # <-'),
+                 "groups.ddtree.service.env.KDTREE_VERIFY",
+                 "contains the line separator U+2028 (the unit file would not read back as written)",
+                 id="env-value-line-separator"),
+    pytest.param(BASE.replace("model_path: /models/b", 'model_path: "/models/b\\N"  # <-'),
+                 "hosts.ct201.service.sglang.model_path",
+                 "contains the line separator U+0085 (the unit file would not read back as written)",
+                 id="model-path-next-line"),
+    pytest.param(host_a('      unit: {description: "a\\Pb"}  # <-'),
+                 "hosts.ct200.service.unit.description",
+                 "contains the line separator U+2029 (the unit file would not read back as written)",
+                 id="description-paragraph-separator"),
+    pytest.param(BASE.replace("model_path: /models/a", "model_path: /models/a\n        host: gpu01.example.com  # <-"),
+                 "hosts.ct200.service.sglang.host",
+                 "must be an IP address (127.0.0.1, 0.0.0.0, ::, an address of the host) or 'localhost'",
+                 id="sglang-host-name"),
     pytest.param(BASE.replace('        KDTREE_VERIFY: "on"', '        HF_TOKEN: "hf_abc"  # <-'),
                  "groups.ddtree.service.env.HF_TOKEN",
                  "HF_TOKEN looks like a secret and unit files are world-readable: put it in "

@@ -27,6 +27,7 @@ from kdeploy.lock import (
     parse_info,
     parse_status,
     release_command,
+    release_failure,
     split_sections,
     status_command,
 )
@@ -156,6 +157,24 @@ def test_acquire_hold_contend_release(tmp_path, holders):
     assert third.finish()[0] == 0
 
 
+@pytest.mark.parametrize("session_umask", ["000", "022", "077"])
+def test_lock_files_are_for_root_only_and_the_service_dir_is_not(tmp_path, session_umask):
+    """The service (maybe another user) runs in the service dir; the lock and its record are root's."""
+    sdir = tmp_path / "root" / "svc"
+    script = f"umask {session_umask}\n" + holder_script(str(sdir), INFO)
+    holder = Holder(script)
+    try:
+        holder.read_until(READY)
+        modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777
+                 for p in (tmp_path / "root", sdir, sdir / ".lock", sdir / "lock.json")}
+        assert modes == {"root": 0o755, "root/svc": 0o755, "root/svc/.lock": 0o600, "root/svc/lock.json": 0o600}
+        assert holder.finish(f"touch {sdir}/finish-file\n{END}\n".encode())[0] == 0
+        assert (sdir / "finish-file").stat().st_mode & 0o777 == 0o600   # what the finish script writes, too
+    finally:
+        if holder.proc.poll() is None:
+            holder.kill()
+
+
 def test_finish_script_runs_under_the_lock_only_when_it_arrived_whole(tmp_path, holders):
     sdir = tmp_path / "svc"
     probe = f"flock -n {sdir}/.lock true && echo free >> {tmp_path}/seen || echo held >> {tmp_path}/seen"
@@ -192,6 +211,14 @@ def test_killed_holder_leaves_a_stale_lock(tmp_path, holders):
     assert not (sdir / "lock.json").exists()
 
 
+def release(sdir: Path, force: bool, wait: float = 2.0) -> tuple[LockStatus, str | None]:
+    """Run release_command as ``lock release [--force]`` does: (the status it ends with, why still held)."""
+    st = status(sdir)
+    out = subprocess.run(["bash", "-c", release_command(str(sdir), st, force, wait=wait)], capture_output=True,
+                         text=True, timeout=SAFETY, check=True).stdout
+    return parse_status(out), release_failure(out, st.info)
+
+
 def test_release_command_clears_stale_record(tmp_path, holders):
     sdir = tmp_path / "svc"
     victim = holders(sdir)
@@ -199,10 +226,8 @@ def test_release_command_clears_stale_record(tmp_path, holders):
     victim.kill()
     st = status(sdir)
     assert st.state == "stale"
-    cmd = release_command(str(sdir), st, force=False)
-    assert "kill" not in cmd
-    subprocess.run(["bash", "-c", cmd], check=True, timeout=SAFETY)
-    assert status(sdir).state == "free"
+    assert "kill" not in release_command(str(sdir), st, force=False)
+    assert release(sdir, force=False) == (LockStatus(held=False, info=None), None)
 
 
 def test_release_command_force_ends_live_holder(tmp_path, holders):
@@ -212,11 +237,44 @@ def test_release_command_force_ends_live_holder(tmp_path, holders):
     st = status(sdir)
     assert st.state == "held"
     assert "kill" not in release_command(str(sdir), st, force=False)     # never without --force
-    cmd = release_command(str(sdir), st, force=True)
-    assert f"kill -TERM {live.pid}" in cmd
-    subprocess.run(["bash", "-c", cmd], check=True, timeout=SAFETY)
-    live.proc.wait(timeout=SAFETY)
-    assert status(sdir).state == "free"
+    assert release(sdir, force=True) == (LockStatus(held=False, info=None), None)
+    assert live.proc.wait(timeout=SAFETY) == -signal.SIGTERM
+    assert not (sdir / "lock.json").exists()
+
+
+def test_release_command_never_kills_a_pid_that_does_not_hold_the_lock(tmp_path, holders):
+    """lock.json names a PID that was reused by an unrelated process: it is left alone, the lock stays held."""
+    sdir = tmp_path / "svc"
+    live = holders(sdir)
+    live.read_until(READY)
+    foreign = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        record = read_record(sdir)
+        (sdir / "lock.json").write_text(json.dumps({**record, "remote_pid": foreign.pid}) + "\n")
+        st, why = release(sdir, force=True)
+        assert st.held and why == (f"the recorded holder (pid {foreign.pid} on the host) does not hold the lock "
+                                   "(it ended, or its PID was reused): nothing was killed")
+        assert foreign.poll() is None and live.proc.poll() is None     # neither was touched
+        assert read_record(sdir)["remote_pid"] == foreign.pid           # nor the record
+    finally:
+        foreign.kill()
+        foreign.wait()
+
+
+def test_release_command_reports_a_lock_that_outlives_its_holder(tmp_path, holders):
+    """A process the holder started keeps the flock'd descriptor and ignores SIGTERM: still held, said so."""
+    sdir = tmp_path / "svc"
+    live = holders(sdir, then="(trap '' TERM; exec sleep 60) &")
+    live.read_until(READY)
+    try:
+        started = time.monotonic()
+        st, why = release(sdir, force=True, wait=1.0)
+        assert 1.0 <= time.monotonic() - started < SAFETY
+        assert st.held and why == (f"ended the recorded holder (pid {live.pid} on the host), but the lock was "
+                                   "still held 1s later")
+        assert live.proc.wait(timeout=SAFETY) == -signal.SIGTERM    # the holder itself did end
+    finally:
+        os.killpg(live.pid, signal.SIGKILL)                          # the sleep, in the holder's process group
 
 
 def test_command_with_shell_metacharacters_is_recorded_verbatim(tmp_path, holders):
@@ -267,6 +325,8 @@ def test_parse_status_shapes():
 
 def test_holder_info(monkeypatch):
     monkeypatch.setenv("KDEPLOY_USER", "carol")
+    monkeypatch.setattr("sys.argv", ["wrapper.py", "--vault-token", "s3cret"])
     info = holder_info("kdeploy verify all")
     assert (info.user, info.command, info.pid, info.remote_pid) == ("carol", "kdeploy verify all", os.getpid(), None)
     assert len(info.since) == 20 and info.since.endswith("Z")
+    assert holder_info("x" * 500).command == "x" * 200

@@ -20,8 +20,10 @@ from kdeploy.release import (
     Delta,
     activate_script,
     build_tarball,
+    changed_since_scan,
     diff,
     manifest_text,
+    parse_identity,
     parse_manifest,
     prune_command,
     release_id,
@@ -76,6 +78,59 @@ def test_scan_payload_follows_symlinks(tmp_path):
     assert payload.files["link.py"].sha256 == sha256_text("real\n")
 
 
+def test_scan_payload_follows_symlinked_directories(tmp_path):
+    outside = make_tree(tmp_path / "outside", {"lib/x.py": "x\n", "lib/sub/y.py": "y\n", "lib/__pycache__/z.pyc": ""})
+    root = make_tree(tmp_path / "p", {"a.py": "a\n", "pkg/b.py": "b\n"})
+    (root / "lib").symlink_to(outside / "lib")
+    (root / "alias").symlink_to("pkg")                     # a second name for a directory of the payload
+    payload = scan_payload(root)
+    assert sorted(payload.files) == ["a.py", "alias/b.py", "lib/sub/y.py", "lib/x.py", "pkg/b.py"]
+    assert payload.files["lib/sub/y.py"].sha256 == sha256_text("y\n")
+
+
+@pytest.mark.parametrize("target", ["missing.py", "missing-dir/", "self"])
+def test_scan_payload_refuses_a_broken_symlink(tmp_path, target):
+    root = make_tree(tmp_path / "p", {"a.py": "a\n", "pkg/b.py": "b\n"})
+    link = root / "pkg" / "self" if target == "self" else root / "pkg" / "link"
+    link.symlink_to(target)
+    with pytest.raises(InvalidInput) as err:
+        scan_payload(root)
+    assert str(err.value) == f"{link}: broken symlink in the payload (-> {target})"
+
+
+@pytest.mark.parametrize("target", ["..", ".", "../.."])
+def test_scan_payload_refuses_a_symlink_cycle(tmp_path, target):
+    root = make_tree(tmp_path / "p", {"a.py": "a\n", "pkg/b.py": "b\n"})
+    (root / "pkg" / "loop").symlink_to(target)
+    with pytest.raises(InvalidInput) as err:
+        scan_payload(root)
+    message = str(err.value)
+    assert message.startswith(f"{root}/pkg/loop")
+    assert ": symlink cycle in the payload (the same directory as " in message
+
+
+def test_scan_payload_normalises_modes(tmp_path):
+    local = {"ro.py": 0o400, "private.py": 0o600, "tool.sh": 0o700, "group.sh": 0o750, "shared.py": 0o664,
+             "plain.py": 0o644, "other-exec": 0o645}
+    root = make_tree(tmp_path / "p", dict.fromkeys(local, "x\n"))
+    for name, mode in local.items():
+        (root / name).chmod(mode)
+    payload = scan_payload(root)
+    assert payload.modes == {"ro.py": 0o644, "private.py": 0o644, "tool.sh": 0o755, "group.sh": 0o755,
+                             "shared.py": 0o644, "plain.py": 0o644, "other-exec": 0o644}
+    assert payload.identity["tool.sh"] == f"{sha256_text('x' + chr(10))} 0755"
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o602, 0o4755, 0o2755, 0o6711])
+def test_scan_payload_refuses_setuid_setgid_and_world_writable(tmp_path, mode):
+    root = make_tree(tmp_path / "p", {"ok.py": "", "pkg/sitecustomize.py": "x\n"})
+    (root / "pkg/sitecustomize.py").chmod(mode)
+    with pytest.raises(InvalidInput) as err:
+        scan_payload(root)
+    assert str(err.value) == (f"{root}/pkg/sitecustomize.py: mode {mode:04o}: setuid, setgid and world-writable "
+                              "files are refused in the payload (chmod it)")
+
+
 @pytest.mark.parametrize("name", ["new\nline.py", "car\rriage.py", "tab\there.py", "back\\slash.py"])
 def test_scan_payload_rejects_bad_names(tmp_path, name):
     root = make_tree(tmp_path / "p", {"ok.py": "", name: "x"})
@@ -89,6 +144,17 @@ def test_scan_payload_empty_or_missing(tmp_path):
         scan_payload(root)
     with pytest.raises(InvalidInput, match="payload directory not found"):
         scan_payload(tmp_path / "missing")
+
+
+def test_changed_since_scan(tmp_path):
+    root = make_tree(tmp_path / "p", {"a.py": "a\n", "b.py": "b\n", "c.py": "c\n", "d.py": "d\n"})
+    payload = scan_payload(root)
+    assert changed_since_scan(payload, ["a.py", "b.py", "c.py"]) == []
+    (root / "a.py").write_text("A\n")                      # edited
+    (root / "b.py").unlink()                               # removed
+    (root / "d.py").write_text("D\n")                      # edited, but not among the files asked about
+    (root / "c.py").chmod(0o755)                           # a mode change is not a content change
+    assert changed_since_scan(payload, ["a.py", "b.py", "c.py"]) == ["a.py", "b.py"]
 
 
 # --- manifests, diff, ids, pruning ------------------------------------------------------------------------------
@@ -128,6 +194,17 @@ def test_diff():
     assert first.added == sorted(local) and not (first.changed or first.removed)
 
 
+def test_a_mode_change_is_a_change():
+    local = {"same": f"{SHA_A} 0644", "exec": f"{SHA_A} 0755"}
+    assert diff(local, {"same": f"{SHA_A} 0644", "exec": f"{SHA_A} 0644"}).changed == ["exec"]
+    manifest = manifest_text({"same": SHA_A, "exec": SHA_A})
+    assert parse_identity(manifest, "0644 ./same\n0755 ./exec\n") == local
+    # a release staged before modes were recorded: each file differs once, so it ships again with its mode
+    old = parse_identity(manifest, "")
+    assert old == {"same": f"{SHA_A} ?", "exec": f"{SHA_A} ?"}
+    assert diff(local, old).changed == ["exec", "same"]
+
+
 def test_release_id():
     manifest = {"a.py": SHA_A}
     rid = release_id(manifest, "unit-1", T0)
@@ -157,8 +234,10 @@ def test_prune_command():
 
 
 def test_release_meta():
-    meta = release_meta({"b.py": SHA_B, "a.py": SHA_A, "B.py": SHA_A}, "[Unit]\n", UNIT)
+    meta = release_meta({"b.py": SHA_B, "a.py": SHA_A, "B.py": SHA_A}, {"b.py": 0o644, "a.py": 0o755, "B.py": 0o644},
+                        "[Unit]\n", UNIT)
     assert meta["files"] == "./B.py\n./a.py\n./b.py\n"           # byte order, like `LC_ALL=C sort`
+    assert meta["modes"] == "0644 ./B.py\n0755 ./a.py\n0644 ./b.py\n"
     assert meta["unit.service"] == "[Unit]\n"
     assert meta["unit.sha256"] == f"{sha256_text('[Unit]' + chr(10))}  {META}/unit.service\n"
     assert meta["unit.name"] == "svc.service\n"
@@ -171,10 +250,11 @@ def test_build_tarball_contents(tmp_path):
     data = build_tarball(payload, ["a.py", "d/b.py"], {"x": "meta\n"})
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         members = {m.name: m for m in tar.getmembers()}
-        assert list(members) == ["a.py", "d/b.py", f"{META}/x"]
-        assert all(m.isfile() and m.uid == 0 for m in members.values())
+        assert list(members) == ["a.py", "d/b.py", META, f"{META}/x"]
+        assert all(m.isfile() and m.uid == 0 for name, m in members.items() if name != META)
         assert members["a.py"].uname == "root"
-        assert members["a.py"].mode & 0o777 == (root / "a.py").stat().st_mode & 0o777
+        assert members["a.py"].mode == 0o644
+        assert (members[META].isdir(), members[META].mode, members[f"{META}/x"].mode) == (True, 0o700, 0o600)
         assert tar.extractfile("d/b.py").read() == b"b\n"
 
 
@@ -189,21 +269,23 @@ class Staged:
     tarball: bytes
 
 
-def remote_manifest(sdir: Path) -> dict[str, str] | None:
+def remote_identity(sdir: Path) -> dict[str, str] | None:
+    """What the state read gets from the host: the current release's manifest and modes."""
     current = sdir / "current"
     if not current.exists():
         return None
-    return parse_manifest((current / META / "manifest.sha256").read_text())
+    modes = current / META / "modes"
+    return parse_identity((current / META / "manifest.sha256").read_text(), modes.read_text() if modes.exists() else "")
 
 
 def stage(sdir: Path, payload_root: Path, *, unit_text: str = "[Unit]\nDescription=v1\n",
           when: datetime = T0) -> Staged:
     """What push does: diff against the current release, ship the delta + meta, run stage_script."""
     payload = scan_payload(payload_root)
-    remote = remote_manifest(sdir)
-    delta = diff(payload.manifest, remote or {})
+    remote = remote_identity(sdir)
+    delta = diff(payload.identity, remote or {})
     rid = release_id(payload.manifest, unit_text, when)
-    tarball = build_tarball(payload, delta.upload, release_meta(payload.manifest, unit_text, UNIT))
+    tarball = build_tarball(payload, delta.upload, release_meta(payload.manifest, payload.modes, unit_text, UNIT))
     return Staged(rid, delta, run_script(stage_script(str(sdir), rid, remote is not None, delta), tarball), tarball)
 
 
@@ -259,9 +341,16 @@ def test_first_stage(tmp_path):
     assert {name: data for name, (data, _) in files.items() if not name.startswith(META)} == {
         k: v.encode() if isinstance(v, str) else v for k, v in V1.items()}
     assert sorted(n for n in files if n.startswith(META)) == [
-        f"{META}/files", f"{META}/manifest.sha256", f"{META}/unit.name", f"{META}/unit.service", f"{META}/unit.sha256"]
+        f"{META}/files", f"{META}/manifest.sha256", f"{META}/modes", f"{META}/unit.name", f"{META}/unit.service",
+        f"{META}/unit.sha256"]
     assert (rel / META / "unit.service").read_text() == "[Unit]\nDescription=v1\n"
     assert parse_manifest((rel / META / "manifest.sha256").read_text()) == scan_payload(payload_root).manifest
+    # what the service reads is readable by any user; kdeploy's own metadata by root only
+    assert {p.relative_to(sdir).as_posix(): p.stat().st_mode & 0o777 for p in [sdir, sdir / "releases", rel,
+            rel / "pkg", rel / "pkg/sub", rel / META, rel / META / "files"]} == {
+        ".": 0o755, "releases": 0o755, f"releases/{staged.release}": 0o755, f"releases/{staged.release}/pkg": 0o755,
+        f"releases/{staged.release}/pkg/sub": 0o755, f"releases/{staged.release}/{META}": 0o700,
+        f"releases/{staged.release}/{META}/files": 0o600}
     assert not (sdir / "current").exists()          # staging never switches anything
 
 
@@ -312,7 +401,7 @@ def _flip_content(data: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("case", ["truncated", "garbage", "content-flipped", "manifest-mismatch", "unit-mismatch",
-                                  "file-not-in-manifest", "file-missing"])
+                                  "file-not-in-manifest", "file-missing", "mode-mismatch"])
 def test_failed_stage_leaves_nothing(tmp_path, case):
     sdir = tmp_path / "svc"
     payload_root = make_tree(tmp_path / "payload", V1)
@@ -320,7 +409,7 @@ def test_failed_stage_leaves_nothing(tmp_path, case):
     assert good.proc.returncode == 0
     payload = scan_payload(payload_root)
     rid = release_id(payload.manifest, "[Unit]\n", T0 + timedelta(hours=1))
-    meta = release_meta(payload.manifest, "[Unit]\n", UNIT)
+    meta = release_meta(payload.manifest, payload.modes, "[Unit]\n", UNIT)
     upload = sorted(payload.files)
     if case == "manifest-mismatch":
         meta["manifest.sha256"] = meta["manifest.sha256"].replace(payload.manifest["pkg/changed.py"], SHA_A)
@@ -332,6 +421,8 @@ def test_failed_stage_leaves_nothing(tmp_path, case):
             line + "\n" for line in meta["manifest.sha256"].splitlines() if not line.endswith("removed.py"))
     elif case == "file-missing":
         upload.remove("pkg/removed.py")
+    elif case == "mode-mismatch":
+        meta["modes"] = meta["modes"].replace("0644 ./pkg/changed.py", "0755 ./pkg/changed.py")
     tarball = build_tarball(payload, upload, meta)
     if case == "truncated":
         tarball = tarball[:1500]
@@ -346,6 +437,48 @@ def test_failed_stage_leaves_nothing(tmp_path, case):
     assert sorted(p.name for p in (sdir / "releases").iterdir()) == [good.release]
     if case == "file-not-in-manifest":
         assert "staged files differ from the manifest" in proc.stderr.decode()
+    if case == "mode-mismatch":
+        assert "staged file modes differ from the manifest" in proc.stderr.decode()
+
+
+def modes_of(tree: Path) -> dict[str, int]:
+    return {p.relative_to(tree).as_posix(): p.stat().st_mode & 0o7777
+            for p in sorted(tree.rglob("*")) if p.is_file() and META not in p.parts}
+
+
+def test_stage_normalises_modes_and_ships_a_mode_only_change(tmp_path, fake_systemctl):
+    env, _ = fake_systemctl
+    sdir = tmp_path / "svc"
+    payload_root = make_tree(tmp_path / "payload", {"a.py": "a\n", "bin/tool": "#!/bin/sh\n", "b.py": "b\n"})
+    (payload_root / "a.py").chmod(0o600)
+    (payload_root / "bin/tool").chmod(0o700)
+    first = stage(sdir, payload_root)
+    assert first.proc.returncode == 0, first.proc.stderr.decode()
+    rel1 = sdir / "releases" / first.release
+    assert modes_of(rel1) == {"a.py": 0o644, "b.py": 0o644, "bin/tool": 0o755}
+    assert activate(sdir, first.release, tmp_path / "units", env, install_unit=False).returncode == 0
+
+    (payload_root / "b.py").chmod(0o755)                      # only the mode changes
+    second = stage(sdir, payload_root, when=T0 + timedelta(minutes=1))
+    assert second.proc.returncode == 0, second.proc.stderr.decode()
+    assert second.delta.changed == ["b.py"] and second.delta.unchanged == ["a.py", "bin/tool"]
+    rel2 = sdir / "releases" / second.release
+    assert modes_of(rel2) == {"a.py": 0o644, "b.py": 0o755, "bin/tool": 0o755}
+    assert modes_of(rel1)["b.py"] == 0o644                    # a new file, not a chmod of the shared one
+
+
+def test_stage_over_a_release_without_modes_ships_every_file_once(tmp_path, fake_systemctl):
+    env, _ = fake_systemctl
+    sdir = tmp_path / "svc"
+    payload_root = make_tree(tmp_path / "payload", {"a.py": "a\n", "pkg/b.py": "b\n"})
+    first = stage(sdir, payload_root)
+    assert activate(sdir, first.release, tmp_path / "units", env, install_unit=False).returncode == 0
+    (sdir / "releases" / first.release / META / "modes").unlink()     # as a release staged before modes
+    second = stage(sdir, payload_root, when=T0 + timedelta(minutes=1))
+    assert second.proc.returncode == 0, second.proc.stderr.decode()
+    assert second.delta.changed == ["a.py", "pkg/b.py"]
+    assert activate(sdir, second.release, tmp_path / "units", env, install_unit=False).returncode == 0
+    assert stage(sdir, payload_root, when=T0 + timedelta(minutes=2)).delta.empty
 
 
 def test_stage_removes_stale_staging_dirs(tmp_path):
@@ -363,7 +496,7 @@ def test_stage_in_a_dir_with_spaces_never_touches_a_sibling(tmp_path):
     payload_root = make_tree(tmp_path / "payload", {"a.py": "a\n"})
     payload = scan_payload(payload_root)
     rid = release_id(payload.manifest, "u", T0)
-    tarball = build_tarball(payload, ["a.py"], release_meta(payload.manifest, "u", UNIT))
+    tarball = build_tarball(payload, ["a.py"], release_meta(payload.manifest, payload.modes, "u", UNIT))
     failed = run_script(stage_script(str(sdir), rid, False, diff(payload.manifest, {})), tarball[:700])
     assert failed.returncode != 0
     assert (sibling / "precious").read_text() == "keep me\n"
@@ -374,14 +507,17 @@ def test_stage_in_a_dir_with_spaces_never_touches_a_sibling(tmp_path):
 
 
 def test_stage_ships_symlinked_files_as_files(tmp_path):
-    outside = make_tree(tmp_path / "elsewhere", {"real.py": "real\n"})
+    outside = make_tree(tmp_path / "elsewhere", {"real.py": "real\n", "lib/deep.py": "deep\n"})
     payload_root = make_tree(tmp_path / "payload", {"a.py": "a\n"})
     (payload_root / "link.py").symlink_to(outside / "real.py")
+    (payload_root / "lib").symlink_to(outside / "lib")
     sdir = tmp_path / "svc"
     staged = stage(sdir, payload_root)
     assert staged.proc.returncode == 0, staged.proc.stderr.decode()
-    shipped = sdir / "releases" / staged.release / "link.py"
-    assert not shipped.is_symlink() and shipped.read_text() == "real\n"
+    release = sdir / "releases" / staged.release
+    for name, text in (("link.py", "real\n"), ("lib/deep.py", "deep\n")):
+        assert not (release / name).is_symlink() and (release / name).read_text() == text
+    assert not (release / "lib").is_symlink()
 
 
 def test_activate_installs_unit_and_switches_current(tmp_path, fake_systemctl):
@@ -397,6 +533,7 @@ def test_activate_installs_unit_and_switches_current(tmp_path, fake_systemctl):
     assert os.readlink(sdir / "current") == f"releases/{staged.release}"      # relative
     assert (sdir / "current" / "a.py").read_text() == "a\n"
     assert (units / UNIT).read_bytes() == unit_text.encode()
+    assert (units / UNIT).stat().st_mode & 0o777 == 0o644                      # the release's copy is 0600
     assert sorted(p.name for p in units.iterdir()) == [UNIT]                   # no temp file left
     assert not (sdir / ".current.tmp").exists()
     assert log.read_text().splitlines() == ["daemon-reload", f"enable --quiet {UNIT}"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -240,6 +241,49 @@ def test_systemd_analyze_verify_accepts_tricky_values(inv, tmp_path):
     path.write_text(render_unit(inv, host))
     proc = analyze(path)
     assert (proc.returncode, proc.stderr) == (0, "")
+
+
+def with_percent(host: HostConfig) -> HostConfig:
+    """Every value that lands verbatim on a unit line, with systemd specifiers in it."""
+    unit = host.service.unit.model_copy(update={"description": "GPU 100% %n \"q\" %%", "user": "svc%u"})
+    return with_service(host, python="/usr/bin/python3", unit=unit, remote_root="/srv/k%i 50%",
+                        environment_file="/etc/kd/50%.env")
+
+
+def test_specifiers_are_escaped_on_every_unit_line(inv):
+    text = render_unit(inv, with_percent(inv.hosts["ct201"]))
+    assert '\nDescription=GPU 100%% %%n "q" %%%%\n' in text
+    assert "\nUser=svc%%u\n" in text
+    assert "\nEnvironmentFile=-/etc/kd/50%%.env\n" in text
+    assert "\nWorkingDirectory=/srv/k%%i 50%%/sglang-kimi\n" in text
+    assert '"PYTHONPATH=/srv/k%%i 50%%/sglang-kimi/current"' in text
+    default = with_service(inv.hosts["ct201"], sglang=inv.hosts["ct201"].service.sglang.model_copy(
+        update={"served_model_name": "kimi 100%"}))
+    assert "\nDescription=SGLang kimi 100%%\n" in render_unit(inv, default)
+
+
+@pytest.mark.parametrize(("update", "where"), [
+    ({"description": "ends in a backslash\\"}, "service.unit.description"),
+    ({"description": " padded"}, "service.unit.description"),
+    ({"user": "svc "}, "service.unit.user"),
+])
+def test_values_systemd_cannot_carry_verbatim_are_refused(inv, update, where):
+    """systemd strips blanks around a value and a trailing backslash continues the line into the next one."""
+    host = inv.hosts["ct200"]
+    host = with_service(host, unit=host.service.unit.model_copy(update=update))
+    with pytest.raises(InvalidInput, match=rf"ct200: {re.escape(where)} .*cannot be written on a unit line"):
+        render_unit(inv, host)
+
+
+@needs_analyze
+def test_systemd_analyze_verify_accepts_specifiers_in_every_value(inv, tmp_path):
+    host = with_percent(inv.hosts["ct201"])
+    path = tmp_path / unit_filename(host.service)
+    path.write_text(render_unit(inv, host))
+    proc = analyze(path)
+    # its only remark names the user exactly as the inventory wrote it: the specifier was not expanded
+    assert (proc.returncode, proc.stderr) == (
+        0, "Accepting user/group name 'svc%u', which does not match strict user/group name rules.\n")
 
 
 @needs_analyze

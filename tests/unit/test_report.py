@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from kdeploy.deploy import LockView, Plan
 from kdeploy.errors import (
     ExitCode,
     InvalidInput,
@@ -17,6 +18,7 @@ from kdeploy.errors import (
     Unreachable,
     most_severe,
 )
+from kdeploy.lock import LockInfo
 from kdeploy.report import Cancelled, HostResult, Phase, PhaseFailed, Report, Result
 
 # most severe first; INVALID (2) is outside the order: it wins outright
@@ -171,7 +173,16 @@ def test_report_as_json_shape():
     assert ct202["phases"] == []
 
 
-def test_host_data_is_merged_into_json():
+def test_typed_details_and_facts_go_under_their_keys_only_when_present():
     host = HostResult("h").finish("planned")
-    host.data["plan"] = {"restart": True}
-    assert host.as_json()["plan"] == {"restart": True}
+    assert not {"plan", "attempted", "restored", "traceback"} & set(host.as_json())
+    host.details = Plan(["a.py"], [], [], "", False, True, ["never deployed"])
+    host.attempted = "R1"
+    doc = json.loads(json.dumps(host.as_json()))
+    assert doc["plan"] == {"add": ["a.py"], "change": [], "remove": [], "unit_diff": "", "daemon_reload": False,
+                           "restart": True, "reasons": ["never deployed"]}
+    assert doc["attempted"] == "R1"
+    host.details = LockView("held", LockInfo("u", "c", 1, "t", "kdeploy push all", 42))
+    assert host.as_json()["lock"] == {"state": "held", "holder": {"user": "u", "controller": "c", "pid": 1,
+                                                                 "since": "t", "command": "kdeploy push all",
+                                                                 "remote_pid": 42}}

@@ -152,13 +152,14 @@ def test_the_lock_is_held_through_the_rollout_and_names_its_holder(path: Path, c
 
 
 def fake_rollouts(monkeypatch: pytest.MonkeyPatch, results: dict[str, str],
-                  during: Callable[[], None] = lambda: None) -> list[tuple[list[str], Options]]:
+                  during: Callable[[], None] = lambda: None) -> list[tuple[list[str], threading.Event]]:
     """Replace the rollout: the edit's ends each host with ``results`` after running ``during``; a second
-    one (the old config pushed back) deploys. Returns each call's hosts and options."""
-    calls: list[tuple[list[str], Options]] = []
+    one (the old config pushed back) deploys. Returns each call's hosts and cancel state."""
+    calls: list[tuple[list[str], threading.Event]] = []
 
-    def rollout(inv: Inventory, names: list[str], local: dict, opts: Options, **_: object) -> Report:
-        calls.append((list(names), opts))
+    def rollout(inv: Inventory, names: list[str], local: dict, opts: Options, *, cancel: threading.Event,
+                **_: object) -> Report:
+        calls.append((list(names), cancel))
         if len(calls) > 1:
             return Report("push", [HostResult(n).finish("deployed") for n in names])
         during()
@@ -249,13 +250,13 @@ def test_after_ctrl_c_the_old_config_goes_back_with_a_cancel_state_of_its_own(
     """Ctrl-C stops the rollout (h1 took the new config, h2 never started); putting h1 back must not be
     stopped by that same Ctrl-C, or h1 keeps a config the reverted inventory no longer has."""
     calls = fake_rollouts(monkeypatch, {"h1": "deployed", "h2": "interrupted"},
-                          lambda: calls[0][1].cancel.set())  # Ctrl-C once h1's batch is done
+                          lambda: calls[0][1].set())  # Ctrl-C once h1's batch is done
     code, facts = edit_json(path, capsys, "set-env", "A=1", "--parallel", "1")
     assert code == 130
     assert path.read_text() == INVENTORY and facts["reverted"] is True
     (first, cancelled), (back, restore) = calls
-    assert first == ["h1", "h2"] and cancelled.cancel.is_set()
-    assert back == ["h1"] and not restore.cancel.is_set()
+    assert first == ["h1", "h2"] and cancelled.is_set()
+    assert back == ["h1"] and not restore.is_set()
     assert facts["restored_hosts"] == {"h1": "deployed"}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,20 @@ def test_journal_command():
     assert journal_command("abc", lines=12).endswith(" -n 12")
     cmd = journal_command("abc", grep=['[kdtree] say "hi"', "it's"])
     assert cmd.endswith(""" | grep -F -e '[kdtree] say \\"hi\\"' -e 'it'"'"'s' || true""")
+
+
+def test_journal_grep_finds_non_ascii_markers():
+    """journalctl -o json writes non-ASCII text as UTF-8, not as \\u escapes: the grep must look for that."""
+    markers = ["[kdtree] Größe ✓ 日本", 'say "hé" \\ done']
+    cmd = journal_command("abc", grep=markers)
+    assert "\\u" not in cmd
+    record = [json.dumps({"MESSAGE": f"[TP{i}] {m} pid={i}", "_PID": str(i)}, ensure_ascii=False)
+              for i, m in enumerate(markers)]
+    journal = "\n".join(["{\"MESSAGE\":\"other\",\"_PID\":\"7\"}", *record]) + "\n"
+    grep = cmd.split(" | ", 1)[1]
+    out = subprocess.run(["sh", "-c", grep], input=journal.encode(), capture_output=True, check=True,
+                         env={"LC_ALL": "C", "PATH": "/usr/bin:/bin"}).stdout.decode()
+    assert [line.message for line in parse_journal(out)] == [f"[TP{i}] {m} pid={i}" for i, m in enumerate(markers)]
 
 
 def test_parse_journal_real_output():

@@ -24,8 +24,11 @@ What it installs in a TP worker (environment variables of the service):
     built with ``need_sort=True``.
 ``KDTREE_NSPLIT=N`` (default 64; a power of two, 1..1024): verify override
     Registers the attention backend ``kdtree`` with SGLang's registry and the ``--attention-backend``
-    choices, then logs ``[kdtree] installed verify override nsplit=N``. Until the kdtree kernel lands the
-    backend delegates to SGLang's stock ``triton`` backend (and says so).
+    choices, then logs ``[kdtree] installed verify override nsplit=N kernel=kdtree-splitk``. The backend
+    (:mod:`kdtree_ext.backend`) is SGLang's stock ``triton`` backend with its target-verify MLA attention
+    replaced by the kdtree split-K Triton kernel (:mod:`kdtree_ext.mla_verify`): the prefix is split into
+    at most N partitions (fewer for short prefixes or batches that already fill the GPU), combined by LSE.
+    Every other mode delegates to SGLang's ``triton`` backend.
 
 An invalid value (e.g. ``KDTREE_NSPLIT=abc``) logs one ``[kdtree] FATAL`` line and raises
 :class:`ConfigError`, a ``SystemExit``: SGLang's ``load_plugins()`` swallows ``Exception`` from plugins but
@@ -39,7 +42,6 @@ which never contains a marker. Each line is one ``write`` + flush (concurrent wo
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import multiprocessing
 import os
@@ -308,15 +310,17 @@ def _install_choices() -> str:
 
 def make_backend_factory(nsplit: int):
     def create_kdtree_backend(runner):
-        """The ``kdtree`` verify-attention backend (speculative decoding), KDTREE_NSPLIT splits.
+        """The ``kdtree`` verify-attention backend (speculative decoding), at most KDTREE_NSPLIT splits.
 
-        Until the kdtree kernel lands this DELEGATES to SGLang's stock Triton attention backend: it returns
-        exactly what ``--attention-backend triton`` would build, tagged with ``kdtree_nsplit``.
+        Builds what ``--attention-backend triton`` would build and wraps it (``kdtree_ext.backend``):
+        target-verify forward passes of absorbed-MLA layers run the kdtree split-K kernel
+        (``kdtree_ext.mla_verify``); every other mode delegates to SGLang's stock Triton attention backend.
         """
+        from kdtree_ext.backend import KdtreeVerifyBackend
+
         registry = importlib.import_module(ATTENTION_REGISTRY)
-        backend = registry.ATTENTION_BACKENDS[DELEGATE_BACKEND](runner)
-        with contextlib.suppress(AttributeError):
-            backend.kdtree_nsplit = nsplit
+        backend = KdtreeVerifyBackend(registry.ATTENTION_BACKENDS[DELEGATE_BACKEND](runner), nsplit)
+        log(f"[kdtree] verify backend built: {backend.describe()} hooked={backend.hooked} ({_who()})")
         return backend
 
     create_kdtree_backend.kdtree_nsplit = nsplit
@@ -324,6 +328,8 @@ def make_backend_factory(nsplit: int):
 
 
 def _install_verify(cfg: Config) -> None:
+    from kdtree_ext.backend import KERNEL
+
     choices_module = _install_choices()
     registry = _import(ATTENTION_REGISTRY)
     register_backend = getattr(registry, "register_attention_backend", None)
@@ -337,9 +343,9 @@ def _install_verify(cfg: Config) -> None:
         register_backend(BACKEND_NAME)(make_backend_factory(cfg.nsplit))
     if getattr(backends.get(BACKEND_NAME), "kdtree_nsplit", None) != cfg.nsplit:
         raise _Missing(f"registering attention backend {BACKEND_NAME!r} did not take")
-    log(f"{VERIFY_OVERRIDE} nsplit={cfg.nsplit}: attention backend {BACKEND_NAME!r} registered "
-        f"(choices in {choices_module}); delegates to SGLang's {DELEGATE_BACKEND!r} backend until the kdtree "
-        f"kernel lands ({_who()})")
+    log(f"{VERIFY_OVERRIDE} nsplit={cfg.nsplit} kernel={KERNEL}: attention backend {BACKEND_NAME!r} registered "
+        f"(choices in {choices_module}); target-verify MLA attention runs the {KERNEL} Triton kernel, every "
+        f"other mode delegates to SGLang's {DELEGATE_BACKEND!r} backend ({_who()})")
 
 
 # ----------------------------------------------------------------------------------------------- fallback

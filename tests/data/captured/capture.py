@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,10 +47,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 
 from kdeploy import cli, deploy, fleet, inventory, provisional, state, systemd  # noqa: E402
-from kdeploy.demo import demo_service, project_dir  # noqa: E402
+from kdeploy.lab.demo import demo_service, project_dir  # noqa: E402
+from kdeploy.lab.sandbox import Sandbox  # noqa: E402
 from kdeploy.render import quote_env_assignment, quote_exec_arg  # noqa: E402
 from kdeploy.report import HostResult  # noqa: E402
-from kdeploy.sandbox import Sandbox  # noqa: E402
 
 DEFAULT_MARKERS = ("[kdtree] defrag Tier-0", "[kdtree] installed verify override")
 
@@ -145,7 +146,8 @@ def capture_state(box: Sandbox) -> None:
     (payload / "rev.txt").write_text("3")
     inv = inventory.load(path)
     host = inv.hosts[HOST]
-    step = deploy.HostPush(inv, host, fleet.prepare(inv, [HOST])[HOST], deploy.Options(), HostResult(HOST))
+    step = deploy.HostPush(inv, host, fleet.prepare(inv, [HOST])[HOST], deploy.Options(), HostResult(HOST),
+                           threading.Event())
     step.prepare()
     assert step.state is not None and step.remote is not None and step.staged
     pending = provisional.new_pending(step.state.confirmed, step.staged, 3600)

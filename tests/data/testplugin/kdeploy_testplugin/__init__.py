@@ -1,5 +1,7 @@
 """A minimal SGLang general plugin for tests: put tests/data/testplugin on PYTHONPATH and SGLang's
-``load_plugins()`` (or kdeploy's reference server) finds it through the bare dist-info next to it."""
+``load_plugins()`` (or kdeploy's reference server) finds it through the bare dist-info next to it.
+
+Each worker prints ``MARKER``, or the text of ``$KDEPLOY_TESTPLUGIN_MARKER`` when that is set."""
 
 import multiprocessing
 import os
@@ -22,5 +24,5 @@ def register() -> None:
     if multiprocessing.parent_process() is None:  # the launcher: markers come from the TP workers only
         sys.stdout.write(f"[kdeploy-testplugin] registered in the launcher pid={os.getpid()}\n")
     else:
-        sys.stdout.write(f"{MARKER} pid={os.getpid()}\n")
+        sys.stdout.write(f"{os.environ.get('KDEPLOY_TESTPLUGIN_MARKER', MARKER)} pid={os.getpid()}\n")
     sys.stdout.flush()

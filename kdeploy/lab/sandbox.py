@@ -4,7 +4,7 @@ Every host boots the machine's own OS (``-D / --volatile=yes``): ``/`` is a tmpf
 machine's (read-only), ``/etc`` is an overlay whose upper dir is per host, ``/srv`` and ``/opt`` are
 bound per host and survive a reboot of the host. A venv built from ``/usr/bin/python3`` is bound
 read-only at :data:`HOST_VENV` in every host. Optionally (``Sandbox(sglang=...)``) the cached CPU SGLang
-venv of :mod:`kdeploy.sglang_env` (the real ``sglang==0.5.23``, also built from ``/usr/bin/python3``) is
+venv of :mod:`kdeploy.lab.sglang_env` (the real ``sglang==0.5.23``, also built from ``/usr/bin/python3``) is
 bound read-only at :data:`SGLANG_HOST_VENV`; both venvs carry the reference server as ``kdeploy_refserver``.
 
 Network: a bridge ``kdbr<i>`` with 10.213.<i>.1/24 on the machine, per host a network namespace and a
@@ -340,7 +340,7 @@ class Sandbox:
 
     def _resolve_sglang(self) -> Path | None:
         """The SGLang venv to bind on up(), per ``self.sglang`` (see ``__init__``)."""
-        from kdeploy import sglang_env
+        from kdeploy.lab import sglang_env
 
         if self.sglang is False:
             return None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kdeploy import sglang_env
-from kdeploy.sandbox import HOST_VENV, SGLANG_HOST_VENV
+from kdeploy.lab import sglang_env
+from kdeploy.lab.sandbox import HOST_VENV, SGLANG_HOST_VENV
 
 REFSERVER_MODULE = "kdeploy_refserver"
 # What each kdtree worker logs even where SGLang is missing (its other markers then read "skipped").
@@ -14,7 +14,7 @@ PLUGIN_LOADED = "[kdtree] plugin loaded"
 
 def project_dir() -> Path:
     """Where ``templates/`` and ``kernels/`` live: the source tree kdeploy runs from, else the cwd."""
-    here = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parents[2]
     return here if (here / "templates").is_dir() else Path.cwd()
 
 

@@ -1,0 +1,6 @@
+"""The lab: what kdeploy is tested and demonstrated with, not what it deploys with.
+
+Local sandbox hosts (systemd-nspawn with real systemd, sshd and journald), the reference server that
+stands in for SGLang on them, the cached CPU venv of the real SGLang package, and the demo service.
+``kdeploy sandbox`` and the tests import it; a push never does.
+"""

@@ -1,0 +1,521 @@
+"""kdtree tree-verify attention for absorbed MLA (DeepSeek/Kimi style): Triton split-K kernel + combine.
+
+What it computes, per request ``b`` of a target-verify batch (SGLang's EAGLE/DDTree verify step):
+
+* ``q_len`` draft-tree tokens (rows ``qo_indptr[b]..qo_indptr[b+1]`` of ``q``), ``H`` query heads each,
+  query = ``[latent 512 | rope 64]``;
+* keys = the request's prefix (``P_b`` tokens already in the paged KV cache, per token
+  ``[c_kv 512 | k_rope 64]``) followed by the ``q_len`` draft tokens themselves (``k_ext``);
+  values = ``c_kv`` (the first 512 channels of the same cache rows; ``v_ext`` for the draft tokens);
+* draft token ``i`` sees the whole prefix and the draft tokens ``j`` with
+  ``custom_mask[mask_indptr[b] + i * (P_b + q_len) + P_b + j] != 0`` — the flattened ``[q_len, P_b + q_len]``
+  per-request mask SGLang's target-verify mode passes (its prefix columns are all ones there and are not
+  read); without a mask, the draft part is causal (a chain).
+
+The prefix is addressed like SGLang's Triton backend does: either ``kv_indptr``/``kv_indices`` (the flattened
+per-token slot list, ``kv_indices[kv_indptr[b] + t]``) or ``req_to_token[req_pool_indices[b], t]`` with
+``seq_lens[b]``. Page size 1 and 64 are both just layouts of those slot lists (a 64-token page is 64
+consecutive slots); the pages may lie anywhere in the pool.
+
+How (two launches, no host sync, no allocation, grid from static maxima — CUDA-graph safe):
+
+1. ``_split_kernel``, grid ``(row_blocks, nsplit, bs)``. A program takes ``BLOCK_M`` (token, head) rows of one
+   request (MLA has one KV head, so every query head of every draft token shares the KV stream, and the rows
+   of a request are contiguous in ``q``) and one partition of the prefix: partition ``s`` is
+   ``[s * chunk, (s + 1) * chunk)``, ``chunk = max(roundup(cdiv(P_b, nsplit), BLOCK_N), min_chunk)``, so short
+   prefixes use fewer partitions and the rest exit at once. It streams its keys in ``BLOCK_N`` tiles (one
+   load of ``[c_kv | k_rope]`` serves both ``Q K^T`` and ``P V``; no mask in the prefix), keeps an online
+   softmax in fp32 and writes its normalised partial output (fp32) and log2-sum-exp.
+2. ``_combine_kernel``, grid ``(max_q_len * H, bs, 512 / BLOCK_D)``: one (token, head) row, BLOCK_D output
+   channels. It attends the draft tree once per row (the only place the mask is read; fp32 on the row's
+   ``q_len`` draft keys), merges that with the non-empty prefix partitions by their LSE and writes ``o``
+   (``[tokens, H, 512]``, the input dtype). Partials are fp32 (``partial_dtype`` can make them bf16).
+
+``mla_tree_verify`` launches both; ``reference_tree_verify`` is the fp32 PyTorch reference (gather, mask,
+softmax, weighted sum). Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+KERNEL_NAME = "kdtree-splitk"
+D_LATENT = 512
+D_ROPE = 64
+D_QK = D_LATENT + D_ROPE
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters. ``max_ctas`` caps ``row_blocks * bs * nsplit`` (0: no cap) by using fewer
+    partitions for a batch that already fills the GPU; ``min_chunk`` is the shortest partition (tokens).
+    ``wave_sms`` (> 0: that many multiprocessors; -1: the current CUDA device's; 0: off) picks, under those
+    caps, the partition count that wastes least of the last wave of programs (one program per multiprocessor:
+    time ~ waves x tiles per program); ``dv_split`` 2 gives each half of the 512 value channels its own
+    program (measured slower on H200: kept as an option, see docs/benchmarks.md); ``pdl`` launches the
+    combine as a programmatic dependent launch (sm_90+): it starts while the split kernel's last programs
+    run, attends the draft tree, then waits (``griddepcontrol.wait``) before reading the partials."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    min_chunk: int = 256
+    max_ctas: int = 512
+    partial_dtype: str = "float32"
+    warp_specialize: bool = False
+    dv_split: int = 1
+    wave_sms: int = 0
+    pdl: bool = False
+    combine_block_s: int = 32
+    combine_block_d: int = 256
+    combine_block_j: int = 16
+    combine_warps: int = 4
+
+    def describe(self) -> str:
+        return (f"block_m={self.block_m} block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} "
+                f"dv_split={self.dv_split} "
+                f"min_chunk={self.min_chunk} max_ctas={self.max_ctas} wave_sms={self.wave_sms} "
+                f"pdl={int(self.pdl)} partials={self.partial_dtype} "
+                f"combine=s{self.combine_block_s}/d{self.combine_block_d}/w{self.combine_warps}")
+
+
+# Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
+# x 64 keys per tile, 8 warps, 2 cp.async stages (216 KB of shared memory, 255 registers, no spills), partitions
+# of at least 256 tokens and at most 512 programs per launch, fp32 partials. Since run 3 (same day): the
+# partition count that fills the last wave of programs best (wave_sms=-1) and the combine as a programmatic
+# dependent launch (pdl; sm_90+ only, else off): bs=1 H=16 and bs=8 H=16 Q=9 5-24% faster, the rest 0-3%.
+GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True)
+INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
+                                  combine_block_s=8, combine_block_d=256)
+
+
+def default_config(device: torch.device | str) -> KernelConfig:
+    return GPU_CONFIG if torch.device(device).type == "cuda" else INTERPRETER_CONFIG
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+@triton.jit
+def _chunk_len(prefix, nsplit, min_chunk, BLOCK_N: tl.constexpr):
+    """Tokens per prefix partition (a multiple of BLOCK_N; min_chunk is one too)."""
+    per = tl.cdiv(prefix, nsplit)
+    per = tl.cdiv(per, BLOCK_N) * BLOCK_N
+    return tl.maximum(per, min_chunk)
+
+
+@triton.jit
+def _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, KvIdx, kv_base, n0, end, qk_scale, stride_kb, dv0,
+                 DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """One BLOCK_N tile of prefix keys: gather the rows, scores, online softmax update, P V.
+
+    DV_SPLIT == 2: this program owns value channels [dv0, dv0 + 256); the latent part of Q K^T is done as
+    its own half (also the values) plus the other half (q_oth / k_oth), so nothing is loaded twice."""
+    BLOCK_DV: tl.constexpr = DL // DV_SPLIT
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dr = tl.arange(0, DR)
+    if MASKED:
+        n_ok = offs_n < end
+        loc = tl.load(KvIdx + kv_base + offs_n, mask=n_ok, other=0).to(tl.int64)
+    else:
+        loc = tl.load(KvIdx + kv_base + offs_n).to(tl.int64)
+    k_row = KBuf + loc[:, None] * stride_kb
+    if MASKED:
+        k_own = tl.load(k_row + dv0 + offs_dv[None, :], mask=n_ok[:, None], other=0.0)
+        k_rope = tl.load(k_row + DL + offs_dr[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        k_own = tl.load(k_row + dv0 + offs_dv[None, :])
+        k_rope = tl.load(k_row + DL + offs_dr[None, :])
+    s = tl.dot(q_own, tl.trans(k_own))
+    if DV_SPLIT == 2:
+        if MASKED:
+            k_oth = tl.load(k_row + (BLOCK_DV - dv0) + offs_dv[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_oth = tl.load(k_row + (BLOCK_DV - dv0) + offs_dv[None, :])
+        s = tl.dot(q_oth, tl.trans(k_oth), s)
+    s = tl.dot(q_rope, tl.trans(k_rope), s)
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(k_own.dtype), k_own, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _split_kernel(
+    Q, KBuf, QoIndptr, KvStart, KvLens, KvIdx, PartO, PartLse,
+    qk_scale, nsplit, min_chunk, kv_start_mult,
+    stride_qt, stride_qh, stride_kb,
+    stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
+    H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_INDPTR: tl.constexpr, WARP_SPEC: tl.constexpr,
+    DV_SPLIT: tl.constexpr, PDL: tl.constexpr,
+):
+    """One prefix partition x BLOCK_M (token, head) rows of one request (x one half of the 512 value channels
+    when DV_SPLIT == 2: neighbouring programs take the two halves of the same rows and keys, so the second
+    reads its keys from L2) -> partial output + log2-sum-exp."""
+    BLOCK_DV: tl.constexpr = DL // DV_SPLIT
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()      # the combine may be launched once every program runs
+    pid_m = tl.program_id(0) // DV_SPLIT
+    dv0 = (tl.program_id(0) % DV_SPLIT) * BLOCK_DV
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+
+    q_start = tl.load(QoIndptr + b)
+    rows = (tl.load(QoIndptr + b + 1) - q_start) * H
+    if pid_m * BLOCK_M >= rows:
+        return
+    if KV_INDPTR:
+        kv_base = tl.load(KvStart + b).to(tl.int64)
+        prefix = (tl.load(KvStart + b + 1) - kv_base).to(tl.int32)
+    else:
+        kv_base = tl.load(KvStart + b).to(tl.int64) * kv_start_mult
+        prefix = tl.load(KvLens + b).to(tl.int32)
+    chunk = _chunk_len(prefix, nsplit, min_chunk, BLOCK_N)
+    start = split * chunk
+    if start >= prefix:
+        return                                     # empty partition: the combine skips it too
+    end = tl.minimum(start + chunk, prefix)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dr = tl.arange(0, DR)
+    q_row = Q + (q_start + offs_m // H).to(tl.int64)[:, None] * stride_qt + (offs_m % H)[:, None] * stride_qh
+    q_own = tl.load(q_row + dv0 + offs_dv[None, :], mask=row_ok[:, None], other=0.0).to(KBuf.dtype.element_ty)
+    if DV_SPLIT == 2:
+        q_oth = tl.load(q_row + (BLOCK_DV - dv0) + offs_dv[None, :], mask=row_ok[:, None],
+                        other=0.0).to(KBuf.dtype.element_ty)
+    else:
+        q_oth = q_own                              # unused
+    q_rope = tl.load(q_row + DL + offs_dr[None, :], mask=row_ok[:, None], other=0.0).to(KBuf.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # no mask in the prefix; one load of [c_kv | k_rope] serves Q K^T and P V (values = c_kv).
+    # Whole BLOCK_N tiles run unmasked; the partition's last partial tile (if any) runs masked.
+    n_full = start + ((end - start) // BLOCK_N) * BLOCK_N
+    for n0 in tl.range(start, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
+        acc, m_i, l_i = _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, KvIdx, kv_base, n0, end, qk_scale,
+                                     stride_kb, dv0, DL, DR, BLOCK_N, DV_SPLIT, False)
+    if n_full < end:
+        acc, m_i, l_i = _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, KvIdx, kv_base, n_full, end,
+                                     qk_scale, stride_kb, dv0, DL, DR, BLOCK_N, DV_SPLIT, True)
+
+    out = acc / l_i[:, None]                       # every partition has >= 1 key: l_i > 0
+    lse = m_i + tl.log2(l_i)
+    part = b.to(tl.int64) * stride_pb + split.to(tl.int64) * stride_ps
+    tl.store(PartO + part + offs_m[:, None] * stride_pr + dv0 + offs_dv[None, :], out.to(PartO.dtype.element_ty),
+             mask=row_ok[:, None])
+    # both value halves compute the same scores (same instructions, same order): one of them writes the LSE
+    if dv0 == 0:
+        tl.store(PartLse + b.to(tl.int64) * stride_lb + split.to(tl.int64) * stride_ls + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    Q, KExt, VExt, Mask, MaskIndptr, PartO, PartLse, Out, QoIndptr, KvStart, KvLens,
+    qk_scale, nsplit, min_chunk,
+    stride_qt, stride_qh, stride_ket, stride_vet,
+    stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, stride_ot, stride_oh,
+    H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, KV_INDPTR: tl.constexpr, HAS_MASK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One (token, head) row x BLOCK_D output channels: attention over the draft tree (done here, once per
+    row, in fp32; the tree mask is read only here), merged with the non-empty prefix partitions by their
+    log2-sum-exp; writes the output."""
+    row = tl.program_id(0)
+    b = tl.program_id(1)
+    d0 = tl.program_id(2) * BLOCK_D
+    q_start = tl.load(QoIndptr + b)
+    q_len = tl.load(QoIndptr + b + 1) - q_start
+    if row >= q_len * H:
+        return
+    if KV_INDPTR:
+        prefix = (tl.load(KvStart + b + 1) - tl.load(KvStart + b)).to(tl.int32)
+    else:
+        prefix = tl.load(KvLens + b).to(tl.int32)
+    tok = row // H
+    head = row % H
+    offs_dl = tl.arange(0, DL)
+    offs_dr = tl.arange(0, DR)
+    offs_d = d0 + tl.arange(0, BLOCK_D)
+
+    # ---- the draft tree: this row's token sees the draft tokens its mask row allows (itself, ancestors)
+    q_row = Q + (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q_lat = tl.load(q_row + offs_dl).to(tl.float32)
+    q_rope = tl.load(q_row + DL + offs_dr).to(tl.float32)
+    if HAS_MASK:
+        mask_row = Mask + tl.load(MaskIndptr + b).to(tl.int64) + tok.to(tl.int64) * (prefix + q_len) + prefix
+    m_run = tl.full([], float("-inf"), dtype=tl.float32)
+    w_run = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j0 in range(0, q_len, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        j_ok = offs_j < q_len
+        k_row = KExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_ket
+        k_lat = tl.load(k_row + offs_dl[None, :], mask=j_ok[:, None], other=0.0).to(tl.float32)
+        k_rope = tl.load(k_row + DL + offs_dr[None, :], mask=j_ok[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(k_lat * q_lat[None, :], 1) + tl.sum(k_rope * q_rope[None, :], 1)
+        if HAS_MASK:  # noqa: SIM108 (a constexpr branch: mask_row exists only here)
+            seen = j_ok & (tl.load(mask_row + offs_j, mask=j_ok, other=0) != 0)
+        else:
+            seen = j_ok & (offs_j <= tok)
+        s = tl.where(seen, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(s, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)
+        p = tl.exp2(s - m_use)
+        v = tl.load(VExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_vet + offs_d[None, :],
+                    mask=j_ok[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        w_run = w_run * alpha + tl.sum(p, 0)
+        m_run = m_new
+
+    # ---- the prefix partitions (normalised partial outputs, weight 2^lse), BLOCK_S at a time
+    if PDL:
+        tl.extra.cuda.gdc_wait()                   # the split kernel has finished and its writes are visible
+    n_act = tl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, BLOCK_N))
+    base_o = PartO + b.to(tl.int64) * stride_pb + row * stride_pr
+    base_l = PartLse + b.to(tl.int64) * stride_lb + row
+    for s0 in range(0, n_act, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = offs_s < n_act
+        lse = tl.load(base_l + offs_s * stride_ls, mask=s_ok, other=float("-inf"))
+        part = tl.load(base_o + offs_s.to(tl.int64)[:, None] * stride_ps + offs_d[None, :], mask=s_ok[:, None],
+                       other=0.0).to(tl.float32)
+        m_new = tl.maximum(m_run, tl.max(lse, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)
+        w = tl.exp2(lse - m_use)
+        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
+        w_run = w_run * alpha + tl.sum(w, 0)
+        m_run = m_new
+    out = acc / tl.where(w_run > 0.0, w_run, 1.0)
+    tl.store(Out + (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+
+
+# ------------------------------------------------------------------------------------------------ launch
+
+class Workspace:
+    """Partial outputs/LSEs: ``slots`` partition slots of ``max_rows`` (token, head) rows each. A launch with
+    ``bs`` requests and ``ns`` prefix partitions uses ``bs * ns`` slots (viewed as ``[bs, ns, rows]``, without
+    allocating). Allocate once (e.g. at CUDA-graph state init) with :meth:`for_batches`."""
+
+    def __init__(self, slots: int, max_rows: int, device, *, dv: int = D_LATENT, dtype: str = "float32"):
+        self.slots, self.max_rows = slots, max_rows
+        self.part_o = torch.empty((slots, max_rows, dv), dtype=getattr(torch, dtype), device=device)
+        self.part_lse = torch.empty((slots, max_rows), dtype=torch.float32, device=device)
+
+    @classmethod
+    def for_batches(cls, max_bs: int, rows: int, nsplit: int, config: KernelConfig, device) -> Workspace:
+        """Big enough for every batch of 1..max_bs requests of up to ``rows`` rows."""
+        slots = max(bs * effective_nsplit(nsplit, bs, rows, config) for bs in range(1, max_bs + 1))
+        return cls(slots, rows, device, dtype=config.partial_dtype)
+
+    def fits(self, bs: int, rows: int, nsplit: int, dtype: str | None = None) -> bool:
+        return (bs * nsplit <= self.slots and rows <= self.max_rows
+                and (dtype is None or self.part_o.dtype == getattr(torch, dtype)))
+
+    def views(self, bs: int, nsplit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = bs * nsplit
+        return (self.part_o[:n].view(bs, nsplit, self.max_rows, self.part_o.shape[-1]),
+                self.part_lse[:n].view(bs, nsplit, self.max_rows))
+
+    @property
+    def nbytes(self) -> int:
+        return self.part_o.numel() * self.part_o.element_size() + self.part_lse.numel() * 4
+
+
+@functools.lru_cache(maxsize=8)
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=1024)
+def _wave_nsplit(ns: int, blocks: int, sms: int) -> int:
+    """The n <= ns with the most partitions per wave (n / ceil(blocks * n / sms)); ties: the larger n.
+    Cached: it runs on every launch, and at bs=1 the host time is part of the latency."""
+    return max(range(1, ns + 1), key=lambda n: (n / -(-(blocks * n) // sms), n))
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_ok() -> bool:
+    return torch.cuda.is_available()
+
+
+@functools.lru_cache(maxsize=8)
+def _pdl_ok(index: int) -> bool:
+    """Programmatic dependent launch (griddepcontrol) needs sm_90 or newer."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _wave_sms(config: KernelConfig) -> int:
+    if config.wave_sms >= 0:
+        return config.wave_sms
+    return _device_sms(torch.cuda.current_device()) if _cuda_ok() else 0
+
+
+def effective_nsplit(nsplit: int, bs: int, rows: int, config: KernelConfig) -> int:
+    """Partitions a launch uses: ``nsplit``, fewer when ``bs`` requests already make ``max_ctas`` programs,
+    and (``wave_sms``) the count under that which maximises partitions per wave of programs: e.g. 3 row
+    blocks on 132 multiprocessors run 44 partitions in one wave rather than 64 in two (a host-side function
+    of static sizes only: CUDA-graph safe)."""
+    if config.max_ctas <= 0:
+        return nsplit
+    blocks = max(bs * triton.cdiv(rows, config.block_m) * config.dv_split, 1)
+    ns = max(1, min(nsplit, config.max_ctas // blocks))
+    sms = _wave_sms(config)
+    return _wave_nsplit(ns, blocks, sms) if sms > 0 else ns
+
+
+def _flat(t: torch.Tensor, last: int) -> torch.Tensor:
+    """[N, 1, D] or [N, D] -> [N, D] view (last dim contiguous)."""
+    if t.dim() == 3:
+        assert t.shape[1] == 1, "MLA keeps one latent KV head"
+        t = t[:, 0]
+    assert t.shape[-1] >= last and t.stride(-1) == 1, f"need a contiguous last dim of at least {last}"
+    return t
+
+
+def mla_tree_verify(
+    q: torch.Tensor, k_ext: torch.Tensor, v_ext: torch.Tensor | None, o: torch.Tensor, kv_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor | None, kv_indices: torch.Tensor | None,
+    custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None, max_q_len: int, sm_scale: float,
+    nsplit: int = 64, workspace: Workspace | None = None, *, req_to_token: torch.Tensor | None = None,
+    req_pool_indices: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Tree-verify attention into ``o`` ([tokens, H, 512] or [tokens, H * 512]); returns ``o``.
+
+    ``q`` [tokens, H, 576]; ``k_ext`` [tokens, (1,) 576] and ``v_ext`` [tokens, (1,) 512] (None: the first 512
+    channels of ``k_ext``) are the draft tokens' own keys/values; ``kv_buffer`` [slots, (1,) 576] is the MLA
+    cache (values = its first 512 channels). Prefix: ``kv_indptr``/``kv_indices``, or ``req_to_token`` +
+    ``req_pool_indices`` + ``seq_lens``. ``max_q_len`` bounds ``qo_indptr[b+1] - qo_indptr[b]`` (a static
+    maximum: the grid depends on it, never on tensor contents). Nothing here reads device memory on the host
+    or allocates when ``workspace`` is given, so it can be captured in a CUDA graph.
+    """
+    config = config or default_config(q.device)
+    tokens, heads, dqk = q.shape
+    assert dqk == D_QK and q.stride(-1) == 1, "q must be [tokens, H, 576] with a contiguous last dim"
+    kbuf = _flat(kv_buffer, D_QK)
+    kext = _flat(k_ext, D_QK)
+    vext = kext if v_ext is None else _flat(v_ext, D_LATENT)
+    o3 = o.view(o.shape[0], heads, D_LATENT) if o.dim() == 2 else o
+    assert o3.stride(-1) == 1 and o3.shape[0] >= tokens
+    bs = qo_indptr.shape[0] - 1
+    rows = max_q_len * heads
+    use_indptr = req_to_token is None
+    if use_indptr:
+        assert kv_indptr is not None and kv_indices is not None
+        kv_start, kv_lens, kv_idx, mult = kv_indptr, kv_indptr, kv_indices, 1
+    else:
+        assert req_pool_indices is not None and seq_lens is not None and req_to_token.stride(1) == 1
+        kv_start, kv_lens, kv_idx, mult = req_pool_indices, seq_lens, req_to_token, req_to_token.stride(0)
+    ns = effective_nsplit(nsplit, bs, rows, config)
+    if workspace is None:
+        workspace = Workspace(bs * ns, rows, q.device, dtype=config.partial_dtype)
+    assert workspace.fits(bs, rows, ns, config.partial_dtype), "workspace too small for this batch (or other dtype)"
+    part_o, part_lse = workspace.views(bs, ns)
+    min_chunk = triton.cdiv(max(config.min_chunk, 1), config.block_n) * config.block_n
+    has_mask = custom_mask is not None
+    if has_mask:
+        assert mask_indptr is not None
+    mask = custom_mask if has_mask else qo_indptr      # any pointer: never read without HAS_MASK
+    mindptr = mask_indptr if has_mask else qo_indptr
+    qk_scale = sm_scale * LOG2E
+    pdl = config.pdl and q.is_cuda and _pdl_ok(torch.cuda.current_device() if q.device.index is None
+                                               else q.device.index)
+    assert config.dv_split in (1, 2), "dv_split: 1 or 2 programs per row block (512 or 256 value channels)"
+    _split_kernel[(triton.cdiv(rows, config.block_m) * config.dv_split, ns, bs)](
+        q, kbuf, qo_indptr, kv_start, kv_lens, kv_idx, part_o, part_lse,
+        qk_scale, ns, min_chunk, mult,
+        q.stride(0), q.stride(1), kbuf.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=config.block_m, BLOCK_N=config.block_n, KV_INDPTR=use_indptr,
+        WARP_SPEC=config.warp_specialize, DV_SPLIT=config.dv_split, PDL=pdl, num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    _combine_kernel[(rows, bs, D_LATENT // config.combine_block_d)](
+        q, kext, vext, mask, mindptr, part_o, part_lse, o3, qo_indptr, kv_start, kv_lens,
+        qk_scale, ns, min_chunk,
+        q.stride(0), q.stride(1), kext.stride(0), vext.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        o3.stride(0), o3.stride(1),
+        H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n, BLOCK_S=config.combine_block_s,
+        BLOCK_D=config.combine_block_d, BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask,
+        PDL=pdl, num_warps=config.combine_warps, **({"launch_pdl": True} if pdl else {}),
+    )
+    return o
+
+
+def with_config(config: KernelConfig, **changes) -> KernelConfig:
+    return replace(config, **changes)
+
+
+# ------------------------------------------------------------------------------------------------ reference
+
+def kv_indices_from_req_to_token(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                                 seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flattened (kv_indptr, kv_indices) form of a req_to_token table (host-side, for references)."""
+    lens = seq_lens.to(torch.int64).cpu()
+    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(lens, 0)
+    rows = [req_to_token[int(r), : int(n)].to(torch.int64) for r, n in zip(req_pool_indices.cpu(), lens, strict=True)]
+    idx = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+    return indptr.to(req_to_token.device), idx.to(req_to_token.device)
+
+
+def reference_tree_verify(
+    q: torch.Tensor, k_ext: torch.Tensor, v_ext: torch.Tensor | None, kv_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+    custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None, sm_scale: float,
+) -> torch.Tensor:
+    """fp32 reference: gather the prefix rows, append the draft tokens, apply the full per-request mask
+    (prefix columns included), softmax, weighted sum of c_kv. Returns [tokens, H, 512] float32."""
+    kbuf = _flat(kv_buffer, D_QK).float()
+    kext = _flat(k_ext, D_QK).float()
+    vext = kext[:, :D_LATENT] if v_ext is None else _flat(v_ext, D_LATENT).float()
+    out = torch.zeros(q.shape[0], q.shape[1], D_LATENT, dtype=torch.float32, device=q.device)
+    qo = qo_indptr.tolist()
+    kv = kv_indptr.tolist()
+    mi = mask_indptr.tolist() if mask_indptr is not None else None
+    for b in range(len(qo) - 1):
+        q0, q1 = qo[b], qo[b + 1]
+        ql = q1 - q0
+        if ql == 0:
+            continue
+        slots = kv_indices[kv[b]: kv[b + 1]].to(torch.int64)
+        prefix = slots.numel()
+        keys = torch.cat([kbuf[slots], kext[q0:q1]])
+        vals = torch.cat([kbuf[slots, :D_LATENT], vext[q0:q1]])
+        if custom_mask is not None:
+            seen = custom_mask[mi[b]: mi[b] + ql * (prefix + ql)].view(ql, prefix + ql).bool()
+        else:
+            seen = torch.cat([torch.ones(ql, prefix, dtype=torch.bool, device=q.device),
+                              torch.ones(ql, ql, dtype=torch.bool, device=q.device).tril()], 1)
+        scores = torch.einsum("thd,nd->thn", q[q0:q1].float(), keys) * sm_scale
+        scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
+        out[q0:q1] = torch.einsum("thn,nd->thd", scores.softmax(-1), vals)
+    return out
+
+
+def default_sm_scale() -> float:
+    return 1.0 / math.sqrt(D_QK)

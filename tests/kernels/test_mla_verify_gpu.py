@@ -1,0 +1,220 @@
+"""The kdtree verify kernel on a CUDA GPU (skipped without torch + CUDA, i.e. always in CI and in `make test` on
+a CPU machine): bf16 at full sizes (contexts up to 64k, NSPLIT up to 128, random trees, both page-table
+layouts, page size 1 and 64), CUDA-graph capture + replay (identical output, new inputs through the same
+graph), and on chain drafts the same answer as SGLang 0.5.23's ``verify_mla`` and ``extend_attention_fwd``
+(loaded from the sglang wheel: set KDTREE_SGLANG_WHEEL, else those tests skip).
+
+On the GPU machine (no kdeploy dependencies there), run it without the repo's top-level conftest:
+``python3 -m pytest -q --confcutdir=tests/kernels tests/kernels/test_mla_verify_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+PAYLOAD = Path(__file__).resolve().parents[2] / "kernels" / "kdtree"
+if str(PAYLOAD) not in sys.path:
+    sys.path.insert(0, str(PAYLOAD))
+
+from kdtree_ext import mla_verify as mv  # noqa: E402
+from kdtree_ext.verify_problems import make_problem, run_kernel, run_reference  # noqa: E402
+
+SCALE = mv.default_sm_scale()
+DEV = "cuda"
+
+
+def check(out, ref, *, rel=1e-2, peak=3e-2):
+    """bf16 inputs and output, fp32 accumulation: |o - ref| / |ref| (norm) under rel, and no element off by
+    more than `peak` of the largest reference value; every element written (outputs are poisoned first)."""
+    out = out.float()
+    assert torch.isfinite(out).all()
+    err = (out - ref).abs().max().item()
+    rel_err = ((out - ref).norm() / ref.norm()).item()
+    assert rel_err < rel and err <= peak * ref.abs().max().item(), (rel_err, err, ref.abs().max().item())
+    return err, rel_err
+
+
+def poisoned(prob):
+    return torch.full((prob["q"].shape[0], prob["heads"], mv.D_LATENT), float("nan"), dtype=prob["q"].dtype,
+                      device=DEV)
+
+
+FULL = [
+    # bs, H, Q, prefix lens, page, nsplit, layout, tree, q_scale (nsplit 128 with max_ctas=0: all 128 partitions)
+    (1, 8, 16, [65536], 1, 64, "indptr", True, 1.0),
+    (8, 16, 16, [65536] * 8, 64, 128, "req_to_token", True, 1.0),
+    (2, 8, 16, [65536, 40000], 1, 128, "indptr", True, 2.0),
+    (8, 8, 9, [16384] * 8, 1, 1, "indptr", False, 1.0),
+    (4, 16, 16, [0, 100, 30000, 65536], 64, 64, "indptr", True, 4.0),
+    (2, 8, 16, [4096, 4095], 64, 16, "req_to_token", True, 1.0),
+    (1, 16, 1, [32768], 1, 128, "indptr", True, 1.0),
+    (1, 16, 9, [65536], 1, 64, "indptr", False, 1.0),     # wave-aware split: 44 partitions (43 used)
+    (3, 8, 64, [5000, 1, 12000], 1, 32, "indptr", True, 2.0),
+    (6, 16, 16, [3, 0, 17, 64, 63, 200], 64, 8, "indptr", True, 3.0),   # the draft tree dominates
+]
+
+
+@pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes", "page", "nsplit", "layout", "tree", "q_scale"), FULL)
+def test_full_sizes_match_the_fp32_reference(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_scale):
+    prob = make_problem(bs, heads, q_len, prefixes, page_size=page, tree=tree, dtype=torch.bfloat16, device=DEV,
+                        seed=bs * 100 + q_len, layout=layout, q_scale=q_scale)
+    config = mv.with_config(mv.GPU_CONFIG, max_ctas=0) if nsplit == 128 else None
+    if config is not None:
+        assert mv.effective_nsplit(nsplit, bs, q_len * heads, config) == 128
+    out = run_kernel(prob, SCALE, nsplit, config=config, out=poisoned(prob))
+    check(out, run_reference(prob, SCALE))
+
+
+def test_float16_and_no_mask_chain():
+    prob = make_problem(2, 16, 9, [20000, 777], page_size=64, tree=False, mask=False, dtype=torch.float16,
+                        device=DEV, seed=5)
+    check(run_kernel(prob, SCALE, 64, out=poisoned(prob)), run_reference(prob, SCALE))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"pdl": True}, {"pdl": False, "wave_sms": 0}])
+def test_cuda_graph_capture_and_replay_give_identical_output(overrides):
+    bs, heads, q_len, max_ctx, nsplit = 4, 16, 16, 65536, 64
+    config = mv.with_config(mv.default_config(DEV), **overrides)
+    first = make_problem(bs, heads, q_len, [max_ctx, 1000, 0, 30000], page_size=64, dtype=torch.bfloat16,
+                         device=DEV, seed=1, mask_dtype=torch.uint8)
+    second = make_problem(bs, heads, q_len, [7, max_ctx, 20000, 1], page_size=1, dtype=torch.bfloat16,
+                          device=DEV, seed=2, mask_dtype=torch.uint8)
+    # static buffers sized for the maxima, as SGLang's graph runner keeps them
+    static = {}
+    for key in ("q", "k_ext", "v_ext", "qo_indptr", "kv_indptr"):
+        static[key] = first[key].clone()
+    static["kv_buffer"] = torch.cat([first["kv_buffer"], second["kv_buffer"]])   # one pool for both
+    offset = first["kv_buffer"].shape[0]
+    cap = bs * max_ctx
+    static["kv_indices"] = torch.zeros(cap, dtype=torch.int64, device=DEV)
+    static["custom_mask"] = torch.zeros(bs * q_len * (max_ctx + q_len), dtype=torch.uint8, device=DEV)
+    static["mask_indptr"] = torch.zeros(bs + 1, dtype=torch.int64, device=DEV)
+
+    def load(prob, shift):
+        for key in ("q", "k_ext", "v_ext", "qo_indptr", "kv_indptr", "mask_indptr"):
+            static[key].copy_(prob[key])
+        n = prob["kv_indices"].numel()
+        static["kv_indices"][:n].copy_(prob["kv_indices"] + shift)
+        static["custom_mask"][: prob["custom_mask"].numel()].copy_(prob["custom_mask"])
+
+    def view(prob, shift):
+        v = dict(prob, kv_buffer=static["kv_buffer"], kv_indices=prob["kv_indices"] + shift)
+        return v
+
+    ws = mv.Workspace.for_batches(bs, q_len * heads, nsplit, config, DEV)
+    out = torch.full((bs * q_len, heads, mv.D_LATENT), float("nan"), dtype=torch.bfloat16, device=DEV)
+
+    def launch():
+        mv.mla_tree_verify(static["q"], static["k_ext"], static["v_ext"], out, static["kv_buffer"],
+                           static["qo_indptr"], static["kv_indptr"], static["kv_indices"], static["custom_mask"],
+                           static["mask_indptr"], q_len, SCALE, nsplit, ws, config=config)
+
+    load(first, 0)
+    launch()
+    eager_first = out.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launch()                                     # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()                                     # fails on any host sync; must not allocate
+    out.fill_(float("nan"))
+    before = torch.cuda.memory_allocated()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    assert torch.equal(out, eager_first)
+    check(out, run_reference(view(first, 0), SCALE))
+
+    # new contents (other prefix lengths, page size, tree) through the same graph
+    load(second, offset)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = out.clone()
+    launch()
+    assert torch.equal(replayed, out)
+    check(replayed, run_reference(view(second, offset), SCALE))
+
+
+def _sglang():
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import sglang_kernels
+
+        return sglang_kernels.load()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize(("bs", "heads", "q_len", "ctx"), [(1, 8, 9, 16384), (8, 16, 9, 4096), (2, 16, 16, 32768)])
+def test_chain_drafts_match_sglang_verify_mla_and_extend_attention(bs, heads, q_len, ctx):
+    extend_attention_fwd, verify_shared_kv_fwd = _sglang()
+    prob = make_problem(bs, heads, q_len, ctx, page_size=1, tree=False, mask=True, dtype=torch.bfloat16,
+                        device=DEV, seed=ctx + bs, mask_dtype=torch.uint8)
+    ref = run_reference(prob, SCALE)
+    ours_masked = run_kernel(prob, SCALE, 64, out=poisoned(prob))
+    causal = dict(prob, custom_mask=None, mask_indptr=None)
+    ours_causal = run_kernel(causal, SCALE, 64, out=poisoned(prob))
+    kbuf = prob["kv_buffer"]
+    args = (prob["q"], prob["k_ext"], prob["v_ext"].view(-1, 1, mv.D_LATENT))
+    tail = (kbuf, kbuf[..., : mv.D_LATENT], prob["qo_indptr"], prob["kv_indptr"], prob["kv_indices"])
+    o_vm = poisoned(prob)
+    ran = verify_shared_kv_fwd(*args, o_vm, *tail, None, True, None, q_len, 1.0, 1.0, sm_scale=SCALE)
+    assert ran is not False
+    o_ext = poisoned(prob)
+    extend_attention_fwd(*args, o_ext, *tail, None, True, None, q_len, 1.0, 1.0, sm_scale=SCALE)
+    o_extm = poisoned(prob)
+    extend_attention_fwd(*args, o_extm, *tail, prob["custom_mask"], False, prob["mask_indptr"], q_len, 1.0, 1.0,
+                         sm_scale=SCALE)
+    for o in (ours_masked, ours_causal, o_vm, o_ext, o_extm):
+        check(o, ref)
+    scale = ref.abs().max().item()
+    for theirs in (o_vm, o_ext, o_extm):
+        assert (ours_masked.float() - theirs.float()).abs().max().item() <= 3e-2 * scale
+    assert torch.equal(ours_masked, ours_causal)     # a chain mask and no mask (causal) agree exactly
+
+
+def test_tree_matches_sglang_extend_attention():
+    extend_attention_fwd, _ = _sglang()
+    q_len, heads = 16, 16
+    prob = make_problem(2, heads, q_len, [8192, 300], page_size=64, tree=True, dtype=torch.bfloat16, device=DEV,
+                        seed=9, mask_dtype=torch.uint8, q_scale=3.0)
+    ref = run_reference(prob, SCALE)
+    ours = run_kernel(prob, SCALE, 64, out=poisoned(prob))
+    kbuf = prob["kv_buffer"]
+    o_ext = poisoned(prob)
+    extend_attention_fwd(prob["q"], prob["k_ext"], prob["v_ext"].view(-1, 1, mv.D_LATENT), o_ext, kbuf,
+                         kbuf[..., : mv.D_LATENT], prob["qo_indptr"], prob["kv_indptr"], prob["kv_indices"],
+                         prob["custom_mask"], False, prob["mask_indptr"], q_len, 1.0, 1.0, sm_scale=SCALE)
+    check(ours, ref)
+    check(o_ext, ref)
+    assert (ours.float() - o_ext.float()).abs().max().item() <= 3e-2 * ref.abs().max().item()
+
+
+@pytest.mark.skipif(not os.environ.get("KDTREE_GPU_ALL_CONFIGS"), reason="set KDTREE_GPU_ALL_CONFIGS=1")
+@pytest.mark.parametrize("config", [dict(block_m=64, block_n=32, num_warps=8, num_stages=2),
+                                    dict(block_m=64, block_n=32, num_warps=8, num_stages=3),
+                                    dict(block_m=64, block_n=16, num_warps=8, num_stages=4),
+                                    dict(block_m=16, block_n=32, num_warps=4, num_stages=2),
+                                    dict(partial_dtype="bfloat16"),
+                                    dict(dv_split=2, block_m=64, block_n=64, num_warps=4, num_stages=2),
+                                    dict(dv_split=2, block_m=64, block_n=32, num_warps=4, num_stages=3),
+                                    dict(dv_split=2, block_m=128, block_n=32, num_warps=8, num_stages=2),
+                                    dict(dv_split=2, block_m=64, block_n=32, num_warps=4, num_stages=4),
+                                    dict(pdl=True), dict(wave_sms=0)])
+def test_other_tile_configs(config):
+    prob = make_problem(3, 16, 16, [40000, 9, 3000], page_size=64, dtype=torch.bfloat16, device=DEV, seed=11)
+    out = run_kernel(prob, SCALE, 64, config=mv.with_config(mv.GPU_CONFIG, **config), out=poisoned(prob))
+    check(out, run_reference(prob, SCALE))

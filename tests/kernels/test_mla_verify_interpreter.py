@@ -1,0 +1,61 @@
+"""The kdtree tree-verify kernel (kernels/kdtree/kdtree_ext/mla_verify.py) under Triton's interpreter on CPU,
+against the fp32 PyTorch reference: random trees and chains, scattered page tables (page size 1 and 64,
+kv_indices and req_to_token layouts), prefix lengths 0..333, Q 1..16, H 1..16, NSPLIT 1..16.
+
+float32 cases must match the reference to 1e-5 (the interpreter computes in fp32); float16 cases to 5e-3
+absolute (p and the output are rounded to half precision: about 2^-11 relative each). bfloat16 cannot be
+checked here — the interpreter reads bf16 as garbage (numpy has no bf16) — it is checked on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kernels.conftest import Script, run_script
+
+TOL = {"float32": 1e-5, "float16": 5e-3, "half_partials": 2e-3}
+
+
+@pytest.fixture(scope="module")
+def interp(sglang_python: str) -> Script:
+    run = run_script(sglang_python, "interp_check.py")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.result["cases"] == len(run.cases) > 0
+    return run
+
+
+def test_matches_fp32_reference_on_every_case(interp: Script):
+    def tol(case):
+        half = case.get("config", {}).get("partial_dtype", "float32") != "float32"
+        return TOL["half_partials"] if half else TOL[case["dtype"]]
+
+    bad = [(c["case"], c["max_err"]) for c in interp.cases if not c["max_err"] <= tol(c["case"])]
+    assert not bad, bad
+    for c in interp.cases:
+        assert c["ref_max"] > 0.05, c          # a real output, not zeros
+        assert c["all_written"], c            # the output was poisoned with NaN first: every element written
+
+
+def test_covers_trees_chains_pages_layouts_and_splits(interp: Script):
+    cases = [c["case"] for c in interp.cases]
+    assert {c["tree"] for c in cases} == {True, False}
+    assert {c["page_size"] for c in cases} == {1, 64}
+    assert {c["layout"] for c in cases} == {"indptr", "req_to_token"}
+    assert {c["nsplit"] for c in cases} >= {1, 16}
+    assert min(c["q_len"] for c in cases) == 1 and max(c["q_len"] for c in cases) == 16
+    prefixes = [p for c in cases for p in c["prefix_lens"]]
+    assert min(prefixes) == 0 and max(prefixes) >= 300
+    assert any(c.get("mask") is False for c in cases)            # no custom mask: causal chain drafts
+    assert any(c.get("mask_dtype") == "uint8" for c in cases)    # SGLang's graph buffer dtype
+    assert {c.get("config", {}).get("dv_split", 1) for c in cases} == {1, 2}   # value channels split or not
+
+
+def test_empty_partitions_exit_early(interp: Script):
+    for c in interp.cases:
+        assert c["partitions_written"] == c["partitions_expected"], c
+        assert c["pad_rows_untouched"], c
+    # short prefixes really use fewer partitions than NSPLIT (the rest exit at once)
+    assert any(sum(c["partitions_written"]) < c["nsplit_used"] * len(c["partitions_written"]) for c in interp.cases)
+    # the CTA cap reduced the partitions of a batch that already fills the (pretend) GPU
+    capped = [c for c in interp.cases if c["case"].get("config", {}).get("max_ctas")]
+    assert capped and all(c["nsplit_used"] < c["case"]["nsplit"] for c in capped)

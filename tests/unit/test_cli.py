@@ -1,0 +1,84 @@
+"""kdeploy/cli.py: the command line the lock and history record on every host."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import pytest
+import typer
+
+from kdeploy import cli, deploy, fleet, lock
+from kdeploy.inventory import load
+from kdeploy.report import HostResult, Report
+
+REPO = Path(__file__).resolve().parents[2]
+INVENTORY = REPO / "inventory.yaml"
+WRAPPER_ARGV = ["deploy_wrapper.py", "--vault-token", "s3cret"]
+
+
+@pytest.fixture
+def captured(monkeypatch) -> list[deploy.Options]:
+    """The Options the CLI hands to fleet.push / fleet.rollback, which do nothing here."""
+    seen: list[deploy.Options] = []
+
+    def fake(inventory, target, opts, **kw) -> Report:
+        seen.append(opts)
+        return Report("push", [])
+
+    monkeypatch.setattr(fleet, "push", fake)
+    monkeypatch.setattr(fleet, "rollback", fake)
+    monkeypatch.setattr("sys.argv", WRAPPER_ARGV)
+    monkeypatch.chdir(REPO)                        # the default inventory.yaml is the example
+    return seen
+
+
+@pytest.mark.parametrize(("argv", "recorded"), [
+    (["push", "all"], "kdeploy push all"),
+    (["push", "ct200,kimi", "--lock-wait", "5", "--canary", "1", "--no-verify", "--batch", "25%", "--json",
+      "--debug"], "kdeploy push ct200,kimi --json --no-verify --lock-wait 5.0 --canary 1 --batch 25%"),
+    (["rollback", "ct200", "--to", "r 1", "-i", str(INVENTORY)],
+     f"kdeploy rollback ct200 --inventory {INVENTORY} --to 'r 1'"),
+])
+def test_the_cli_records_its_own_command_not_sys_argv(captured, capsys, argv, recorded):
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    assert [o.command for o in captured] == [recorded]
+
+
+def test_secret_looking_values_are_masked():
+    app = typer.Typer()
+    seen = []
+
+    @app.command()
+    def deploy_(ctx: typer.Context, pairs: Annotated[list[str], typer.Argument()],
+                api_token: Annotated[str | None, typer.Option("--api-token")] = None,
+                db_password: Annotated[str | None, typer.Option("--db-password")] = None,
+                ssh_key: Annotated[list[str] | None, typer.Option("--ssh-key")] = None,
+                name: Annotated[str, typer.Option("--name")] = "default",
+                force: Annotated[bool, typer.Option("--force")] = False) -> None:
+        seen.append(cli.command_line(ctx))
+
+    @app.command()
+    def other() -> None:
+        pass
+
+    app(["deploy-", "A=1", "HF_TOKEN=hf_x", "b c", "--api-token", "t0k", "--db-password", "pw", "--ssh-key", "k1",
+         "--ssh-key", "k2", "--name", "n n", "--force"], prog_name="kdeploy", standalone_mode=False)
+    assert seen == ["kdeploy deploy- A=1 HF_TOKEN=*** 'b c' --api-token *** --db-password *** --ssh-key *** "
+                    "--ssh-key *** --name 'n n' --force"]
+
+
+def test_a_library_call_records_the_library_call_not_sys_argv(monkeypatch):
+    """A wrapper script that calls the library API must not put its own argv (a token) on every host."""
+    monkeypatch.setattr("sys.argv", WRAPPER_ARGV)
+    host = load(INVENTORY).hosts["ct200"]
+    command = deploy.recorded_command(deploy.Options(), "push")
+    assert command == "kdeploy push (library)"
+    assert deploy.recorded_command(deploy.Options(command="kdeploy push all"), "push") == "kdeploy push all"
+    finish = deploy.finish_command(host, HostResult("ct200").finish("deployed"), time.monotonic(), [],
+                                   command=command)
+    script = lock.holder_script("/opt/kdeploy/svc", lock.holder_info(command))
+    for text in (finish, script):
+        assert '"command":"kdeploy push (library)"' in text.replace('\\"', '"').replace(": ", ":")
+        assert "s3cret" not in text
