@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -136,3 +139,35 @@ def test_retries_back_off_with_jitter_within_the_window() -> None:
     with pytest.raises(remote._Transient, match=r"refused \(\d+ attempts"):
         remote._retrying(lambda: (_ for _ in ()).throw(remote._Transient("refused")), window=0.1,
                          sleep=pauses.append)
+
+
+def test_jump_tunnel_never_sends_after_its_close() -> None:
+    """A send racing close() must not reach the jump host after the CLOSE (OpenSSH drops the connection)."""
+    class Channel:
+        def __init__(self) -> None:
+            self.events: list[str] = []
+
+        def send(self, data: bytes) -> int:
+            self.events.append("send")
+            time.sleep(0.002)
+            return len(data)
+
+        def close(self) -> None:
+            self.events.append("close")
+
+    channel = Channel()
+    tunnel = remote._Tunnel(channel)  # type: ignore[arg-type]
+
+    def sender() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                tunnel.send(b"x")
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    time.sleep(0.05)
+    tunnel.close()
+    thread.join(5)
+    assert channel.events.count("close") == 1 and channel.events[-1] == "close"
+    with pytest.raises(OSError):
+        tunnel.send(b"late")
