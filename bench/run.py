@@ -632,10 +632,10 @@ def release(self, finish=""):
                           round(time.perf_counter() - t0, 4)))
 lock.HeldLock.release = release
 orig_connect = remote.Remote.connect.__func__
-def connect(cls, host, **kw):
+def connect(cls, host, *a, **kw):
     t0 = time.perf_counter()
     try:
-        return orig_connect(cls, host, **kw)
+        return orig_connect(cls, host, *a, **kw)
     finally:
         with mutex:
             calls.append((host.name, "connect", f"{host.user}@{host.address}", round(time.perf_counter() - t0, 4)))

@@ -141,8 +141,24 @@ def render(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
         sys.stdout.write(f"# ---- {name} ----\n{render_unit(loaded, loaded.hosts[name])}")
 
 
+_SSH_CONFIG: list[str] = []  # --ssh-config of this invocation (a global option, like --debug)
+
+
 def _options(**kw: object) -> Options:
-    return Options(**{k: v for k, v in kw.items() if v is not None})
+    ssh_config = _SSH_CONFIG[-1] if _SSH_CONFIG else None
+    return Options(**{k: v for k, v in kw.items() if v is not None}, ssh_config=ssh_config)
+
+
+def _pop_option(args: list[str], name: str) -> str | None:
+    """Remove ``name VALUE`` / ``name=VALUE`` from ``args`` wherever it is; its last value."""
+    value = None
+    for i in range(len(args) - 1, -1, -1):
+        if args[i].startswith(name + "="):
+            value = value or args.pop(i).split("=", 1)[1]
+        elif args[i] == name and i + 1 < len(args):
+            value = value or args[i + 1]
+            del args[i:i + 2]
+    return value
 
 
 _SECRET_NAME = re.compile(r"token|secret|passw|credential|key", re.IGNORECASE)
@@ -426,20 +442,24 @@ InstanceOpt = Annotated[int, typer.Option("--instance", min=0, max=9, help="Sand
 @sandbox_app.command("up")
 def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, help="How many hosts.")] = 2,
                inventory_out: Annotated[Path, typer.Option("--inventory-out", help="Where to write the inventory.")]
-               = Path(".sandbox/inventory.yaml"), instance: InstanceOpt = 0) -> None:
+               = Path(".sandbox/inventory.yaml"), instance: InstanceOpt = 0,
+               bastion: Annotated[bool, typer.Option("--bastion", help="Add a jump host; the others answer "
+                                                     "only through it.")] = False,
+               host_certs: Annotated[bool, typer.Option("--host-certs", help="Sign every host key with a "
+                                                        "sandbox CA; known_hosts trusts only the CA.")] = False
+               ) -> None:
     """Boot local hosts (systemd-nspawn) and write an inventory for them."""
     from kdeploy.lab import demo, sandbox
 
     box = sandbox.Sandbox(instance=instance)
     box.check_requirements()
     started = time.monotonic()
-    booted = box.up(hosts)
+    booted = box.up(hosts, bastion=bastion, host_certs=host_certs)
     box.write_inventory(inventory_out, demo.demo_service())
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     err.print(f"{len(booted)} hosts up in {time.monotonic() - started:.1f}s: "
               + ", ".join(f"{h.name}={h.address}" for h in booted))
-    err.print(f"inventory: {inventory_out}   ssh: ssh -i {box.key_path} -o UserKnownHostsFile={box.known_hosts_path}"
-              f" root@{booted[0].address}")
+    err.print(f"inventory: {inventory_out}   ssh: ssh -F {box.ssh_config_path} {booted[0].name}")
 
 
 @sandbox_app.command("status")
@@ -477,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in args
     if debug:
         args.remove("--debug")
+    ssh_config = _pop_option(args, "--ssh-config")
+    _SSH_CONFIG[:] = [ssh_config] if ssh_config else []
     # A CI cancel or `kill` sends SIGTERM: stop the way Ctrl-C does (staging cleaned, batch finished, exit 130).
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import ClassVar
 
-from kdeploy import gate, history, lock, probe, provisional, release, systemd
+from kdeploy import gate, history, lock, probe, provisional, release, sshconfig, systemd
 from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused, RemoteTimeout, Unreachable
 from kdeploy.gatespec import GateSpec, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
@@ -52,6 +52,7 @@ class Options:
     batch: str | None = None  # N or N%: hosts restarting at once (default: --parallel)
     max_fail: str | None = None  # N or N%: failures tolerated before new batches stop (default: no limit)
     skip_preflight: bool = False
+    ssh_config: str | None = None  # --ssh-config: overrides KDEPLOY_SSH_CONFIG and the inventory's
     command: str | None = None  # what the lock and history record (the CLI's own command line; see recorded_command)
 
 
@@ -63,15 +64,9 @@ def recorded_command(opts: Options, verb: str) -> str:
 
 def connect(inventory: Inventory, host: HostConfig, result: HostResult, opts: Options) -> Remote:
     with result.phase("connect") as phase:
-        remote = Remote.connect(
-            host,
-            known_hosts=inventory.local_path(host.known_hosts) if host.known_hosts else None,
-            identity_file=inventory.local_path(host.identity_file) if host.identity_file else None,
-            accept_new_host_keys=opts.accept_new_host_keys,
-        )
-        phase.detail = f"{host.user}@{host.address}:{host.port}"
-        if remote.new_host_key:
-            phase.detail += f" (new host key recorded: {remote.new_host_key})"
+        remote = Remote.connect(host, sshconfig.target_for(inventory, host, opts.ssh_config),
+                                accept_new_host_keys=opts.accept_new_host_keys)
+        phase.detail = remote.describe()
     return remote
 
 

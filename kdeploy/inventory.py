@@ -221,6 +221,8 @@ class HostConfig(_Strict):
     identity_file: SafeStr | None = None
     known_hosts: SafeStr | None = None
     connect_timeout: float = Field(default=10, gt=0)
+    proxy_jump: SafeStr | None = None      # [user@]host[:port], comma list for several hops, or "none"
+    ssh_config: SafeStr | bool | None = None  # an OpenSSH client config file, or false for none
     service: Service
 
 

@@ -16,10 +16,8 @@ import socket
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-import paramiko
-
 from kdeploy.errors import LockHeld, Unreachable
-from kdeploy.remote import Remote
+from kdeploy.remote import Process, Remote
 
 READY = "@@ready"
 END = "@@end"
@@ -115,9 +113,9 @@ def split_sections(text: str) -> dict[str, str]:
 
 @dataclass
 class HeldLock:
-    """A lock this process holds; ``release`` closes the channel, which ends the holder."""
+    """A lock this process holds; ``release`` ends the holder by closing its stdin."""
 
-    channel: paramiko.Channel
+    process: Process
     output: str
     stale: LockInfo | None
     remote_pid: int | None = None  # the holder shell on the host (to end it if its link dies unnoticed)
@@ -128,48 +126,41 @@ class HeldLock:
         False when the holder's connection was already gone, so ``finish`` never ran there.
         """
         try:
-            transport = self.channel.get_transport()
-            if transport is None or not transport.is_active() or self.channel.closed:
+            if not self.process.alive:
                 return False
             if finish:
-                self.channel.sendall(f"{finish}\n{END}\n".encode())
-            self.channel.shutdown_write()
-            self.channel.status_event.wait(FINISH_WAIT if finish else RELEASE_WAIT)
+                self.process.send(f"{finish}\n{END}\n".encode())
+            self.process.shutdown_write()
+            self.process.wait(FINISH_WAIT if finish else RELEASE_WAIT)
             return True
-        except (OSError, paramiko.SSHException, EOFError):
+        except Unreachable:
             return False
         finally:
-            self.channel.close()
+            self.process.close()
 
 
 def acquire(remote: Remote, service_dir: str, *, command: str, wait: float = 0, then: str = "") -> HeldLock:
     """Take the lock (waiting up to ``wait`` s) and run ``then`` under it, in one round trip."""
-    channel = remote.start(holder_script(service_dir, holder_info(command), wait=wait, then=then),
+    process = remote.start(holder_script(service_dir, holder_info(command), wait=wait, then=then),
                            timeout=max(30.0, wait + 30))
-    buf = bytearray()
     try:
-        while READY.encode() + b"\n" not in buf:
-            chunk = channel.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-    except (OSError, paramiko.SSHException, EOFError) as exc:
-        channel.close()
+        text = process.read_until(READY.encode()).decode(errors="replace")
+    except Unreachable as exc:
+        process.close()
         raise Unreachable(f"{remote.host.name}: connection lost while taking the deploy lock: {exc}") from None
-    text = buf.decode(errors="replace")
     sections = split_sections(text)
     if "held" in sections or READY not in text:
-        rc = channel.recv_exit_status()
-        err = channel.recv_stderr(4096).decode(errors="replace").strip()
-        channel.close()
+        rc = process.wait()
+        err = process.stderr().strip()
+        process.close()
         if rc == HELD_RC:
             holder = parse_info(sections.get("held", ""))
             who = holder.describe() if holder else "unknown holder"
             raise LockHeld(f"{remote.host.name}: deploy lock held by {who}")
         raise Unreachable(f"{remote.host.name}: cannot take the deploy lock: {err or f'exit status {rc}'}")
-    channel.settimeout(None)
+    process.no_timeout()
     pid = sections.get("holder", "").strip()
-    return HeldLock(channel, text, parse_info(sections.get("stale", "")), int(pid) if pid.isdigit() else None)
+    return HeldLock(process, text, parse_info(sections.get("stale", "")), int(pid) if pid.isdigit() else None)
 
 
 def end_holder_command(service_dir: str, pid: int) -> str:

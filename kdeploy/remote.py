@@ -1,31 +1,46 @@
-"""One SSH connection per host, reused for every step: commands, streamed uploads, HTTP (``kdeploy.tunnel``).
+"""The SSH layer: one connection per host (through shared jump-host connections), reused for every step.
 
-Host keys are always verified against known_hosts. An unknown key is refused unless the caller trusts
-on first use (then it is recorded); a changed key is always refused. Every failure to reach a host
-becomes :class:`Unreachable` with a one-line reason, so the CLI can exit 3 without a traceback.
+Host keys are always verified against known_hosts as OpenSSH reads it (``kdeploy.knownhosts``: hashed
+names, ``@revoked``, ``@cert-authority`` host certificates). An unknown key is refused unless the caller
+trusts on first use (then it is recorded, hashed when the file is); a changed, revoked or badly certified
+key is always refused. Every failure to reach a host becomes :class:`Unreachable` with a one-line reason
+naming the hop, so the CLI can exit 3 without a traceback. paramiko is used here and in ``tunnel`` only:
+long-running commands (the lock holder, the exit watcher) are handed out as :class:`Process`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import random
 import socket
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import paramiko
 
+from kdeploy import knownhosts
 from kdeploy.errors import RemoteTimeout, Unreachable
 from kdeploy.inventory import HostConfig
 from kdeploy.report import Cancelled
+from kdeploy.sshconfig import Hop, Target
 
-KEEPALIVE_SECONDS = 15
 SEND_CHUNK = 256 * 1024  # an upload notices Ctrl-C within one chunk (~20 ms at paramiko's ~15 MB/s)
 # AES-GCM first: its tag is checked inside `cryptography`, while paramiko's default (aes128-ctr +
 # hmac-sha2-256) verifies every received packet's MAC in Python. Hosts without GCM get the rest, in
 # paramiko's order.
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
-DEFAULT_KNOWN_HOSTS = Path("~/.ssh/known_hosts")
+# A host that refuses or drops connections (rebooting) is retried with exponential backoff and jitter, for
+# at most RETRY_WINDOW seconds since the first attempt; authentication and host-key failures never are.
+RETRY_WINDOW = 6.0
+RETRY_FIRST_DELAY = 0.5
+_TRANSIENT = {errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNRESET}
 _KNOWN_HOSTS_LOCK = threading.Lock()
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -48,88 +63,422 @@ def fingerprint(key: paramiko.PKey) -> str:
     return f"{key.get_name()} SHA256:{key.fingerprint.removeprefix('SHA256:')}"
 
 
-class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
-    """Unknown keys: refuse, or record them when trust-on-first-use was asked for."""
+class _Transient(Exception):
+    """A connect failure worth retrying (refused, timed out, no route): the host may be rebooting."""
 
-    def __init__(self, host: HostConfig, path: Path, accept_new: bool) -> None:
+
+class _Transport(paramiko.Transport):
+    """Offers host key algorithms in the order known_hosts asks for (certificates first when a CA is
+    trusted), as OpenSSH does; paramiko's own order would make a certified host show its plain key."""
+
+    host_key_order: tuple[str, ...] = ()
+
+    @property
+    def preferred_keys(self) -> tuple[str, ...]:
+        return self.host_key_order or super().preferred_keys
+
+    def default_keys(self) -> tuple[str, ...]:
+        return super().preferred_keys
+
+
+def _new_transport(sock: socket.socket | _Tunnel) -> _Transport:
+    transport = _Transport(sock)
+    options = transport.get_security_options()
+    options.ciphers = PREFERRED_CIPHERS + tuple(c for c in options.ciphers if c not in PREFERRED_CIPHERS)
+    return transport
+
+
+def _socket(address: str, port: int, timeout: float, user_timeout: float) -> socket.socket:
+    """A TCP connection that notices a dead link (silently dropped packets) within ``user_timeout``.
+
+    TCP_NODELAY: every step is a small request waiting for a small answer; with Nagle's algorithm and the
+    host's delayed ACKs each round trip stalled about 40 ms (measured: 49 ms per command, 4.4 ms without).
+    """
+    try:
+        sock = socket.create_connection((address, port), timeout=timeout)
+    except TimeoutError:
+        raise _Transient(f"connection timed out after {timeout:g}s") from None
+    except OSError as exc:
+        if exc.errno in _TRANSIENT:
+            raise _Transient(exc.strerror or str(exc)) from None
+        raise
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", int(user_timeout * 1000))):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    return sock
+
+
+def _retrying(attempt: Callable[[], _T], *, window: float = RETRY_WINDOW,
+              sleep: Callable[[float], None] = time.sleep) -> tuple[_T, list[str]]:
+    """``attempt()`` until it does not raise :class:`_Transient` or the window is spent; the result and
+    the reasons of the failed attempts (the connect phase shows them)."""
+    started = time.monotonic()
+    failures: list[str] = []
+    delay = RETRY_FIRST_DELAY
+    while True:
+        try:
+            return attempt(), failures
+        except _Transient as exc:
+            failures.append(str(exc))
+            pause = delay * random.uniform(0.75, 1.25)
+            if time.monotonic() - started + pause > window:
+                raise _Transient(f"{exc} ({len(failures)} attempts in {time.monotonic() - started:.1f}s)") from None
+            sleep(pause)
+            delay *= 2
+
+
+def _check_host_key(transport: _Transport, hop: Hop, entries: list[knownhosts.Entry], name: str,
+                    accept_new: bool) -> str | None:
+    """Raise Unreachable unless known_hosts vouches for the key the host proved it holds; the fingerprint
+    of a key recorded on first use, else None."""
+    key = transport.get_remote_server_key()
+    cert = key.public_blob.key_blob if transport.host_key_type.endswith(knownhosts.hostcert.CERT_SUFFIX) else None
+    offered = knownhosts.Offered(key.get_name(), key.asbytes(), cert)
+    verdict = knownhosts.decide(entries, [name], offered, int(time.time()))
+    files = ", ".join(str(p) for p in hop.user_known_hosts + hop.global_known_hosts)
+    if verdict.ok:
+        return None
+    if verdict.status == "changed":
+        raise Unreachable(
+            f"HOST KEY CHANGED: {verdict.reason}, host offers {fingerprint(key)}; refusing (possible "
+            "man-in-the-middle; if the host was reinstalled, remove its old line from known_hosts)")
+    if verdict.status != "unknown":
+        raise Unreachable(f"host key refused: {verdict.reason}")
+    if not accept_new:
+        raise Unreachable(f"host key unknown ({fingerprint(key)} not in {files}); verify it and rerun with "
+                          "--accept-new-host-keys to trust it")
+    path = hop.user_known_hosts[0]
+    with _KNOWN_HOSTS_LOCK:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = path.read_text() if path.exists() else ""
+        with path.open("a") as fh:
+            fh.write(knownhosts.entry_line(name, key.get_name(), key.asbytes(), knownhosts.is_hashed(text)))
+    return fingerprint(key)
+
+
+class _Agent(paramiko.agent.AgentSSH):
+    """The keys of the agent at ``path`` (IdentityAgent), or of $SSH_AUTH_SOCK."""
+
+    def __init__(self, path: str | None) -> None:
+        super().__init__()
+        if path is None:
+            agent = paramiko.Agent()
+            self._conn, self._keys = agent._conn, agent.get_keys()
+            return
+        sock = socket.socket(socket.AF_UNIX)
+        try:
+            sock.connect(path)
+            self._connect(sock)
+        except OSError:
+            sock.close()
+
+
+def _identities(hop: Hop, agent: _Agent | None) -> tuple[list[paramiko.PKey], list[str]]:
+    """Keys to offer, in OpenSSH's order (agent first, then files; with IdentitiesOnly only the agent's
+    copies of the files' keys), and why a file was skipped (passphrase-protected, not in the agent)."""
+    agent_keys = list(agent.get_keys()) if agent else []
+    in_agent = {k.asbytes() for k in agent_keys}
+    files: list[paramiko.PKey] = []
+    skipped: list[str] = []
+    wanted: set[bytes] = set()
+    for path in hop.identity_files:
+        public = _public_blob(path)
+        if public is not None:
+            wanted.add(public)
+            if public in in_agent:
+                continue
+        try:
+            files.append(paramiko.PKey.from_path(path))
+        except (paramiko.PasswordRequiredException, TypeError) as exc:  # never prompt: a deploy is unattended
+            # (cryptography raises TypeError for an OpenSSH-format key that needs a passphrase)
+            if isinstance(exc, TypeError) and "password" not in str(exc):
+                raise
+            skipped.append(f"{path} is passphrase-protected and no ssh-agent holds it (ssh-add it)")
+        except FileNotFoundError:
+            skipped.append(f"{path} not found")
+        except (OSError, paramiko.SSHException, ValueError) as exc:
+            skipped.append(f"{path} unreadable: {exc}")
+    if hop.identities_only:
+        agent_keys = [k for k in agent_keys if k.asbytes() in wanted]
+    return agent_keys + files, skipped
+
+
+def _public_blob(path: Path) -> bytes | None:
+    try:
+        return paramiko.PublicBlob.from_file(f"{path}.pub").key_blob
+    except (OSError, ValueError, paramiko.SSHException):
+        return None
+
+
+def _authenticate(transport: paramiko.Transport, hop: Hop) -> None:
+    agent = _Agent(hop.identity_agent) if hop.identity_agent != "none" else None
+    try:
+        keys, skipped = _identities(hop, agent)
+        for key in keys:
+            try:
+                transport.auth_publickey(hop.user, key)
+                return
+            except paramiko.BadAuthenticationType as exc:
+                raise Unreachable("SSH authentication failed: the host allows only "
+                                  f"{', '.join(exc.allowed_types)}") from None
+            except paramiko.AuthenticationException:
+                continue
+    finally:
+        if agent is not None:
+            agent._close()
+    tried = f"{len(keys)} key(s) tried" if keys else "no usable key"
+    raise Unreachable(f"SSH authentication failed for {hop.user} ({tried}"
+                      f"{'; ' + '; '.join(skipped) if skipped else ''})")
+
+
+def _handshake(hop: Hop, open_sock: Callable[[], socket.socket | _Tunnel],
+               accept_new: bool) -> tuple[paramiko.Transport, str | None, list[str]]:
+    """Connect (retrying transient failures), verify the host key, authenticate: (transport, newly recorded
+    key, failed attempts). Unreachable names the hop."""
+    try:
+        entries, _ = knownhosts.load([*hop.user_known_hosts, *hop.global_known_hosts])
+    except OSError as exc:
+        raise Unreachable(f"{hop.label}: {exc}") from None
+    name = hop.host_key_alias or knownhosts.lookup_name(hop.hostname, hop.port)
+
+    def attempt() -> tuple[paramiko.Transport, str | None]:
+        sock = open_sock()
+        transport = _new_transport(sock)
+        transport.host_key_order = knownhosts.preferred_key_types(entries, name, transport.default_keys())
+        try:
+            try:
+                transport.start_client(timeout=hop.connect_timeout)
+            except (EOFError, ConnectionResetError) as exc:
+                raise _Transient(f"connection closed during the SSH handshake ({exc or type(exc).__name__})") \
+                    from None
+            recorded = _check_host_key(transport, hop, entries, name, accept_new)
+            _authenticate(transport, hop)
+        except BaseException:
+            transport.close()
+            raise
+        transport.set_keepalive(hop.keepalive)
+        return transport, recorded
+
+    try:
+        (transport, recorded), failures = _retrying(attempt)
+    except _Transient as exc:
+        raise Unreachable(f"{hop.label} ({hop.where}): unreachable: {exc}") from None
+    except Unreachable as exc:
+        raise Unreachable(f"{hop.label} ({hop.where}): {exc}") from None
+    except (OSError, paramiko.SSHException, EOFError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise Unreachable(f"{hop.label} ({hop.where}): unreachable: {reason}") from None
+    return transport, recorded, failures
+
+
+class _JumpPool:
+    """One connection per jump chain, shared by every host behind it (direct-tcpip channels over it):
+    64 hosts behind a bastion cost one handshake with it. Connections live until :func:`close_jumps`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.slots: dict[tuple, tuple[threading.Lock, list[paramiko.Transport]]] = {}
+
+    def transport(self, chain: tuple[Hop, ...], accept_new: bool) -> paramiko.Transport:
+        key = tuple(h.key for h in chain)
+        with self.lock:
+            lock, held = self.slots.setdefault(key, (threading.Lock(), []))
+        with lock:  # hosts behind the same bastion wait for its one handshake
+            if held and held[0].is_active():
+                return held[0]
+            hop = chain[-1]
+            opener = (lambda: _socket(hop.hostname, hop.port, hop.connect_timeout, _user_timeout(hop))) \
+                if len(chain) == 1 else _channel_opener(self.transport(chain[:-1], accept_new), hop)
+            transport, _, _ = _handshake(hop, opener, accept_new)
+            held[:] = [transport]
+            return transport
+
+    def close(self) -> None:
+        with self.lock:
+            slots, self.slots = self.slots, {}
+        for _, held in slots.values():
+            for transport in held:
+                transport.close()
+
+
+_JUMPS = _JumpPool()
+
+
+def close_jumps() -> None:
+    """Close the shared jump-host connections (the process's last hosts are done)."""
+    _JUMPS.close()
+
+
+def _user_timeout(hop: Hop) -> float:
+    return max(30.0, float(hop.keepalive * hop.keepalive_count))
+
+
+class _Tunnel:
+    """A direct-tcpip channel used as the socket of the next hop's connection.
+
+    paramiko's Channel builds a data packet under its lock but sends it after releasing it, so a send racing
+    close() can put data on the wire after the channel's CLOSE; OpenSSH then drops the whole jump-host
+    connection ("data packet referred to nonexistent channel"), and every host behind it with it. Here a
+    send and the close never overlap, and nothing is sent after the close."""
+
+    def __init__(self, channel: paramiko.Channel) -> None:
+        self.channel = channel
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def send(self, data: bytes) -> int:
+        with self.lock:
+            if self.closed:
+                raise OSError(errno.EPIPE, "jump channel closed")
+            return self.channel.send(data)
+
+    def recv(self, size: int) -> bytes:
+        return self.channel.recv(size)
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.channel.settimeout(timeout)
+
+    def gettimeout(self) -> float | None:
+        return self.channel.gettimeout()
+
+    def getpeername(self) -> tuple[str, int]:
+        return self.channel.getpeername()
+
+    @property
+    def _closed(self) -> bool:  # paramiko's Transport reads it like socket._closed
+        return self.closed
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.channel.close()
+
+
+def _channel_opener(via: paramiko.Transport, hop: Hop) -> Callable[[], _Tunnel]:
+    """A TCP connection to ``hop`` made by the previous hop (``ssh -J``'s direct-tcpip channel)."""
+    def open_channel() -> _Tunnel:
+        try:
+            return _Tunnel(via.open_channel("direct-tcpip", (hop.hostname, hop.port), ("127.0.0.1", 0),
+                                            timeout=hop.connect_timeout))
+        except paramiko.ChannelException as exc:  # refused or unresolvable, seen from the jump host
+            raise _Transient(f"the jump host cannot connect: {exc.text}") from None
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            raise Unreachable(f"connection to the jump host lost: {exc or type(exc).__name__}") from None
+    return open_channel
+
+
+class Process:
+    """A command that keeps running on the host (the lock holder, the exit watcher): its stdin, output
+    up to a marker, and its end. Errors of the link come back as :class:`Unreachable`."""
+
+    def __init__(self, host: str, channel: paramiko.Channel) -> None:
         self.host = host
-        self.path = path
-        self.accept_new = accept_new
-        self.recorded: str | None = None
+        self.channel = channel
 
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        if not self.accept_new:
-            raise Unreachable(
-                f"{self.host.name}: host key unknown ({fingerprint(key)} not in {self.path}); "
-                "verify it and rerun with --accept-new-host-keys to trust it")
-        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
-        with _KNOWN_HOSTS_LOCK:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a") as fh:
-                fh.write(line)
-        self.recorded = fingerprint(key)
+    @property
+    def alive(self) -> bool:
+        """The connection carrying it is up and it was not closed."""
+        transport = self.channel.get_transport()
+        return transport is not None and transport.is_active() and not self.channel.closed
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.channel.sendall(data)
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            raise Unreachable(f"{self.host}: connection lost: {exc or type(exc).__name__}") from None
+
+    def shutdown_write(self) -> None:
+        """Close its stdin (it sees EOF)."""
+        try:
+            self.channel.shutdown_write()
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            raise Unreachable(f"{self.host}: connection lost: {exc or type(exc).__name__}") from None
+
+    def read_until(self, marker: bytes) -> bytes:
+        """stdout until a line ``marker`` arrived, or until it ended; what arrived."""
+        buf = bytearray()
+        try:
+            while marker + b"\n" not in buf:
+                chunk = self.channel.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            raise Unreachable(f"{self.host}: connection lost: {exc or type(exc).__name__}") from None
+        return bytes(buf)
+
+    def exit_status_ready(self) -> bool:
+        return self.channel.exit_status_ready()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Its exit status, or None when it did not end within ``timeout`` (or the link died)."""
+        if not self.channel.status_event.wait(timeout):
+            return None
+        status = self.channel.exit_status
+        return None if status == -1 else status
+
+    def stderr(self) -> str:
+        """What it wrote to stderr so far (up to 4 KiB)."""
+        return self.channel.recv_stderr(4096).decode(errors="replace") if self.channel.recv_stderr_ready() else ""
+
+    def no_timeout(self) -> None:
+        """From now on reads wait as long as it runs (it holds a lock for the whole deploy)."""
+        self.channel.settimeout(None)
+
+    def close(self) -> None:
+        """Close it; on a link that is already gone there is nothing left to close."""
+        with contextlib.suppress(OSError, paramiko.SSHException, EOFError):
+            self.channel.close()
 
 
 class Remote:
     """A live connection to one host. Not thread-safe for concurrent runs on the same object."""
 
-    def __init__(self, host: HostConfig, client: paramiko.SSHClient, new_host_key: str | None = None) -> None:
+    def __init__(self, host: HostConfig, transport: paramiko.Transport, target: Target,
+                 new_host_key: str | None = None, retries: tuple[str, ...] = ()) -> None:
         self.host = host
-        self.client = client
+        self._transport = transport
+        self.target = target
         self.new_host_key = new_host_key
+        self.retries = retries  # why earlier connect attempts failed (a rebooting host)
 
     @classmethod
-    def connect(cls, host: HostConfig, *, known_hosts: Path | None = None, identity_file: Path | None = None,
-                accept_new_host_keys: bool = False, timeout: float | None = None) -> Remote:
-        path = (known_hosts or DEFAULT_KNOWN_HOSTS).expanduser()
-        client = paramiko.SSHClient()
-        if path.exists():
-            try:
-                client.load_host_keys(str(path))
-            except (OSError, paramiko.SSHException) as exc:
-                raise Unreachable(f"{host.name}: cannot read known_hosts {path}: {exc}") from None
-        policy = _HostKeyPolicy(host, path, accept_new_host_keys)
-        client.set_missing_host_key_policy(policy)
-        timeout = timeout or host.connect_timeout
-        where = f"{host.name} ({host.user}@{host.address}:{host.port})"
+    def connect(cls, host: HostConfig, target: Target, *, accept_new_host_keys: bool = False) -> Remote:
+        """Through ``target``'s jump hops (shared connections), to the host; every hop's key verified."""
+        hop = target.host
         try:
-            client.connect(
-                host.address, port=host.port, username=host.user, sock=_socket(host.address, host.port, timeout),
-                key_filename=str(identity_file) if identity_file else None,
-                allow_agent=True, look_for_keys=identity_file is None,
-                timeout=timeout, banner_timeout=timeout, auth_timeout=timeout, channel_timeout=timeout,
-                transport_factory=_transport,
-            )
-        except paramiko.BadHostKeyException as exc:
-            client.close()
-            raise Unreachable(
-                f"{where}: HOST KEY CHANGED: known_hosts {path} has {fingerprint(exc.expected_key)}, "
-                f"host offers {fingerprint(exc.key)}; refusing (possible man-in-the-middle; if the host "
-                "was reinstalled, remove its old line from known_hosts)") from None
-        except Unreachable:
-            client.close()
-            raise
-        except paramiko.AuthenticationException as exc:
-            client.close()
-            raise Unreachable(f"{where}: SSH authentication failed: {exc}") from None
-        except TimeoutError:
-            client.close()
-            raise Unreachable(f"{where}: unreachable: connection timed out after {timeout:g}s") from None
-        except (OSError, paramiko.SSHException, EOFError) as exc:
-            client.close()
-            reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-            raise Unreachable(f"{where}: unreachable: {reason}") from None
-        transport = client.get_transport()
-        assert transport is not None
-        transport.set_keepalive(KEEPALIVE_SECONDS)
-        return cls(host, client, policy.recorded)
+            if target.jumps:
+                via = _JUMPS.transport(target.jumps, accept_new_host_keys)
+                opener = _channel_opener(via, hop)
+            else:
+                def opener() -> socket.socket:
+                    return _socket(hop.hostname, hop.port, hop.connect_timeout, _user_timeout(hop))
+            transport, recorded, failures = _handshake(hop, opener, accept_new_host_keys)
+        except Unreachable as exc:
+            raise Unreachable(f"{host.name}: {exc}" if not str(exc).startswith(f"{host.name} ") else str(exc)) \
+                from None
+        return cls(host, transport, target, recorded, tuple(failures))
+
+    def describe(self) -> str:
+        """The connect phase's detail: where, through which hops, after which retries, new keys."""
+        hop = self.target.host
+        text = hop.where + "".join(f" via {j.where}" for j in reversed(self.target.jumps))
+        if self.retries:
+            text += f" (after {len(self.retries)} failed attempts: {self.retries[-1]})"
+        if self.new_host_key:
+            text += f" (new host key recorded: {self.new_host_key})"
+        return text
 
     @property
     def transport(self) -> paramiko.Transport:
-        transport = self.client.get_transport()
-        if transport is None or not transport.is_active():
+        if not self._transport.is_active():
             raise Unreachable(f"{self.host.name}: connection lost")
-        return transport
+        return self._transport
 
     def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0,
             cancel: threading.Event | None = None) -> RunResult:
@@ -152,8 +501,7 @@ class Remote:
             rc = channel.recv_exit_status()
             channel.close()
         except TimeoutError:
-            transport = self.client.get_transport()
-            if transport is None or not transport.is_active():
+            if not self._transport.is_active():
                 raise Unreachable(f"{self.host.name}: connection lost (no answer for {timeout:g}s)") from None
             raise RemoteTimeout(f"{self.host.name}: remote command did not finish within {timeout:g}s") from None
         except (OSError, paramiko.SSHException, EOFError) as exc:
@@ -162,7 +510,7 @@ class Remote:
             raise Unreachable(f"{self.host.name}: connection lost while running a command")
         return RunResult(rc, stdout.decode(errors="replace"), stderr.decode(errors="replace"))
 
-    def start(self, command: str, timeout: float | None = 30.0) -> paramiko.Channel:
+    def start(self, command: str, timeout: float | None = 30.0) -> Process:
         """Start a command that keeps running (e.g. the lock holder); the caller reads and closes it."""
         try:
             channel = self.transport.open_session(timeout=timeout)
@@ -170,38 +518,19 @@ class Remote:
             channel.exec_command(command)
         except (OSError, paramiko.SSHException, EOFError) as exc:
             raise Unreachable(f"{self.host.name}: connection lost: {exc or type(exc).__name__}") from None
-        return channel
+        return Process(self.host.name, channel)
 
     def close(self) -> None:
-        self.client.close()
+        """Close the host's connection (the jump hosts' stay for other hosts); closing a connection whose
+        jump host link is already gone has nothing left to tell it."""
+        with contextlib.suppress(OSError, paramiko.SSHException, EOFError):
+            self._transport.close()
 
     def __enter__(self) -> Remote:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _transport(sock: socket.socket, disabled_algorithms: dict | None = None) -> paramiko.Transport:
-    transport = paramiko.Transport(sock, disabled_algorithms=disabled_algorithms)
-    options = transport.get_security_options()
-    options.ciphers = PREFERRED_CIPHERS + tuple(c for c in options.ciphers if c not in PREFERRED_CIPHERS)
-    return transport
-
-
-def _socket(address: str, port: int, timeout: float) -> socket.socket:
-    """A TCP connection that notices a dead link (silently dropped packets) within about 30 s.
-
-    TCP_NODELAY: every step is a small request waiting for a small answer; with Nagle's algorithm and the
-    host's delayed ACKs each round trip stalled about 40 ms (measured: 49 ms per command, 4.4 ms without).
-    """
-    sock = socket.create_connection((address, port), timeout=timeout)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 30000)):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-    return sock
 
 
 def _drain(channel: paramiko.Channel) -> tuple[bytes, bytes]:

@@ -310,6 +310,18 @@ class Sandbox:
 
     # --- queries ------------------------------------------------------------------------------------
 
+    def _meta(self) -> dict[str, Any]:
+        try:
+            meta = json.loads((self.state_dir / "meta.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return meta if isinstance(meta, dict) else {}
+
+    def bastion(self) -> SandboxHost | None:
+        """The jump host of a sandbox brought up with ``bastion=True`` (its last host), else None."""
+        index = self._meta().get("bastion")
+        return self._host(int(index)) if isinstance(index, int) else None
+
     def hosts(self) -> list[SandboxHost]:
         """The hosts of this sandbox as it was brought up ([] when it is down)."""
         try:
@@ -557,8 +569,13 @@ class Sandbox:
 
     # --- up -------------------------------------------------------------------------------------------
 
-    def up(self, n: int, *, timeout: float = 120.0) -> list[SandboxHost]:
-        """Boot n hosts (in parallel) and return once each one's sshd accepts our key."""
+    def up(self, n: int, *, timeout: float = 120.0, bastion: bool = False,
+           host_certs: bool = False) -> list[SandboxHost]:
+        """Boot n hosts (in parallel) and return once each one's sshd accepts our key.
+
+        ``bastion``: one more host, h<n+1>, is the jump host and the n others answer only through it.
+        ``host_certs``: every host key is signed by the sandbox CA and known_hosts trusts only that CA.
+        """
         self.check_requirements()
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_HOSTS:
             raise SandboxError(f"number of sandbox hosts must be 1..{MAX_HOSTS}, got {n!r}")
@@ -567,7 +584,7 @@ class Sandbox:
             raise SandboxError(f"sandbox already up ({len(current)} hosts): kdeploy sandbox down first")
         if self.leftovers():
             self._teardown()          # a crashed or half-dead earlier run of this instance
-        hosts = [self._host(i) for i in range(1, n + 1)]
+        hosts = [self._host(i) for i in range(1, n + 1 + int(bastion))]
         sglang = self._resolve_sglang()    # may build it first (minutes, once): before the boot deadline
         deadline = time.monotonic() + timeout
         try:
@@ -580,8 +597,9 @@ class Sandbox:
                 self._raise_inotify()
                 self._create_bridge()
             self.state_dir.mkdir(parents=True)
-            _write(self.state_dir / "meta.json", json.dumps({"hosts": n, "instance": self.instance,
-                                                              "sglang": str(sglang) if sglang else None}) + "\n")
+            _write(self.state_dir / "meta.json", json.dumps({
+                "hosts": len(hosts), "instance": self.instance, "sglang": str(sglang) if sglang else None,
+                "bastion": n + 1 if bastion else None}) + "\n")
             self._prepare_network(hosts)
             pub = self.key_path.with_name(self.key_path.name + ".pub").read_text()
             host_keys = _parallel(lambda h: self._prepare_etc(h, hosts, pub), hosts)
@@ -598,6 +616,11 @@ class Sandbox:
                     failed.set()
                     raise
             _parallel(wait, hosts, workers=64)
+            if host_certs:
+                self.certify_all(hosts)
+            if bastion:
+                for host in hosts[:-1]:
+                    self.hide(host.name)
         except BaseException as exc:
             with contextlib.suppress(Exception):
                 self._teardown()
@@ -658,12 +681,60 @@ class Sandbox:
         return ["ssh", *self._ssh_options(connect_timeout), f"root@{host.address}", command]
 
     def _write_ssh_config(self, hosts: list[SandboxHost]) -> None:
-        """A convenience for people: `ssh -F <state>/ssh_config h1`."""
+        """`ssh -F <state>/ssh_config h1` works, and so does kdeploy: with a bastion, the inventory names
+        the hosts by these aliases and the config sends them through it (ProxyJump)."""
         common = (f"Host *\n  User root\n  IdentityFile {self.key_path}\n  IdentitiesOnly yes\n"
-                  f"  UserKnownHostsFile {self.known_hosts_path}\n  StrictHostKeyChecking yes\n"
-                  "  BatchMode yes\n  ConnectTimeout 5\n  LogLevel ERROR\n")
-        per_host = "".join(f"Host {h.name}\n  HostName {h.address}\n" for h in hosts)
+                  f"  UserKnownHostsFile {self.known_hosts_path}\n  GlobalKnownHostsFile /dev/null\n"
+                  "  StrictHostKeyChecking yes\n  BatchMode yes\n  ConnectTimeout 5\n  LogLevel ERROR\n")
+        bastion = self.bastion()
+        per_host = "".join(
+            f"Host {'bastion ' if h == bastion else ''}{h.name}\n  HostName {h.address}\n"
+            + ("  ProxyJump bastion\n" if bastion and h != bastion else "") for h in hosts)
         _write(self.ssh_config_path, per_host + common)
+
+    # --- jump host and host certificates --------------------------------------------------------------
+
+    @property
+    def ca_path(self) -> Path:
+        """The sandbox's SSH certificate authority (private key; ``.pub`` beside it)."""
+        return self.state_dir / "host_ca"
+
+    def hide(self, name: str) -> None:
+        """Make the host answer only the other hosts: inside its network namespace every packet to this
+        machine (the bridge's address) is prohibited, so a direct connection times out, one through a jump
+        host works."""
+        host = self._get(name)
+        _run(["ip", "-n", host.machine, "route", "replace", "prohibit", f"{self.gateway}/32"])
+
+    def unhide(self, name: str) -> None:
+        host = self._get(name)
+        _run(["ip", "-n", host.machine, "route", "del", "prohibit", f"{self.gateway}/32"], check=False)
+
+    def certify(self, name: str, ca: Path, *, principals: list[str] | None = None,
+                validity: str = "-5m:+52w") -> None:
+        """Sign the host's key with ``ca`` (``ssh-keygen -s``) and make its sshd offer the certificate."""
+        host = self._get(name)
+        with tempfile.TemporaryDirectory() as tmp:
+            pub = Path(tmp) / "host.pub"
+            pub.write_text(self.exec(name, ["cat", "/etc/ssh/ssh_host_ed25519_key.pub"]).stdout)
+            _run(["ssh-keygen", "-q", "-s", str(ca), "-I", f"sandbox-{host.name}", "-h",
+                  "-n", ",".join(principals or [host.name, host.address]), "-V", validity, str(pub)])
+            cert = (Path(tmp) / "host-cert.pub").read_text()
+        self.exec(name, ["sh", "-c", "cat > /etc/ssh/ssh_host_ed25519_key-cert.pub && printf '%s\n' "
+                         "'HostCertificate /etc/ssh/ssh_host_ed25519_key-cert.pub' "
+                         "> /etc/ssh/sshd_config.d/20-kdeploy-cert.conf && systemctl reload ssh"], input=cert)
+
+    def uncertify(self, name: str) -> None:
+        self.exec(name, ["sh", "-c", "rm -f /etc/ssh/ssh_host_ed25519_key-cert.pub "
+                         "/etc/ssh/sshd_config.d/20-kdeploy-cert.conf && systemctl reload ssh"])
+
+    def certify_all(self, hosts: list[SandboxHost]) -> None:
+        """Every host signed by a new sandbox CA; known_hosts then trusts that CA and nothing else."""
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"kdeploy-sandbox-{self.instance}-ca",
+              "-f", str(self.ca_path)])
+        _parallel(lambda h: self.certify(h.name, self.ca_path), hosts)
+        ca_pub = self.ca_path.with_name(self.ca_path.name + ".pub").read_text().strip()
+        _write(self.known_hosts_path, f"@cert-authority * {ca_pub}\n")
 
     def _boot(self, host: SandboxHost) -> None:
         """Start the host's systemd-nspawn in its own cgroups (else all hosts share one cgroup tree and
@@ -832,11 +903,16 @@ class Sandbox:
         if python.startswith(SGLANG_HOST_VENV + "/") and self.sglang_venv() is None:
             raise SandboxError(f"the service runs {python}, but sandbox {self.instance} has no SGLang venv: "
                                "bring it up with Sandbox(sglang=True) or use demo_service(sglang=False)")
+        bastion = self.bastion()
+        hosts = [h for h in hosts if h != bastion]
         defaults = CommentedMap()
-        defaults["user"] = "root"
-        defaults["port"] = 22
-        defaults["identity_file"] = str(self.key_path.absolute())
-        defaults["known_hosts"] = str(self.known_hosts_path.absolute())
+        if bastion:  # user, port, key, known_hosts and the jump come from the ssh_config, by alias
+            defaults["ssh_config"] = str(self.ssh_config_path.absolute())
+        else:
+            defaults["user"] = "root"
+            defaults["port"] = 22
+            defaults["identity_file"] = str(self.key_path.absolute())
+            defaults["known_hosts"] = str(self.known_hosts_path.absolute())
         defaults["service"] = service
         names = CommentedSeq(h.name for h in hosts)
         names.fa.set_flow_style()
@@ -845,7 +921,7 @@ class Sandbox:
         host_map = CommentedMap()
         for h in hosts:
             entry = CommentedMap()
-            entry["address"] = h.address
+            entry["address"] = h.name if bastion else h.address
             host_map[h.name] = entry
         doc = CommentedMap()
         doc["defaults"] = defaults

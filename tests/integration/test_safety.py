@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import deploy, fleet, lock, release, state
+from kdeploy import deploy, fleet, lock, release, sshconfig, state
 from kdeploy.errors import RemoteTimeout
 from kdeploy.remote import Remote
 from kdeploy.render import service_dir
@@ -23,7 +23,7 @@ from tests.conftest import Deployment
 def _connect(dep: Deployment, host: str = "h1") -> Remote:
     inv = dep.load()
     cfg = inv.hosts[host]
-    return Remote.connect(cfg, known_hosts=Path(cfg.known_hosts), identity_file=Path(cfg.identity_file))
+    return Remote.connect(cfg, sshconfig.target_for(inv, cfg))
 
 
 def _snapshot(dep: Deployment, host: str = "h1") -> str:
@@ -73,7 +73,7 @@ def test_stale_lock_is_reported_and_taken_over_loudly(deployment: Deployment,
         holder_pid = lock.parse_info(info).remote_pid
         # the holder dies without cleaning up (like a host-side kill -9)
         deployment.sh("h1", f"kill -KILL {holder_pid} $(pgrep -P {holder_pid}) 2>/dev/null; true")  # no cleanup runs
-        held.channel.close()
+        held.process.close()
     code, doc = deployment.json(capsys, "lock", "status", "test")
     assert doc["hosts"][0]["lock"]["state"] == "stale"
     assert doc["hosts"][0]["lock"]["holder"]["command"] == "kdeploy push (crashed)"
@@ -98,8 +98,11 @@ def test_lock_release_clears_a_stale_lock_and_refuses_a_live_one(deployment: Dep
         assert code == 0 and doc["hosts"][0]["lock"] == {"state": "free", "holder": None}
         # the holder's shell really ended on the host, and its SSH channel with it
         assert deployment.sh("h1", f"kill -0 {holder_pid} 2>/dev/null && echo alive || echo gone").strip() == "gone"
-        assert held.channel.status_event.wait(10)
-        held.channel.close()
+        deadline = time.monotonic() + 10
+        while not held.process.exit_status_ready() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert held.process.exit_status_ready()
+        held.process.close()
     assert deployment.kdeploy("push", "test", "--force-restart") == 0   # and the lock can be taken again
 
 
@@ -123,7 +126,7 @@ def test_lock_release_force_never_kills_a_process_that_does_not_hold_the_lock(
                                          "not hold the lock (it ended, or its PID was reused): nothing was killed")
             assert host_doc["lock"]["state"] == "held"
             assert deployment.sh("h1", f"kill -0 {foreign} && echo alive").strip() == "alive"
-            assert not held.channel.exit_status_ready()                   # the real holder is untouched too
+            assert not held.process.exit_status_ready()                   # the real holder is untouched too
             code, doc = deployment.json(capsys, "lock", "status", "test")
             assert doc["hosts"][0]["lock"]["state"] == "held"
         finally:
@@ -361,8 +364,7 @@ def test_state_parser_reads_a_fresh_host(deployment: Deployment) -> None:
 def test_a_slow_remote_command_is_a_timeout_not_unreachable(deployment: Deployment) -> None:
     inv = deployment.load()
     host = inv.hosts["h1"]
-    with Remote.connect(host, known_hosts=inv.local_path(host.known_hosts),
-                        identity_file=inv.local_path(host.identity_file)) as remote:
+    with Remote.connect(host, sshconfig.target_for(inv, host)) as remote:
         with pytest.raises(RemoteTimeout, match=r"did not finish within 0\.5s"):
             remote.run("sleep 3", timeout=0.5)
         assert remote.run("echo still here", timeout=10).stdout == "still here\n"
