@@ -85,7 +85,21 @@ class Details(Protocol):
     def to_json(self) -> object: ...
 
 
-Listener = Callable[[str, str, str], None]  # (host, phase, status) status: start|ok|fail|info
+Listener = Callable[[str, str, str], None]  # (host, phase, status) status: start|ok|fail|<result> (phase "done")
+
+
+class PhaseWatcher:
+    """A listener that is also told each phase's seconds and detail as it ends (the CI log's line per phase).
+
+    A plain :data:`Listener` keeps its three arguments; a subclass gets :meth:`event` instead.
+    """
+
+    def __call__(self, host: str, phase: str, status: str) -> None:
+        self.event(host, phase, status, None, "")
+
+    def event(self, host: str, phase: str, status: str, seconds: float | None, detail: str) -> None:
+        """``seconds`` is None at a phase's start and at ``done``; ``detail`` is the phase's, or the host's error."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -121,7 +135,7 @@ class HostResult:
         name = self.prefix + name
         entry = Phase(name, True, 0.0, "")
         self.phases.append(entry)
-        self._emit(name, "start")
+        self._emit(name, "start", None, "")
         start = time.monotonic()
         try:
             yield entry
@@ -134,10 +148,12 @@ class HostResult:
             raise
         finally:
             entry.seconds = round(time.monotonic() - start, 3)
-            self._emit(name, "ok" if entry.ok else "fail")
+            self._emit(name, "ok" if entry.ok else "fail", entry.seconds, entry.detail)
 
-    def _emit(self, phase: str, status: str) -> None:
-        if self.listener:
+    def _emit(self, phase: str, status: str, seconds: float | None, detail: str) -> None:
+        if isinstance(self.listener, PhaseWatcher):
+            self.listener.event(self.host, phase, status, seconds, detail)
+        elif self.listener:
             self.listener(self.host, phase, status)
 
     def finish(self, result: Result | str, error: str | None = None) -> HostResult:
@@ -146,7 +162,7 @@ class HostResult:
         self.exit_code = int(self.result.exit_code)
         self.ok = self.exit_code == 0
         self.error = error
-        self._emit("done", result)
+        self._emit("done", self.result, None, error or "")
         return self
 
     def fail(self, exc: BaseException) -> None:
