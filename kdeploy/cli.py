@@ -42,6 +42,8 @@ lock_app = typer.Typer(no_args_is_help=True, help="Inspect or clear the per-serv
 sandbox_app = typer.Typer(no_args_is_help=True, help="Local test hosts with real systemd, sshd and journald.")
 app.add_typer(lock_app, name="lock")
 app.add_typer(sandbox_app, name="sandbox")
+schema_app = typer.Typer(no_args_is_help=True, help="Print the JSON Schemas of kdeploy's contracts.")
+app.add_typer(schema_app, name="schema")
 
 
 
@@ -492,6 +494,14 @@ def lock_release(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY
                  force: Annotated[bool, typer.Option("--force", help="Also end a LIVE holder.")] = False) -> None:
     """Clear a stale lock (with --force, end a live holder too)."""
     _lock(target, inventory, as_json, True, force)
+
+
+@schema_app.command("report")
+def schema_report() -> None:
+    """The JSON Schema of the --json report."""
+    from kdeploy import schema
+
+    sys.stdout.write(json.dumps(schema.report_schema(), indent=2) + "\n")
 
 
 InstanceOpt = Annotated[int, typer.Option("--instance", min=0, max=9, help="Sandbox number (0-9), for several.")]

@@ -10,7 +10,10 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import ClassVar, Protocol
 
+from kdeploy import __version__
 from kdeploy.errors import ExitCode, KdeployError, most_severe
+
+SCHEMA_VERSION = 1  # of the --json document (kdeploy/schema.py): changes only when a field goes or changes meaning
 
 
 class Result(StrEnum):
@@ -205,5 +208,6 @@ class Report:
         return {"hosts": len(self.hosts), **dict(sorted(counts.items()))}
 
     def as_json(self) -> dict:
-        return {"command": self.command, "ok": self.ok, "exit_code": self.exit_code,
+        return {"schema_version": SCHEMA_VERSION, "kdeploy_version": __version__,
+                "command": self.command, "ok": self.ok, "exit_code": self.exit_code,
                 "hosts": [h.as_json() for h in self.hosts], "summary": self.summary(), **self.extra}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import xmlschema
 
-from kdeploy import cli, progress
+from kdeploy import cli, progress, schema
 from tests.conftest import TEST_MARKER, Deployment
 
 XSD = xmlschema.XMLSchema10(Path(__file__).resolve().parents[1] / "data" / "junit" / "junit-10.xsd")
@@ -38,6 +38,7 @@ def test_push_in_ci_logs_each_phase_and_writes_json_and_junit(deployment: Deploy
     done = run_ci(deployment, "push", "all", "--json", "--junit", str(junit))
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
+    schema.ReportDoc.model_validate(report)
     assert [h["result"] for h in report["hosts"]] == ["deployed", "deployed"]
     assert not ANSI.search(done.stderr) and not BOX.search(done.stderr)
     lines = done.stderr.splitlines()
