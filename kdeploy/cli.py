@@ -504,6 +504,14 @@ def schema_report() -> None:
     sys.stdout.write(json.dumps(schema.report_schema(), indent=2) + "\n")
 
 
+@schema_app.command("inventory")
+def schema_inventory() -> None:
+    """The JSON Schema of the inventory file (for editors: see docs/inventory.md)."""
+    from kdeploy import schema
+
+    sys.stdout.write(json.dumps(schema.inventory_schema(), indent=2) + "\n")
+
+
 InstanceOpt = Annotated[int, typer.Option("--instance", min=0, max=9, help="Sandbox number (0-9), for several.")]
 
 

@@ -8,10 +8,17 @@ compare their fields with the dataclasses', so the schema cannot drift from what
 
 from __future__ import annotations
 
+import json
+import re
+import types
+import typing
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.fields import FieldInfo
 
+from kdeploy import inventory
 from kdeploy.report import SCHEMA_VERSION, Result
 
 ResultName = Literal[tuple(r.value for r in Result)]  # type: ignore[valid-type]
@@ -113,3 +120,127 @@ class ReportDoc(_Doc):
 def report_schema() -> dict[str, Any]:
     """The JSON Schema of the ``--json`` report (``kdeploy schema report``)."""
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **ReportDoc.model_json_schema()}
+
+
+def inventory_schema() -> dict[str, Any]:
+    """The JSON Schema of an inventory file (``kdeploy schema inventory``), for editors and CI linters.
+
+    Generated from :class:`kdeploy.inventory.HostConfig`. Nothing is required below ``hosts.<h>.address``:
+    any level may leave a setting to another (the merged host is checked by ``kdeploy render``).
+    """
+    host = inventory.HostConfig.model_json_schema(ref_template="#/$defs/{model}")
+    defs = host.pop("$defs")
+    for model in defs.values():
+        model.pop("required", None)
+    settings = {k: v for k, v in host["properties"].items() if k not in ("name", "address")}
+
+    def level(description: str, **more: Any) -> dict[str, Any]:
+        props = {**more, **settings}
+        return {"type": "object", "additionalProperties": False, "description": description, "properties": props}
+
+    string_list = {"type": "array", "items": {"type": "string"}}
+    defs["Group"] = level("A group's members and settings for them (group > defaults).",
+                          hosts={**string_list, "description": "The group's members (host names)."})
+    defs["Host"] = {**level("One host: its address and its own settings (host > group > defaults).",
+                            address=host["properties"]["address"]), "required": ["address"]}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "kdeploy inventory",
+        "description": "Hosts, groups and layered settings (docs/inventory.md).",
+        "type": "object", "additionalProperties": False, "required": ["hosts"],
+        "properties": {
+            "defaults": level("Settings for every host."),
+            "groups": {"type": "object", "description": "Groups by name: a list of members, or a mapping.",
+                       "additionalProperties": {"anyOf": [{**string_list, "description": "Members only."},
+                                                          {"$ref": "#/$defs/Group"}]}},
+            "hosts": {"type": "object", "description": "Hosts by name (letters, digits, `_.-`).",
+                      "additionalProperties": {"$ref": "#/$defs/Host"}},
+        },
+        "$defs": defs,
+    }
+
+
+# docs/inventory.md's reference tables: (marker, model, key prefix, nested model fields shown as rows)
+_TABLES: list[tuple[str, type[BaseModel], tuple[str, ...]]] = [
+    ("host", inventory.HostConfig, ("name",)),
+    ("service", inventory.Service, ()),
+    ("service.sglang", inventory.SGLang, ()),
+    ("service.hicache", inventory.HiCache, ()),
+    ("service.gate", inventory.Gate, ()),
+    ("service.unit", inventory.UnitSettings, ()),
+]
+_BEGIN = re.compile(r"<!-- BEGIN generated: (\S+) .*?-->\n.*?<!-- END generated -->", re.DOTALL)
+
+
+def _type_text(info: FieldInfo) -> str:
+    """The type column: the annotation without None, with its bounds."""
+    ann = info.annotation
+    union = typing.get_origin(ann) in (types.UnionType, typing.Union)
+    args = [a for a in typing.get_args(ann) if a is not type(None)] if union else [ann]
+    inner, metadata = args[0], list(info.metadata)
+    if typing.get_origin(inner) is typing.Annotated:  # AbsPath | None: the checks sit inside the union
+        inner, metadata = typing.get_args(inner)[0], [*metadata, *inner.__metadata__]
+    origin = typing.get_origin(inner)
+    if origin is Literal:
+        text = " \\| ".join(f"`{v}`" for v in typing.get_args(inner))
+    elif origin is list:
+        item = typing.get_args(inner)[0]
+        text = "list of `{prompt, expect}`" if item is inventory.GatePrompt else "list of strings"
+    elif origin is dict:
+        text = "mapping string -> string"
+    elif isinstance(inner, type) and issubclass(inner, BaseModel):
+        text = "mapping"
+    elif any(getattr(m, "func", None) is inventory._absolute for m in metadata):
+        text = "absolute path"
+    else:
+        text = {bool: "bool", int: "int", float: "float"}.get(inner, "string")
+    bounds = [f"{op} {getattr(m, attr)}" for m in metadata
+              for attr, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+              if getattr(m, attr, None) is not None]
+    return f"{text} {', '.join(bounds)}" if bounds else text
+
+
+def _default_text(info: FieldInfo) -> str:
+    extra = info.json_schema_extra
+    if isinstance(extra, dict) and extra.get("doc_default"):
+        return str(extra["doc_default"])
+    if info.is_required():
+        return "required"
+    value = info.default
+    if value is None:
+        return "none"
+    return f"`{json.dumps(value) if isinstance(value, bool | list | dict) else value}`"
+
+
+def reference_table(model: type[BaseModel], skip: tuple[str, ...] = (), prefix: str = "") -> list[str]:
+    """Markdown rows ``| key | type | default | meaning |`` for ``model``'s fields (nested mappings inline)."""
+    rows = []
+    for name, info in model.model_fields.items():
+        if name in skip:
+            continue
+        nested = typing.get_args(info.annotation) or (info.annotation,)
+        if model is inventory.SGLang and inventory.Speculative in nested:
+            rows += reference_table(inventory.Speculative, prefix=f"{name}.")
+            continue
+        rows.append(f"| `{prefix}{name}` | {_type_text(info)} | {_default_text(info)} | {info.description} |")
+    return rows
+
+
+def update_reference(text: str) -> str:
+    """``text`` (docs/inventory.md) with every generated table regenerated from the models."""
+    tables = {marker: (model, skip) for marker, model, skip in _TABLES}
+
+    def table(match: re.Match[str]) -> str:
+        model, skip = tables[match.group(1)]
+        rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |", *reference_table(model, skip)]
+        head = match.group(0).split("\n", 1)[0]
+        return "\n".join([head, *rows, "<!-- END generated -->"])
+
+    return _BEGIN.sub(table, text)
+
+
+if __name__ == "__main__":  # python -m kdeploy.schema docs/inventory.md: regenerate its tables
+    import sys
+
+    doc = Path(sys.argv[1])
+    doc.write_text(update_reference(doc.read_text()))

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
+import jsonschema
 import pytest
+from ruamel.yaml import YAML
 
 from kdeploy import __version__, cli, deploy, lock, schema
 from kdeploy.report import SCHEMA_VERSION, HostResult, Phase, Report, Result
@@ -65,3 +68,32 @@ def test_real_reports_validate_and_carry_the_versions(report):
     document = json.loads(json.dumps(report.as_json(), default=str))
     schema.ReportDoc.model_validate(document)  # extra keys forbidden: a new field needs its description
     assert (document["schema_version"], document["kdeploy_version"]) == (SCHEMA_VERSION, __version__)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_inventory_schema_is_printed_committed_and_described(capsys):
+    assert cli.main(["schema", "inventory"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == schema.inventory_schema()
+    assert json.loads((REPO / "schemas" / "inventory.schema.json").read_text()) == printed, \
+        "regenerate: kdeploy schema inventory > schemas/inventory.schema.json"
+    assert described(printed) == []
+
+
+def test_the_example_inventory_names_its_schema_and_validates():
+    text = (REPO / "inventory.yaml").read_text()
+    assert text.splitlines()[0] == "# yaml-language-server: $schema=schemas/inventory.schema.json"
+    validator = jsonschema.Draft202012Validator(schema.inventory_schema())
+    doc = YAML(typ="safe").load(text)
+    assert list(validator.iter_errors(doc)) == []
+    doc["defaults"]["service"]["sglang"]["tpp"] = 8
+    doc["hosts"]["ct200"]["port"] = 0
+    assert len(list(validator.iter_errors(doc))) == 2
+
+
+def test_the_reference_tables_of_docs_inventory_are_the_models():
+    text = (REPO / "docs" / "inventory.md").read_text()
+    assert text.count("<!-- BEGIN generated:") == 6
+    assert schema.update_reference(text) == text, "regenerate: python -m kdeploy.schema docs/inventory.md"
