@@ -28,7 +28,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from kdeploy import __version__, fleet, junit, progress, settings
+from kdeploy import __version__, fleet, junit, logs, progress, settings
 from kdeploy import inventory as inv
 from kdeploy.deploy import History, LockView, Options, Plan, StatusView
 from kdeploy.errors import ExitCode, InvalidInput, KdeployError
@@ -494,6 +494,41 @@ def lock_release(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY
                  force: Annotated[bool, typer.Option("--force", help="Also end a LIVE holder.")] = False) -> None:
     """Clear a stale lock (with --force, end a live holder too)."""
     _lock(target, inventory, as_json, True, force)
+
+
+@app.command("logs")
+def logs_(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+          lines: Annotated[int, typer.Option("--lines", "-n", min=0, help="Last N lines per host (0: all).")] = 50,
+          grep: Annotated[str | None, typer.Option("--grep", "-g", help="Only lines matching this extended "
+                                                                        "regular expression (grep -E).")] = None,
+          since: Annotated[str | None, typer.Option("--since", help="As journalctl --since: '1 hour ago', "
+                                                                    "'2026-12-01 02:00', 'today'.")] = None,
+          run: Annotated[logs.Run, typer.Option("--run", help="Only the current or the previous run of the "
+                                                              "service.")] = logs.Run.ALL,
+          follow: Annotated[bool, typer.Option("--follow", "-f", help="Follow every host at once (Ctrl-C ends).")]
+          = False,
+          accept_new_host_keys: AcceptOpt = False) -> None:
+    """The service's journal on each host, every line prefixed by its host."""
+    query = logs.LogQuery(lines=lines, grep=grep, since=since, run=run, follow=follow)
+    query.check()
+    loaded = _load(inventory)
+    stop = threading.Event()
+
+    def emit(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    try:
+        results = logs.run(loaded, loaded.resolve(target), query, _options(accept_new_host_keys=accept_new_host_keys),
+                           emit, stop)
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) is how -f ends: the channels close, journalctl with them
+        stop.set()
+        sys.stderr.write("kdeploy: interrupted\n")
+        raise typer.Exit(130) from None
+    for host in results:
+        if not host.ok:
+            sys.stderr.write(f"kdeploy: {host.host}: {host.result}: {host.error}\n")
+    _exit(Report("logs", results))
 
 
 @schema_app.command("report")
