@@ -218,8 +218,9 @@ class Service(_Strict):
     env: dict[EnvName, EnvValue] = _doc("`Environment=` lines of the unit: quoted string values, no "
                                         "secret-looking names (rules below)", {})
     environment_file: AbsPath | None = _doc(
-        "rendered as `EnvironmentFile=-<path>` (the `-`: a missing file is not an error). kdeploy never writes "
-        "or ships this file: put secrets there yourself, mode 0600", None)
+        "rendered as `EnvironmentFile=-<path>`; kdeploy never writes or ships this file: put secrets there "
+        "yourself, owned by root, mode 0600. A push checks that in preflight (exit 7 when it is missing, not "
+        "root's, or readable by others: docs/push.md, checks)", None)
     sglang: SGLang = _doc("launch flags, below")
     hicache: HiCache = _doc("hierarchical cache flags, below", HiCache(), shown="disabled")
     gate: Gate = _doc("what a healthy deploy must show, below", Gate(), shown="see below")
