@@ -25,10 +25,11 @@ system-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
-$(BIN)/kdeploy: pyproject.toml
+# constraints.txt pins every dependency at the versions tested (pyproject.toml only bounds them).
+$(BIN)/kdeploy: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	@touch $@
 
 venv: system-deps $(BIN)/kdeploy
