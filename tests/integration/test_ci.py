@@ -86,3 +86,16 @@ def test_a_waiting_phase_beats_in_the_log(deployment: Deployment, monkeypatch: p
     assert cli.main(["verify", "all", "--inventory", str(deployment.path), "--junit",
                      str(deployment.path.parent / "v.xml")]) == 0
     XSD.validate(str(deployment.path.parent / "v.xml"))
+
+
+@pytest.mark.sandbox
+def test_set_env_writes_junit_also_when_nothing_changes(deployment: Deployment, tmp_path: Path) -> None:
+    assert run_ci(deployment, "push", "all").returncode == 0
+    for expected in ("1", "0"):  # the rollout to h1, then the same edit again: nothing to change, an empty suite
+        junit = tmp_path / f"set-env-{expected}.xml"
+        done = run_ci(deployment, "set-env", "KDT_CI_FLAG=1", "--junit", str(junit))
+        assert done.returncode == 0, done.stderr
+        assert not ANSI.search(done.stderr) and not BOX.search(done.stderr)
+        XSD.validate(str(junit))
+        suite = ET.parse(junit).getroot().find("testsuite")
+        assert (suite.get("name"), suite.get("tests")) == ("kdeploy set-env", expected)
