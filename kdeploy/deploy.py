@@ -361,7 +361,7 @@ class HostPush:
 def preflight_command(host: HostConfig) -> str:
     sv = host.service
     return probe.preflight_command(python=sv.python, unit=unit_filename(sv), port=sv.sglang.port,
-                                   remote_root=sv.remote_root)
+                                   remote_root=sv.remote_root, environment_file=sv.environment_file)
 
 
 def preflight_checks(host: HostConfig, output: str, upload_bytes: int) -> list[probe.Check]:
@@ -372,7 +372,7 @@ def preflight_checks(host: HostConfig, output: str, upload_bytes: int) -> list[p
     checks = list(probe.parse_preflight(
         output, unit=unit_filename(sv), port=sv.sglang.port, tp=sv.sglang.tp, payload_bytes=upload_bytes,
         hicache_enabled=hc.enabled, hicache_ratio=hc.ratio, hicache_size_gb=hc.size_gb,
-        device_kv_gb_per_rank=hc.device_kv_gb_per_rank).all_checks())
+        device_kv_gb_per_rank=hc.device_kv_gb_per_rank, environment_file=sv.environment_file).all_checks())
     if not sv.module.startswith("sglang.") and checks[0].status == "fail":
         checks[0] = probe.Check("sglang", "warn", f"service runs {sv.module}, not SGLang: {checks[0].detail}")
     return checks

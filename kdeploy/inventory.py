@@ -99,43 +99,61 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _doc(description: str, default: Any = ..., *, shown: str | None = None, **constraints: Any) -> Any:
+    """A field with its reference text (the JSON Schema and docs/inventory.md); ``shown``: a computed default."""
+    extra = {"doc_default": shown} if shown else None
+    return Field(default, description=description, json_schema_extra=extra, **constraints)
+
+
 class Speculative(_Strict):
-    algorithm: SafeStr | None = None
-    draft_model_path: SafeStr | None = None
-    num_steps: int | None = Field(default=None, gt=0)
-    eagle_topk: int | None = Field(default=None, gt=0)
-    num_draft_tokens: int | None = Field(default=None, gt=0)
+    """Speculative decoding flags (``--speculative-*``)."""
+
+    algorithm: SafeStr | None = _doc("`--speculative-algorithm` (EAGLE, EAGLE3, NEXTN, ...)", None)
+    draft_model_path: SafeStr | None = _doc("`--speculative-draft-model-path`", None)
+    num_steps: int | None = _doc("`--speculative-num-steps`", None, gt=0)
+    eagle_topk: int | None = _doc("`--speculative-eagle-topk`", None, gt=0)
+    num_draft_tokens: int | None = _doc("`--speculative-num-draft-tokens`", None, gt=0)
 
 
 class SGLang(_Strict):
     """``sglang.launch_server`` flags; anything not modelled goes in ``extra_args``."""
 
-    model_path: SafeStr
-    served_model_name: SafeStr | None = None
-    tp: int = Field(default=1, gt=0)
-    host: Annotated[str, AfterValidator(_bind_address)] = "127.0.0.1"
-    port: int = Field(default=30000, gt=0, lt=65536)
-    attention_backend: SafeStr | None = None
-    speculative: Speculative = Speculative()
-    mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)
-    context_length: int | None = Field(default=None, gt=0)
-    trust_remote_code: bool = False
-    extra_args: list[SafeStr] = []
+    model_path: SafeStr = _doc("`--model-path`")
+    served_model_name: SafeStr | None = _doc("`--served-model-name`; also the `model` the gate sends", None)
+    tp: int = _doc("`--tp-size`; also the default number of workers the gate expects", 1, gt=0)
+    host: Annotated[str, AfterValidator(_bind_address)] = _doc(
+        "`--host`: an IP address or `localhost`. The gate reaches the server through SSH at the address it "
+        "binds: `0.0.0.0` at `127.0.0.1`, `::` at `::1`, a specific address at that address; a host name is "
+        "refused", "127.0.0.1")
+    port: int = _doc("`--port`; the gate talks to `<host>:<port>` on the host through SSH (a direct-tcpip "
+                     "channel: the port need not be reachable from the controller)", 30000, gt=0, lt=65536)
+    attention_backend: SafeStr | None = _doc("`--attention-backend`", None)
+    speculative: Speculative = _doc("speculative decoding flags", Speculative(), shown="none")
+    mem_fraction_static: float | None = _doc("`--mem-fraction-static`", None, gt=0, lt=1)
+    context_length: int | None = _doc("`--context-length`", None, gt=0)
+    trust_remote_code: bool = _doc("`--trust-remote-code`", False)
+    extra_args: list[SafeStr] = _doc("appended verbatim, one list item per argv word, for flags kdeploy does "
+                                     "not model", [])
 
 
 class HiCache(_Strict):
-    enabled: bool = False
-    ratio: float | None = Field(default=None, gt=0)
-    size_gb: float | None = Field(default=None, gt=0)
-    write_policy: WritePolicy | None = None
-    io_backend: IoBackend | None = None
-    mem_layout: MemLayout | None = None
-    device_kv_gb_per_rank: float | None = Field(default=None, gt=0)
+    """Hierarchical cache flags, emitted only when ``enabled``."""
+
+    enabled: bool = _doc("`--enable-hierarchical-cache`; no hicache flag is emitted without it", False)
+    ratio: float | None = _doc("`--hicache-ratio` (ignored when `size_gb` is set)", None, gt=0)
+    size_gb: float | None = _doc("`--hicache-size` (GB per rank; wins over `ratio`)", None, gt=0)
+    write_policy: WritePolicy | None = _doc("`--hicache-write-policy`", None)
+    io_backend: IoBackend | None = _doc("`--hicache-io-backend`", None)
+    mem_layout: MemLayout | None = _doc("`--hicache-mem-layout`", None)
+    device_kv_gb_per_rank: float | None = _doc("device KV cache per rank in GB (10.42 for the Kimi-K2.5 service). "
+                                               "Validated and stored; no flag, and no check uses it yet", None, gt=0)
 
 
 class GatePrompt(_Strict):
-    prompt: str
-    expect: str = r"\bParis\b"
+    """One golden completion of the gate."""
+
+    prompt: str = _doc("the prompt sent at temperature 0")
+    expect: str = _doc("Python regular expression searched in the answer (checked to compile)", r"\bParis\b")
 
     @field_validator("expect")
     @classmethod
@@ -150,43 +168,67 @@ class GatePrompt(_Strict):
 class Gate(_Strict):
     """What a healthy deploy must show; ``workers`` defaults to the service's TP size."""
 
-    workers: int | None = Field(default=None, gt=0)
-    prompts: list[GatePrompt] = [GatePrompt(prompt="The capital of France is")]
-    max_tokens: int = Field(default=8, gt=0)
-    markers: list[SafeStr] | None = None  # None: what the payload's kdeploy-gate.json says
-    ready_path: SafeStr = "/health"
-    timeout: float | None = Field(default=None, gt=0)
-    poll_interval: float = Field(default=0.5, gt=0, le=30)
-    # Seconds after a switch before the host reverts by itself unless kdeploy confirmed it (default:
-    # TimeoutStopSec + 60 + the gate timeout + 60).
-    revert_after: float | None = Field(default=None, gt=0)
+    workers: int | None = _doc("distinct worker processes that must log each marker (`--workers` overrides it "
+                               "for one run)", None, gt=0, shown="`sglang.tp`")
+    prompts: list[GatePrompt] = _doc("completions that must match, each `{prompt, expect}`",
+                                     [GatePrompt(prompt="The capital of France is")],
+                                     shown="one: 'The capital of France is', expect `\\bParis\\b`")
+    max_tokens: int = _doc("`max_tokens` of each gate completion", 8, gt=0)
+    markers: list[SafeStr] | None = _doc(
+        "fixed strings each worker must log in the current run; overrides the payload's manifest (its config "
+        "line is still checked); `[]` with a payload without a manifest skips the worker check", None,
+        shown="what the payload's `kdeploy-gate.json` requires")
+    ready_path: SafeStr = _doc("polled until it answers 200", "/health")
+    timeout: float | None = _doc("seconds the gate may take in total (`--timeout` overrides it)", None, gt=0,
+                                 shown="`unit.timeout_start_sec`")
+    poll_interval: float = _doc("seconds between polls of the unit state, readiness and markers", 0.5, gt=0, le=30)
+    revert_after: float | None = _doc(
+        "seconds after a switch at which the host goes back to its last confirmed release by itself unless "
+        "kdeploy confirmed it (docs/push.md, provisional activation); keep it above the restart and gate time",
+        None, gt=0, shown="`unit.timeout_stop_sec + 60 + gate timeout + 60`")
 
 
 class UnitSettings(_Strict):
-    description: SafeStr | None = None
-    user: SafeStr | None = None
-    timeout_start_sec: int = Field(default=900, gt=0)
-    timeout_stop_sec: int = Field(default=120, gt=0)
-    restart_sec: int = Field(default=5, ge=0)
-    kill_mode: Literal["control-group", "mixed", "process"] = "mixed"
-    limit_nofile: int = Field(default=1048576, gt=0)
+    """systemd settings of the unit."""
+
+    description: SafeStr | None = _doc("`Description=`", None, shown="`SGLang <served_model_name or name>`")
+    user: SafeStr | None = _doc("`User=`", None, shown="none (root)")
+    timeout_start_sec: int = _doc("`TimeoutStartSec=`; also the default gate timeout", 900, gt=0)
+    timeout_stop_sec: int = _doc("`TimeoutStopSec=`; a push waits up to this + 60 s for the old run to stop", 120,
+                                 gt=0)
+    restart_sec: int = _doc("`RestartSec=`", 5, ge=0)
+    kill_mode: Literal["control-group", "mixed", "process"] = _doc("`KillMode=`", "mixed")
+    limit_nofile: int = _doc("`LimitNOFILE=`", 1048576, gt=0)
 
 
 class Service(_Strict):
-    name: SafeStr
-    template: SafeStr = "templates/sglang.service.j2"
-    python: AbsPath
-    module: SafeStr = "sglang.launch_server"
-    payload: SafeStr = "kernels/kdtree"
-    remote_root: AbsPath = "/opt/kdeploy"
-    keep_releases: int = Field(default=5, ge=2)
-    env: dict[EnvName, EnvValue] = {}
-    environment_file: AbsPath | None = None
-    sglang: SGLang
-    hicache: HiCache = HiCache()
-    gate: Gate = Gate()
-    unit: UnitSettings = UnitSettings()
-    on_first_deploy_failure: Literal["stop", "leave"] = "stop"
+    """What runs on the host."""
+
+    name: SafeStr = _doc("systemd unit name without `.service` (letters, digits, `:_.@-`); also the directory "
+                         "name on the host")
+    template: SafeStr = _doc("Jinja2 template of the unit (relative to the inventory file)",
+                             "templates/sglang.service.j2")
+    python: AbsPath = _doc("interpreter of the host's SGLang venv; `ExecStart` runs `<python> -m <module> ...`")
+    module: SafeStr = _doc("dotted module name run with `-m`", "sglang.launch_server")
+    payload: SafeStr = _doc("local directory shipped to the host; a bare name without `/` (e.g. `kdtree`) means "
+                            "`kernels/<name>` next to the inventory", "kernels/kdtree")
+    remote_root: AbsPath = _doc("releases live under `<remote_root>/<name>/` on the host", "/opt/kdeploy")
+    keep_releases: int = _doc("releases kept on the host; older ones are pruned after each push (docs/push.md, "
+                              "release pruning)", 5, ge=2)
+    env: dict[EnvName, EnvValue] = _doc("`Environment=` lines of the unit: quoted string values, no "
+                                        "secret-looking names (rules below)", {})
+    environment_file: AbsPath | None = _doc(
+        "rendered as `EnvironmentFile=-<path>`; kdeploy never writes or ships this file: put secrets there "
+        "yourself, owned by root, mode 0600. A push checks that in preflight (exit 7 when it is missing, not "
+        "root's, or readable by others: docs/push.md, checks)", None)
+    sglang: SGLang = _doc("launch flags, below")
+    hicache: HiCache = _doc("hierarchical cache flags, below", HiCache(), shown="disabled")
+    gate: Gate = _doc("what a healthy deploy must show, below", Gate(), shown="see below")
+    unit: UnitSettings = _doc("systemd settings of the unit, below", UnitSettings(), shown="see below")
+    on_first_deploy_failure: Literal["stop", "leave"] = _doc(
+        "when the very first deploy of a service fails its gate there is nothing to roll back to: `stop` stops "
+        "and disables the unit, `leave` leaves it running as it is; either way the result is `rollback_failed` "
+        "(exit 5)", "stop")
 
     @field_validator("name")
     @classmethod
@@ -214,16 +256,22 @@ class Service(_Strict):
 class HostConfig(_Strict):
     """One host with every layer merged in: what kdeploy acts on."""
 
-    name: str
-    address: SafeStr
-    port: int = Field(default=22, gt=0, lt=65536)
-    user: SafeStr = "root"
-    identity_file: SafeStr | None = None
-    known_hosts: SafeStr | None = None
-    connect_timeout: float = Field(default=10, gt=0)
-    proxy_jump: SafeStr | None = None      # [user@]host[:port], comma list for several hops, or "none"
-    ssh_config: SafeStr | bool | None = None  # an OpenSSH client config file, or false for none
-    service: Service
+    name: str = _doc("the host's name (its key under `hosts`)")
+    address: SafeStr = _doc("IP address, DNS name or ssh_config `Host` alias that SSH connects to (host level only)")
+    port: int = _doc("SSH port (not the SGLang port, that is `service.sglang.port`)", 22, gt=0, lt=65536)
+    user: SafeStr = _doc("SSH user; it must be able to write `/etc/systemd/system` and run `systemctl`", "root")
+    identity_file: SafeStr | None = _doc("private key (the SSH agent's keys are offered too); without it: "
+                                         "ssh_config's `IdentityFile`s, else the usual `~/.ssh/id_*` keys", None)
+    known_hosts: SafeStr | None = _doc("host keys are always checked against this file (docs/push.md, host keys)",
+                                       None, shown="`~/.ssh/known_hosts`")
+    connect_timeout: float = _doc("seconds for TCP connect, SSH banner and authentication", 10, gt=0)
+    proxy_jump: SafeStr | None = _doc("jump host(s): `[user@]host[:port]`, a comma list for several hops, or "
+                                      "`none` (docs/ssh.md)", None)
+    ssh_config: SafeStr | bool | None = _doc("the OpenSSH client config to read, or `false` for none; "
+                                             "`--ssh-config PATH` and `KDEPLOY_SSH_CONFIG` override it", None,
+                                             shown="`~/.ssh/config` + `/etc/ssh/ssh_config`")
+    service: Service = _doc("what runs on the host (`service.name`, `service.python` and "
+                            "`service.sglang.model_path` must be set at some level)")
 
 
 # Keys allowed at each settings level (defaults, group, host): everything but the identity fields.

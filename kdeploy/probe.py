@@ -305,9 +305,34 @@ def check_port(port: int, unit: str, listeners: list[Listener] | None) -> Check:
     return Check("port", "pass", f"port {port} held by {unit} ({who}): replaced in place")
 
 
+def check_environment_file(path: str | None, stat_line: str | None) -> Check | None:
+    """``service.environment_file`` must exist, be root's and be readable by root only: the unit reads it with
+    ``EnvironmentFile=-`` (a missing file is no error to systemd), so without this check SGLang would start
+    without its HF_TOKEN, and a group- or world-readable file leaks it. ``stat_line``: ``stat -c '%u %a %F'``."""
+    if path is None:
+        return None
+    if not stat_line:
+        return Check("envfile", "fail", f"environment_file {path} is missing (the service would start without "
+                                        "its secrets)")
+    try:
+        uid, mode, kind = stat_line.split(None, 2)
+        uid_n, mode_n = int(uid), int(mode, 8)
+    except ValueError:
+        return Check("envfile", "fail", f"environment_file {path}: cannot read its owner and mode ({stat_line!r})")
+    if kind != "regular file":
+        return Check("envfile", "fail", f"environment_file {path} is a {kind}, not a regular file")
+    if uid_n != 0:
+        return Check("envfile", "fail", f"environment_file {path} is owned by uid {uid_n}, not root")
+    if mode_n & 0o077:
+        return Check("envfile", "fail", f"environment_file {path} has mode {mode_n:04o}: others can read its "
+                                        "secrets (chmod 0600)")
+    return Check("envfile", "pass", f"environment_file {path}: root, {mode_n:04o}")
+
+
 # ----------------------------------------------------------------------------------------------- one round trip
 
-def preflight_command(*, python: str, unit: str, port: int, remote_root: str) -> str:
+def preflight_command(*, python: str, unit: str, port: int, remote_root: str,
+                      environment_file: str | None = None) -> str:
     """ONE shell command for every preflight check (and the probe): sections ``@@kdeploy NAME`` each
     followed by its output and ``@@kdeploy rc N``. Parse with :func:`parse_preflight`."""
     q = shlex.quote
@@ -327,6 +352,9 @@ def preflight_command(*, python: str, unit: str, port: int, remote_root: str) ->
         f"echo '{SECTION}journal'; journalctl -u {unit_q} -o cat --no-pager 2>/dev/null | "
         f"grep -F 'KV Cache is allocated' | tail -n 1; echo \"{SECTION}rc 0\"",
     ]
+    if environment_file:
+        parts.append(f"echo '{SECTION}envfile'; stat -L -c '%u %a %F' {q(environment_file)} 2>/dev/null; "
+                     f"echo \"{SECTION}rc 0\"")
     return "; ".join(parts)
 
 
@@ -394,7 +422,8 @@ class Preflight:
 
 def parse_preflight(stdout: str, *, unit: str, port: int, tp: int, payload_bytes: int,
                     hicache_enabled: bool = False, hicache_ratio: float | None = None,
-                    hicache_size_gb: float | None = None, device_kv_gb_per_rank: float | None = None) -> Preflight:
+                    hicache_size_gb: float | None = None, device_kv_gb_per_rank: float | None = None,
+                    environment_file: str | None = None) -> Preflight:
     """Every check from the output of :func:`preflight_command`. The device KV GB per rank comes from the
     inventory (``hicache.device_kv_gb_per_rank``) when given, else from the last run's journal line."""
     s = parse_sections(stdout)
@@ -417,4 +446,5 @@ def parse_preflight(stdout: str, *, unit: str, port: int, tp: int, payload_bytes
                       kv_source=kv_source),
         check_port(port, unit, parse_listeners(port_s.text) if port_s.rc == 0 else None),
     )
-    return Preflight(probe, checks)
+    envfile = check_environment_file(environment_file, s.get("envfile", empty).text.strip() or None)
+    return Preflight(probe, (*checks, envfile) if envfile else checks)

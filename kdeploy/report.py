@@ -10,7 +10,10 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import ClassVar, Protocol
 
+from kdeploy import __version__
 from kdeploy.errors import ExitCode, KdeployError, most_severe
+
+SCHEMA_VERSION = 1  # of the --json document (kdeploy/schema.py): changes only when a field goes or changes meaning
 
 
 class Result(StrEnum):
@@ -85,7 +88,21 @@ class Details(Protocol):
     def to_json(self) -> object: ...
 
 
-Listener = Callable[[str, str, str], None]  # (host, phase, status) status: start|ok|fail|info
+Listener = Callable[[str, str, str], None]  # (host, phase, status) status: start|ok|fail|<result> (phase "done")
+
+
+class PhaseWatcher:
+    """A listener that is also told each phase's seconds and detail as it ends (the CI log's line per phase).
+
+    A plain :data:`Listener` keeps its three arguments; a subclass gets :meth:`event` instead.
+    """
+
+    def __call__(self, host: str, phase: str, status: str) -> None:
+        self.event(host, phase, status, None, "")
+
+    def event(self, host: str, phase: str, status: str, seconds: float | None, detail: str) -> None:
+        """``seconds`` is None at a phase's start and at ``done``; ``detail`` is the phase's, or the host's error."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -121,7 +138,7 @@ class HostResult:
         name = self.prefix + name
         entry = Phase(name, True, 0.0, "")
         self.phases.append(entry)
-        self._emit(name, "start")
+        self._emit(name, "start", None, "")
         start = time.monotonic()
         try:
             yield entry
@@ -134,10 +151,12 @@ class HostResult:
             raise
         finally:
             entry.seconds = round(time.monotonic() - start, 3)
-            self._emit(name, "ok" if entry.ok else "fail")
+            self._emit(name, "ok" if entry.ok else "fail", entry.seconds, entry.detail)
 
-    def _emit(self, phase: str, status: str) -> None:
-        if self.listener:
+    def _emit(self, phase: str, status: str, seconds: float | None, detail: str) -> None:
+        if isinstance(self.listener, PhaseWatcher):
+            self.listener.event(self.host, phase, status, seconds, detail)
+        elif self.listener:
             self.listener(self.host, phase, status)
 
     def finish(self, result: Result | str, error: str | None = None) -> HostResult:
@@ -146,7 +165,7 @@ class HostResult:
         self.exit_code = int(self.result.exit_code)
         self.ok = self.exit_code == 0
         self.error = error
-        self._emit("done", result)
+        self._emit("done", self.result, None, error or "")
         return self
 
     def fail(self, exc: BaseException) -> None:
@@ -189,5 +208,6 @@ class Report:
         return {"hosts": len(self.hosts), **dict(sorted(counts.items()))}
 
     def as_json(self) -> dict:
-        return {"command": self.command, "ok": self.ok, "exit_code": self.exit_code,
+        return {"schema_version": SCHEMA_VERSION, "kdeploy_version": __version__,
+                "command": self.command, "ok": self.ok, "exit_code": self.exit_code,
                 "hosts": [h.as_json() for h in self.hosts], "summary": self.summary(), **self.extra}

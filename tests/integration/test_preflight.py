@@ -73,3 +73,22 @@ def test_probe_without_sglang_says_not_installed(deployment: Deployment, capsys:
     host = doc["hosts"][0]
     assert code == 7 and host["result"] == "incompatible"
     assert host["probe"]["installed"] is False and "sglang not installed" in host["probe"]["summary"]
+
+
+def test_environment_file_must_exist_be_roots_and_0600(deployment: Deployment,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    path = f"/etc/{deployment.service}-secrets.env"
+    deployment.set_service(environment_file=path)
+    try:
+        assert "environment_file " + path + " is missing" in _refused(deployment, capsys)
+        deployment.sh("h1", f"umask 022; echo HF_TOKEN=x > {path}")
+        assert "has mode 0644: others can read its secrets" in _refused(deployment, capsys)
+        deployment.sh("h1", f"chmod 0600 {path}; chown 1000 {path}")
+        assert "owned by uid 1000, not root" in _refused(deployment, capsys)
+        deployment.sh("h1", f"chown 0 {path}")
+        code, doc = deployment.json(capsys, "push", "test")
+        assert code == 0, doc
+        detail = next(p for p in doc["hosts"][0]["phases"] if p["name"] == "preflight")["detail"]
+        assert "envfile pass" in detail
+    finally:
+        deployment.sh("h1", f"rm -f {path}", check=False)

@@ -155,7 +155,7 @@ def test_report_exit_code_and_summary():
 
 def test_report_as_json_shape():
     doc = json.loads(json.dumps(make_report().as_json()))      # what --json prints must survive JSON
-    assert list(doc) == ["command", "ok", "exit_code", "hosts", "summary"]
+    assert list(doc) == ["schema_version", "kdeploy_version", "command", "ok", "exit_code", "hosts", "summary"]
     assert (doc["command"], doc["ok"], doc["exit_code"]) == ("push", False, 4)
     assert [h["host"] for h in doc["hosts"]] == ["ct200", "ct201", "ct202"]
     for host in doc["hosts"]:

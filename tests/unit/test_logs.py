@@ -1,0 +1,50 @@
+"""kdeploy/logs.py: the journalctl command each host runs, and the checks made before connecting."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdeploy import cli
+from kdeploy.errors import InvalidInput
+from kdeploy.logs import LogQuery, Run, journal_command, prefixed
+
+
+def test_default_is_the_last_50_lines_of_the_unit():
+    assert journal_command("s.service", LogQuery()) == "journalctl --no-pager -o short-iso -n 50 -u s.service"
+
+
+def test_a_run_is_picked_by_its_invocation_id():
+    cmd = journal_command("s.service", LogQuery(run=Run.CURRENT, lines=0))
+    assert cmd.startswith("cur=$(systemctl show -p InvocationID --value s.service)")
+    assert cmd.endswith('journalctl --no-pager -o short-iso -n all "_SYSTEMD_INVOCATION_ID=$inv"')
+    previous = journal_command("s.service", LogQuery(run=Run.PREVIOUS))
+    assert "-o export --output-fields=_SYSTEMD_INVOCATION_ID" in previous and 'grep -vx "${cur:-none}"' in previous
+
+
+def test_grep_filters_on_the_host_then_keeps_the_last_n():
+    cmd = journal_command("s.service", LogQuery(grep="it's (a|b)", since="1 hour ago", lines=5))
+    assert "'--since=1 hour ago' -n 0 -u s.service >/dev/null || exit $?; " in cmd  # a bad --since is reported
+    assert cmd.endswith("-n all -u s.service | grep --line-buffered -E -e 'it'\"'\"'s (a|b)' | tail -n 5; true")
+
+
+def test_follow_never_follows_the_dry_run():
+    cmd = journal_command("s.service", LogQuery(follow=True, grep="x"))
+    check, _, rest = cmd.partition(" >/dev/null || exit $?; ")
+    assert "--follow" not in check and "--follow -n 50 -u s.service | grep" in rest
+
+
+def test_prefixed():
+    assert prefixed("h1", "a\nb\n") == ["h1 | a", "h1 | b"]
+
+
+@pytest.mark.parametrize(("query", "message"), [
+    (LogQuery(grep="("), "not a valid regular expression"), (LogQuery(lines=-1), "--lines"),
+])
+def test_bad_queries_are_refused_before_connecting(query, message):
+    with pytest.raises(InvalidInput, match=message):
+        query.check()
+
+
+def test_bad_input_is_exit_2(capsys):
+    assert cli.main(["logs", "all", "--grep", "(", "-i", "inventory.yaml"]) == 2
+    assert cli.main(["logs", "all", "--run", "last"]) == 2
