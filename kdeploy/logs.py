@@ -109,14 +109,12 @@ def read(inventory: Inventory, host: HostConfig, query: LogQuery, opts: Options,
                 phase.detail = f"{len(out.stdout.splitlines())} lines"
             result.finish(Result.OK)
             return prefixed(host.name, out.stdout)
-        channel = remote.start(journal_command(unit, query), timeout=None)
-        channel.settimeout(0.5)
+        process = remote.start(journal_command(unit, query), timeout=None)
         buffered = b""
         try:
             while not (stop and stop.is_set()):
-                try:
-                    chunk = channel.recv(65536)
-                except TimeoutError:
+                chunk = process.read_some(0.5)  # short waits: a stop is seen within half a second
+                if chunk is None:
                     continue
                 if not chunk:
                     break
@@ -125,10 +123,10 @@ def read(inventory: Inventory, host: HostConfig, query: LogQuery, opts: Options,
                 for line in complete:
                     if emit:
                         emit(f"{host.name} | {line.decode(errors='replace')}")
-            if not (stop and stop.is_set()) and channel.recv_exit_status():
-                raise InvalidInput(f"{host.name}: {channel.recv_stderr(65536).decode(errors='replace').strip()}")
+            if not (stop and stop.is_set()) and process.wait(10):
+                raise InvalidInput(f"{host.name}: {process.stderr().strip()}")
         finally:
-            channel.close()
+            process.close()
         result.finish(Result.OK)
         return []
 

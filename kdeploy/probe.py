@@ -319,7 +319,7 @@ def check_environment_file(path: str | None, stat_line: str | None) -> Check | N
         uid_n, mode_n = int(uid), int(mode, 8)
     except ValueError:
         return Check("envfile", "fail", f"environment_file {path}: cannot read its owner and mode ({stat_line!r})")
-    if kind != "regular file":
+    if kind not in ("regular file", "regular empty file"):  # stat's %F names an empty file apart
         return Check("envfile", "fail", f"environment_file {path} is a {kind}, not a regular file")
     if uid_n != 0:
         return Check("envfile", "fail", f"environment_file {path} is owned by uid {uid_n}, not root")

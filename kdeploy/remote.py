@@ -412,6 +412,16 @@ class Process:
             raise Unreachable(f"{self.host}: connection lost: {exc or type(exc).__name__}") from None
         return bytes(buf)
 
+    def read_some(self, timeout: float) -> bytes | None:
+        """What stdout has now (waiting up to ``timeout``): b"" once it ended, None when nothing came."""
+        self.channel.settimeout(timeout)
+        try:
+            return self.channel.recv(65536)
+        except TimeoutError:
+            return None
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            raise Unreachable(f"{self.host}: connection lost: {exc or type(exc).__name__}") from None
+
     def exit_status_ready(self) -> bool:
         return self.channel.exit_status_ready()
 

@@ -140,10 +140,11 @@ def test_history_records_each_push(deployment: Deployment, capsys: pytest.Captur
 def test_percent_in_unit_values_arrives_intact(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     """systemd expands %-specifiers on every unit line: what it reads back must be what the inventory says."""
     root = f"/srv/kdeploy/{deployment.service}/100%n"
+    deployment.sh("h1", "install -m 600 /dev/null '/etc/kdeploy-%i.env'")  # preflight wants it there, root's, 0600
     deployment.set_service(remote_root=root, environment_file="/etc/kdeploy-%i.env")
     deployment.edit(lambda doc: doc["defaults"]["service"]["unit"].update(description='GPU 100% %n "q"'))
     code, doc = deployment.json(capsys, "push", "test")
-    assert code == 0, doc
+    assert code == 0, doc["hosts"][0]["error"]
     assert deployment.show("h1", "Description") == 'GPU 100% %n "q"'
     assert deployment.show("h1", "WorkingDirectory") == f"{root}/{deployment.service}"
     assert deployment.show("h1", "EnvironmentFiles") == "/etc/kdeploy-%i.env (ignore_errors=yes)"

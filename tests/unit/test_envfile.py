@@ -10,6 +10,7 @@ from kdeploy import probe
 @pytest.mark.parametrize(("stat", "status", "words"), [
     ("0 600 regular file", "pass", "root, 0600"),
     ("0 400 regular file", "pass", "root, 0400"),
+    ("0 600 regular empty file", "pass", "root, 0600"),
     (None, "fail", "is missing (the service would start without its secrets)"),
     ("1000 600 regular file", "fail", "owned by uid 1000, not root"),
     ("0 644 regular file", "fail", "has mode 0644: others can read its secrets (chmod 0600)"),

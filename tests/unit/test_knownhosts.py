@@ -12,8 +12,11 @@ import pytest
 from kdeploy import hostcert, knownhosts
 from kdeploy.knownhosts import Offered
 
-NOW = int(time.time())
 
+def now() -> int:
+    """Read at each check: certificates are signed relative to the clock when the test runs, not when the
+    module was collected (a long suite starts minutes later)."""
+    return int(time.time())
 
 def keygen(path: Path, kind: str = "ed25519") -> tuple[str, bytes]:
     subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-C", path.name, "-f", str(path)], check=True)
@@ -51,9 +54,9 @@ def line(marker: str, pattern: str, key: tuple[str, bytes]) -> str:
 
 def test_plain_key_known_unknown_changed(keys: dict) -> None:
     offered = Offered(*keys["host"])
-    assert knownhosts.decide(entries(line("", "web1,10.0.0.1", keys["host"])), ["10.0.0.1"], offered, NOW).ok
-    assert knownhosts.decide([], ["10.0.0.1"], offered, NOW).status == "unknown"
-    changed = knownhosts.decide(entries(line("", "10.0.0.1", keys["ca"])), ["10.0.0.1"], offered, NOW)
+    assert knownhosts.decide(entries(line("", "web1,10.0.0.1", keys["host"])), ["10.0.0.1"], offered, now()).ok
+    assert knownhosts.decide([], ["10.0.0.1"], offered, now()).status == "unknown"
+    changed = knownhosts.decide(entries(line("", "10.0.0.1", keys["ca"])), ["10.0.0.1"], offered, now())
     assert changed.status == "changed" and "kh:1" in changed.reason
 
 
@@ -61,13 +64,13 @@ def test_patterns_ports_negation_and_hashed_entries(keys: dict) -> None:
     offered = Offered(*keys["host"])
     text = line("", "[10.0.0.1]:2222", keys["host"]) + line("", "*.gpu.example,!bad.gpu.example", keys["host"])
     kh = entries(text)
-    assert knownhosts.decide(kh, [knownhosts.lookup_name("10.0.0.1", 2222)], offered, NOW).ok
-    assert not knownhosts.decide(kh, [knownhosts.lookup_name("10.0.0.1", 22)], offered, NOW).ok
-    assert knownhosts.decide(kh, ["A.gpu.example"], offered, NOW).ok
-    assert not knownhosts.decide(kh, ["bad.gpu.example"], offered, NOW).ok
+    assert knownhosts.decide(kh, [knownhosts.lookup_name("10.0.0.1", 2222)], offered, now()).ok
+    assert not knownhosts.decide(kh, [knownhosts.lookup_name("10.0.0.1", 22)], offered, now()).ok
+    assert knownhosts.decide(kh, ["A.gpu.example"], offered, now()).ok
+    assert not knownhosts.decide(kh, ["bad.gpu.example"], offered, now()).ok
     hashed = knownhosts.entry_line("[10.0.0.1]:2222", *keys["host"], hashed=True)
     assert hashed.startswith("|1|") and "10.0.0.1" not in hashed
-    assert knownhosts.decide(entries(hashed), ["[10.0.0.1]:2222"], offered, NOW).ok
+    assert knownhosts.decide(entries(hashed), ["[10.0.0.1]:2222"], offered, now()).ok
     assert knownhosts.is_hashed(hashed) and not knownhosts.is_hashed(text)
 
 
@@ -76,7 +79,7 @@ def test_hashed_by_ssh_keygen_is_read_and_ours_is_found_by_ssh_keygen(keys: dict
     path.write_text(line("", "web1.example", keys["host"]))
     subprocess.run(["ssh-keygen", "-q", "-H", "-f", str(path)], check=True, capture_output=True)
     assert knownhosts.is_hashed(path.read_text())
-    assert knownhosts.decide(entries(path.read_text()), ["web1.example"], Offered(*keys["host"]), NOW).ok
+    assert knownhosts.decide(entries(path.read_text()), ["web1.example"], Offered(*keys["host"]), now()).ok
     path.write_text(knownhosts.entry_line("web2.example", *keys["host"], hashed=True))
     found = subprocess.run(["ssh-keygen", "-F", "web2.example", "-f", str(path)], capture_output=True, text=True)
     assert found.returncode == 0 and keys["host"][0] in found.stdout
@@ -85,7 +88,7 @@ def test_hashed_by_ssh_keygen_is_read_and_ours_is_found_by_ssh_keygen(keys: dict
 def test_valid_certificate_from_a_listed_ca(keys: dict) -> None:
     cert = sign(keys["dir"] / "ca", keys["dir"] / "host", "-h", "-n", "web1,10.0.0.1", "-V", "-5m:+1h")
     kh = entries(line("@cert-authority", "10.0.0.*", keys["ca"]))
-    verdict = knownhosts.decide(kh, ["10.0.0.1"], offered_cert(keys, cert), NOW)
+    verdict = knownhosts.decide(kh, ["10.0.0.1"], offered_cert(keys, cert), now())
     assert verdict.status == "certified", verdict.reason
     parsed = hostcert.parse(cert)
     assert parsed.principals == ["web1", "10.0.0.1"] and parsed.public_key == keys["host"][1]
@@ -100,25 +103,25 @@ def test_valid_certificate_from_a_listed_ca(keys: dict) -> None:
 def test_bad_certificates_are_refused_with_their_reason(keys: dict, args: list[str], reason: str) -> None:
     cert = sign(keys["dir"] / "ca", keys["dir"] / "host", *args)
     kh = entries(line("@cert-authority", "*", keys["ca"]))
-    verdict = knownhosts.decide(kh, ["10.0.0.1"], offered_cert(keys, cert), NOW)
+    verdict = knownhosts.decide(kh, ["10.0.0.1"], offered_cert(keys, cert), now())
     assert verdict.status == "refused" and reason in verdict.reason, verdict
 
 
 def test_certificate_of_an_unlisted_ca_and_a_forged_signature(keys: dict) -> None:
     cert = sign(keys["dir"] / "other_ca", keys["dir"] / "host", "-h", "-n", "10.0.0.1")
     kh = entries(line("@cert-authority", "*", keys["ca"]) + line("@cert-authority", "other.example", keys["other_ca"]))
-    verdict = knownhosts.decide(kh, ["10.0.0.1"], offered_cert(keys, cert), NOW)
+    verdict = knownhosts.decide(kh, ["10.0.0.1"], offered_cert(keys, cert), now())
     assert verdict.status == "refused" and "which no @cert-authority line trusts for 10.0.0.1" in verdict.reason
     good = sign(keys["dir"] / "ca", keys["dir"] / "host", "-h", "-n", "10.0.0.1")
     forged = good[:-1] + bytes([good[-1] ^ 1])
-    verdict = knownhosts.decide(kh, ["10.0.0.1"], offered_cert(keys, forged), NOW)
+    verdict = knownhosts.decide(kh, ["10.0.0.1"], offered_cert(keys, forged), now())
     assert verdict.status == "refused" and "signature does not verify" in verdict.reason
 
 
 def test_bad_certificate_falls_back_to_a_listed_plain_key_as_ssh_does(keys: dict) -> None:
     cert = sign(keys["dir"] / "other_ca", keys["dir"] / "host", "-h", "-n", "10.0.0.1")
     kh = entries(line("", "10.0.0.1", keys["host"]))
-    assert knownhosts.decide(kh, ["10.0.0.1"], offered_cert(keys, cert), NOW).status == "known"
+    assert knownhosts.decide(kh, ["10.0.0.1"], offered_cert(keys, cert), now()).status == "known"
 
 
 def test_revoked_host_key_and_revoked_ca_are_refused_whatever_else_lists_them(keys: dict) -> None:
@@ -126,10 +129,10 @@ def test_revoked_host_key_and_revoked_ca_are_refused_whatever_else_lists_them(ke
     trusted = line("@cert-authority", "*", keys["ca"]) + line("", "10.0.0.1", keys["host"])
     for revoked, what in ((keys["host"], "host key"), (keys["ca"], "CA key")):
         kh = entries(trusted + line("@revoked", "*", revoked))
-        verdict = knownhosts.decide(kh, ["10.0.0.1"], offered_cert(keys, cert), NOW)
+        verdict = knownhosts.decide(kh, ["10.0.0.1"], offered_cert(keys, cert), now())
         assert verdict.status == "revoked" and verdict.reason.startswith(what), verdict
     kh = entries(line("", "10.0.0.1", keys["host"]) + line("@revoked", "*", keys["host"]))
-    assert knownhosts.decide(kh, ["10.0.0.1"], Offered(*keys["host"]), NOW).status == "revoked"
+    assert knownhosts.decide(kh, ["10.0.0.1"], Offered(*keys["host"]), now()).status == "revoked"
 
 
 @pytest.mark.parametrize("kind", ["rsa", "ecdsa"])
@@ -138,7 +141,7 @@ def test_rsa_and_ecdsa_cas_and_host_keys(tmp_path: Path, kind: str) -> None:
     host = keygen(tmp_path / "host", kind)
     cert = sign(tmp_path / "ca", tmp_path / "host", "-h", "-n", "10.0.0.1")
     kh = knownhosts.parse((tmp_path / "ca.pub").read_text().join(["@cert-authority * ", ""]), "kh")[0]
-    verdict = knownhosts.decide(kh, ["10.0.0.1"], Offered(host[0], host[1], cert), NOW)
+    verdict = knownhosts.decide(kh, ["10.0.0.1"], Offered(host[0], host[1], cert), now())
     assert verdict.status == "certified", verdict.reason
 
 
