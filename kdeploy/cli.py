@@ -37,7 +37,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Ship SGLang extensions and serving configs to GPU hosts; prove every deploy healthy.")
 lock_app = typer.Typer(no_args_is_help=True, help="Inspect or clear the per-service deploy lock.")
 sandbox_app = typer.Typer(no_args_is_help=True, help="Local test hosts with real systemd, sshd and journald.")
+router_app = typer.Typer(no_args_is_help=True, help="Hosts' membership in their SGLang router, by hand.")
 app.add_typer(lock_app, name="lock")
+app.add_typer(router_app, name="router")
 app.add_typer(sandbox_app, name="sandbox")
 
 Target = Annotated[str, typer.Argument(help="host | group | all | comma list", show_default=False)]
@@ -113,6 +115,9 @@ class Ui:
         for host in report.hosts:
             for line in host.log:
                 self.err.print(f"  {host.host} | {line}", markup=False)
+            if host.router == "out":
+                self.err.print(f"  {host.host} | OUT of its router: `kdeploy router admit {host.host}` puts it back",
+                               markup=False)
 
 
 def _phases_table(ui: Ui, report: Report) -> None:
@@ -182,6 +187,8 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
          canary: Annotated[int, typer.Option("--canary", min=0, help="Hosts that go first, alone, and must pass.")] = 0,
          batch: Annotated[str | None, typer.Option("--batch", help="N or N%: hosts restarting at once.")] = None,
          max_fail: Annotated[str | None, typer.Option("--max-fail", help="N or N%: failures before stopping.")] = None,
+         router_add_missing: Annotated[bool, typer.Option(
+             "--router-add-missing", help="Register hosts the router does not know after their deploy.")] = False,
          ) -> None:
     """Ship the payload and unit, restart, gate; roll back by itself when the gate fails."""
     if dry_run:
@@ -190,7 +197,8 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
     ui = Ui(as_json)
     opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
                     lock_wait=lock_wait, workers=workers, timeout=timeout, canary=canary, batch=batch,
-                    max_fail=max_fail, skip_preflight=skip_preflight, command=command_line(ctx))
+                    max_fail=max_fail, skip_preflight=skip_preflight, router_add_missing=router_add_missing,
+                    command=command_line(ctx))
     loaded = _load(inventory)
     report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report)
@@ -418,6 +426,29 @@ def lock_release(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY
                  force: Annotated[bool, typer.Option("--force", help="Also end a LIVE holder.")] = False) -> None:
     """Clear a stale lock (with --force, end a live holder too)."""
     _lock(target, inventory, as_json, True, force)
+
+
+def _router(action: str, target: str, inventory: Path, as_json: bool, accept: bool) -> None:
+    ui = Ui(as_json)
+    loaded = _load(inventory)
+    report = ui.run(lambda listener: fleet.router(loaded, target, action, _options(accept_new_host_keys=accept),
+                                                  listener=listener))
+    ui.report(report)
+    _exit(report)
+
+
+@router_app.command("admit")
+def router_admit(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+                 accept_new_host_keys: AcceptOpt = False) -> None:
+    """Register hosts' servers in their router again and wait until it lists them healthy."""
+    _router("admit", target, inventory, as_json, accept_new_host_keys)
+
+
+@router_app.command("drain")
+def router_drain(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+                 accept_new_host_keys: AcceptOpt = False) -> None:
+    """Take hosts' servers out of their router (new requests go to the others)."""
+    _router("drain", target, inventory, as_json, accept_new_host_keys)
 
 
 InstanceOpt = Annotated[int, typer.Option("--instance", min=0, max=9, help="Sandbox number (0-9), for several.")]
