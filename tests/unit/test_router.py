@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,7 @@ from kdeploy.errors import ExitCode, InvalidInput
 from kdeploy.inventory import Router
 from kdeploy.router import RouterError, Worker, api_key, in_flight, parse_workers, preflight_verdict
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "inventory.yaml"
 # As sglang-router 0.3.2 answers GET /workers (one worker, trimmed metadata).
 WORKERS = json.dumps({"workers": [{
     "id": "3799d817-0ea7-489f-bf4f-edfa9da5d969", "url": "http://10.0.0.1:30000", "model_id": "m", "priority": 50,
@@ -70,3 +72,25 @@ def test_api_key_from_the_environment(monkeypatch):
         api_key(router)
     monkeypatch.setenv("KD_ROUTER_KEY", "s3cret")
     assert api_key(router) == "s3cret" and api_key(Router(url="http://r:1")) is None
+
+
+def test_router_command_without_router_section_is_invalid_input(capsys):
+    from kdeploy import cli
+
+    code = cli.main(["router", "admit", "ct200", "--inventory", str(EXAMPLE)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == ExitCode.INVALID
+    assert err == ["kdeploy: ct200: no router in the inventory (add a router: section)"]
+
+
+def test_unset_api_key_variable_refuses_before_any_host(tmp_path, capsys, monkeypatch):
+    from kdeploy import cli
+
+    monkeypatch.delenv("KD_NO_SUCH_KEY", raising=False)
+    text = EXAMPLE.read_text().replace("defaults:\n", "defaults:\n  router: {url: 'http://127.0.0.1:9', "
+                                                      "api_key_env: KD_NO_SUCH_KEY}\n", 1)
+    path = tmp_path / "inventory.yaml"
+    path.write_text(text)
+    code = cli.main(["router", "drain", "ct200", "--inventory", str(path)])
+    assert code == ExitCode.INVALID
+    assert "KD_NO_SUCH_KEY is not set" in capsys.readouterr().err
