@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 SANDBOX_INVENTORY ?= .sandbox/inventory.yaml
 
-.PHONY: system-deps venv lint test demo demo-down bench clean
+.PHONY: system-deps venv lint test demo demo-down bench bench-rollout clean
 
 # Installs only what is missing: systemd-nspawn, sshd/ssh, ip/tc, nsenter/flock, Debian's python3 + venv.
 system-deps:
@@ -53,6 +53,12 @@ demo-down: venv
 bench: venv
 	@$(BIN)/python -c 'import ansible, matplotlib, pyinstrument' 2>/dev/null && test -x $(BIN)/py-spy || $(BIN)/pip install -q -r bench/requirements.txt
 	$(BIN)/python bench/run.py
+
+# Zero-downtime rollouts behind the real sglang-router (docs/router.md, docs/benchmarks.md): 4 sandbox hosts,
+# 16 streams; writes bench/results/rollout.json and rollout.png; ~5 min on 2 cores.
+bench-rollout: venv
+	@$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/pip install -q matplotlib
+	flock /tmp/sandbox-heavy.lock $(BIN)/python bench/rollout.py
 
 clean:
 	rm -rf $(VENV) .sandbox

@@ -80,7 +80,7 @@ def routed(deployment: Deployment, tmp_path: Path) -> Iterator[Routed]:
     url = f"http://127.0.0.1:{port}"
     workers = [f"http://{deployment.load().hosts[h].address}:{deployment.port}" for h in deployment.hosts]
     argv = router_env.router_argv(router_env.ensure_venv(), "127.0.0.1", port, workers, health_interval=1,
-                                  health_failures=1)
+                                  health_failures=1, prometheus_port=_free_port())
     with router_env.running(argv, url, tmp_path / "router.log"):
         deployment.edit(lambda doc: doc["defaults"].update(router={"url": url, "drain_timeout": 30}))
         r = Routed(deployment, url)
