@@ -220,6 +220,6 @@ def preflight_verdict(workers: list[Worker], wanted: dict[str, str], batch: int,
         return f"the router lists unhealthy worker(s) {', '.join(sick)}: fix them before a rollout"
     healthy = len(workers)
     out = min(batch, len(wanted) - len(missing))
-    if healthy - out < 1:
+    if out and healthy - out < 1:  # an empty router being filled (--router-add-missing) serves no one yet
         return f"only {healthy} healthy worker(s) in the router: a batch of {out} would leave none serving"
     return None

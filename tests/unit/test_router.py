@@ -59,6 +59,7 @@ def test_preflight_verdict():
     assert "unhealthy worker(s) http://c:1" in preflight_verdict(sick, {"a": "http://a:1"}, 1, False)
     assert "d not registered" in preflight_verdict(workers, {"d": "http://d:1"}, 1, False)
     assert preflight_verdict(workers, {"d": "http://d:1"}, 1, True) is None
+    assert preflight_verdict([], {"a": "http://a:1", "b": "http://b:1"}, 1, True) is None  # a new, empty router
     assert "would leave none serving" in preflight_verdict(workers[:1], {"a": "http://a:1"}, 1, False)
     every = {h: f"http://{h}:1" for h in "abc"}
     assert "a batch of 3 would leave none serving" in preflight_verdict(workers, every, 3, False)
