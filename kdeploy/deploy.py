@@ -447,11 +447,12 @@ def _in_flight(http: ServiceHttp) -> int | None:
     return in_flight(response.text) if response.status_code == 200 else None
 
 
-def admit(host: HostConfig, result: HostResult, client: RouterClient, cancel: threading.Event) -> None:
-    """Register the host's worker again and wait until the router lists it healthy."""
+def admit(host: HostConfig, result: HostResult, client: RouterClient) -> None:
+    """Register the host's worker again and wait until the router lists it healthy (Ctrl-C does not stop it:
+    the host serves again, it must not stay out)."""
     assert host.worker_url is not None
     with result.phase("admit") as phase:
-        client.add(host.worker_url, cancel=lambda: _check(cancel))
+        client.add(host.worker_url)
         result.router = "in"
         phase.detail = f"{host.worker_url} healthy in the router"
 
@@ -468,7 +469,7 @@ def behind_router(remote: Remote, host: HostConfig, result: HostResult, client: 
     restart()
     if result.result in (Result.DEPLOYED, Result.RESTORED, Result.ROLLED_BACK):
         try:
-            admit(host, result, client, threading.Event())  # the host serves again: Ctrl-C must not keep it out
+            admit(host, result, client)
         except KdeployError as exc:
             result.finish(Result.FAILED if result.ok else result.result,
                           f"{result.error + '; ' if result.error else ''}left OUT of the router: {exc}")
@@ -480,6 +481,7 @@ def router_phase(inventory: Inventory, host: HostConfig, result: HostResult, opt
     """Phase ``router``: is the host registered in its router, and healthy there? Sets ``result.router``."""
     from kdeploy import router as routing
 
+    assert host.router is not None
     with result.phase("router") as phase, routing.connect(
             inventory, host.router, accept_new_host_keys=opts.accept_new_host_keys) as client:
         member = routing.membership(client, host)
@@ -655,7 +657,6 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
             result.release = target
             fallback = inventory_spec(inventory, host, opts)
             previous = state.confirmed
-
 
             def restart() -> None:
                 activate_and_gate(remote, host, result, opts, target=target, install_unit=True,

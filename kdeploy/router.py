@@ -119,7 +119,7 @@ class RouterClient:
         self._until(lambda: self.find(url) is None, CHANGE_TIMEOUT, f"{url} still listed", cancel)
         return True
 
-    def add(self, url: str, timeout: float = ADMIT_TIMEOUT, cancel: Callable[[], None] = lambda: None) -> Worker:
+    def add(self, url: str, timeout: float = ADMIT_TIMEOUT) -> Worker:
         """Register ``url`` (unless listed) and wait until the router lists it healthy."""
         if self.find(url) is None:
             response = self._call("POST", "/workers", {"url": url})
@@ -133,7 +133,7 @@ class RouterClient:
             found[:] = [worker] if worker else []
             return bool(worker and worker.healthy)
 
-        self._until(healthy, timeout, f"{url} not listed healthy", cancel)
+        self._until(healthy, timeout, f"{url} not listed healthy", lambda: None)
         return found[0]
 
     def _until(self, done: Callable[[], bool], timeout: float, what: str, cancel: Callable[[], None]) -> None:
