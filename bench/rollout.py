@@ -4,6 +4,8 @@
 
 Three ways, in one run, on the same hosts:
 
+Each way rolls ROUNDS[way] times back to back (a new payload file each time), under the same load.
+
   a  ``router:`` in the inventory (drain, restart, gate, admit), router started with ``--disable-retries``
   b  the same, router retries on (its default)
   c  no ``router:`` (restart in place) as the reference; router retries on
@@ -48,10 +50,15 @@ CONCURRENCY = 16
 TOKENS = 32
 TOKEN_DELAY = 0.02
 BASELINE_S = 20.0
+# Rollouts back to back per way (a new payload each), so that >= 2,000 requests meet one; (c) once: its hosts
+# stop only at TimeoutStopSec (the demo service's 20 s: the router keeps feeding a server that drains on
+# SIGTERM, so it never runs dry; see docs/router.md).
+ROUNDS = {"a": 4, "b": 4, "c": 1}
 MAX_REQUESTS = 20000
-MAX_SECONDS = 300.0
+MAX_SECONDS = 400.0
 PORT = 30000
 RESULTS = ROOT / "bench" / "results"
+BIN_S = 2.0
 
 
 def _free_port() -> int:
@@ -120,7 +127,6 @@ def run_way(box: Sandbox, inv_path: Path, payload: Path, way: str, tmp: Path) ->
         doc["defaults"].pop("router", None)
     with inv_path.open("w") as fh:
         yaml.dump(doc, fh)
-    (payload / "rev.txt").write_text(f"{way}-{time.time()}")
     with router_env.running(argv, url, tmp / f"router-{way}.log"):
         deadline = time.monotonic() + 60
         while not (len(w := httpx.get(f"{url}/workers").json()["workers"]) == HOSTS
@@ -140,9 +146,12 @@ def run_way(box: Sandbox, inv_path: Path, payload: Path, way: str, tmp: Path) ->
         def driver() -> None:
             time.sleep(BASELINE_S)
             rollout["start"] = time.monotonic() - t0
-            report = fleet.push(inventory.load(inv_path), "all", Options(batch="1"), listener=listener)
+            rollout["results"] = []
+            for n in range(ROUNDS[way]):
+                (payload / "rev.txt").write_text(f"{way}-{n}-{time.time()}")
+                report = fleet.push(inventory.load(inv_path), "all", Options(batch="1"), listener=listener)
+                rollout["results"].append({h.host: str(h.result) for h in report.hosts})
             rollout["end"] = time.monotonic() - t0
-            rollout["results"] = {h.host: str(h.result) for h in report.hosts}
             time.sleep(2)
             stop.set()
 
@@ -151,16 +160,25 @@ def run_way(box: Sandbox, inv_path: Path, payload: Path, way: str, tmp: Path) ->
         asyncio.run(load(url, t0, stop, records))
         stop.set()
         thread.join()
-    windows = {}
+    windows: dict[str, list[tuple[float, float]]] = {}
+    restart_time = 0.0
     for host in (h.name for h in hosts):
-        own = [(p, s, t) for h, p, s, t in marks if h == host]
-        begin = next((t for p, s, t in own if p in ("drain", "restart") and s == "start"), None)
-        end = next((t for p, s, t in reversed(own) if p in ("admit", "workers", "confirm") and s == "ok"), None)
-        restart = [t for p, s, t in own if p == "restart" and s in ("start", "ok")]
-        windows[host] = {"begin": begin, "end": end, "restart": restart}
+        begin: float | None = None
+        restarted: float | None = None
+        for h, phase, status, t in marks:
+            if h != host:
+                continue
+            if phase in ("drain", "restart") and status == "start" and begin is None:
+                begin = t
+            if phase == "restart" and status == "start":
+                restarted = t
+            if phase == "restart" and status == "ok" and restarted is not None:
+                restart_time += t - restarted
+            if status == "ok" and phase == ("admit" if way != "c" else "confirm") and begin is not None:
+                windows.setdefault(host, []).append((begin, t))
+                begin = None
     base = [r for r in records if r["start"] < rollout["start"]]
     during = [r for r in records if rollout["start"] <= r["start"] <= rollout["end"]]
-    restart_time = sum(w["restart"][1] - w["restart"][0] for w in windows.values() if len(w["restart"]) == 2)
     return {"way": way, "rollout": rollout, "windows": windows, "baseline": _summary(base),
             "during": _summary(during), "all": _summary(records),
             "rollout_seconds": round(rollout["end"] - rollout["start"], 1),
@@ -178,16 +196,16 @@ def plot(results: list[dict], path: Path) -> None:
     labels = {"a": "(a) router:, retries off", "b": "(b) router:, retries on", "c": "(c) no router: (in place)"}
     for ax, res in zip(axes, results, strict=True):
         recs = res["records"]
-        end = int(max(r["end"] for r in recs)) + 1
-        ok = [0] * end
-        bad = [0] * end
+        bins = int(max(r["end"] for r in recs) / BIN_S) + 1  # 2 s bins: requests end in lockstep
+        ok = [0.0] * bins
+        bad = [0.0] * bins
         for r in recs:
-            (ok if r["ok"] else bad)[int(r["end"])] += 1
-        ax.plot(range(end), ok, label="completed OK / s")
-        ax.plot(range(end), bad, color="red", label="failed / s")
-        for i, (host, w) in enumerate(res["windows"].items()):
-            if w["begin"] is not None and w["end"] is not None:
-                ax.axvspan(w["begin"], w["end"], alpha=0.15, color=f"C{i + 2}", label=f"{host} out/restarting")
+            (ok if r["ok"] else bad)[int(r["end"] / BIN_S)] += 1 / BIN_S
+        ax.plot([i * BIN_S for i in range(bins)], ok, label="completed OK / s")
+        ax.plot([i * BIN_S for i in range(bins)], bad, color="red", label="failed / s")
+        for i, (host, spans) in enumerate(res["windows"].items()):
+            for j, (begin, end) in enumerate(spans):
+                ax.axvspan(begin, end, alpha=0.15, color=f"C{i + 2}", label=None if j else f"{host} out/restarting")
         ax.axvline(res["rollout"]["start"], color="grey", ls="--")
         ax.set_title(f"{labels[res['way']]}: {res['during']['failed']} failed of {res['during']['requests']} "
                      f"during the rollout; p99 {res['during']['p99']}s vs baseline {res['baseline']['p99']}s")
@@ -233,7 +251,9 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "rollout.json").write_text(json.dumps(
         {"config": {"hosts": HOSTS, "concurrency": CONCURRENCY, "tokens": TOKENS, "token_delay": TOKEN_DELAY,
-                    "baseline_s": BASELINE_S}, "ways": results}, indent=1))
+                    "baseline_s": BASELINE_S, "rounds": ROUNDS,
+                    "timeout_stop_sec": service["unit"]["timeout_stop_sec"]},
+         "ways": results}, indent=1))
     plot(results, RESULTS / "rollout.png")
     for res in results:
         b, d = res["baseline"], res["during"]
