@@ -383,7 +383,8 @@ def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
 
     def show(rep: Report) -> None:
         table = Table(title="kdeploy status", title_justify="left")
-        for col in ("host", "state", "since", "release", "env", "last deploy", "drift"):
+        routed = any(host.router for host in rep.hosts)
+        for col in ("host", "state", "since", "release", "env", "last deploy", "drift", "router")[:8 if routed else 7]:
             table.add_column(col, overflow="fold")
         for host in rep.hosts:
             st = host.details
@@ -392,8 +393,9 @@ def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
             last = st.last_deploy
             deployed = f"{last.get('time')} {last.get('result')} by {last.get('user')}" if last else "-"
             drifted = "[red]" + escape("; ".join(st.drift)) + "[/]" if st.drift else "[green]none[/]"
+            router = [{"in": "[green]in[/]", "out": "[red]OUT[/]"}.get(host.router or "", "?")] if routed else []
             table.add_row(host.host, f"{st.active}/{st.sub}", st.since or "-", host.release or "-",
-                          escape(" ".join(f"{k}={v}" for k, v in st.env.items())) or "-", deployed, drifted)
+                          escape(" ".join(f"{k}={v}" for k, v in st.env.items())) or "-", deployed, drifted, *router)
         ui.err.print(table)
 
     ui.report(report, show, table=False)
@@ -457,16 +459,27 @@ InstanceOpt = Annotated[int, typer.Option("--instance", min=0, max=9, help="Sand
 @sandbox_app.command("up")
 def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, help="How many hosts.")] = 2,
                inventory_out: Annotated[Path, typer.Option("--inventory-out", help="Where to write the inventory.")]
-               = Path(".sandbox/inventory.yaml"), instance: InstanceOpt = 0) -> None:
+               = Path(".sandbox/inventory.yaml"), instance: InstanceOpt = 0,
+               router: Annotated[bool, typer.Option("--router", help="Also run the real SGLang router on one "
+                                                    "extra host (docs/router.md).")] = False) -> None:
     """Boot local hosts (systemd-nspawn) and write an inventory for them."""
-    from kdeploy.lab import demo, sandbox
+    from kdeploy.lab import demo, sandbox, sandbox_router
 
     box = sandbox.Sandbox(instance=instance)
     box.check_requirements()
     started = time.monotonic()
-    booted = box.up(hosts)
-    box.write_inventory(inventory_out, demo.demo_service())
+    booted = box.up(hosts + 1 if router else hosts)
     err = Console(stderr=True, soft_wrap=True, highlight=False)
+    if router:
+        try:
+            url = sandbox_router.install(box, booted[-1])
+            sandbox_router.write_inventory(box, inventory_out, demo.demo_service(), booted[-1], url)
+        except BaseException:
+            box.down()
+            raise
+        err.print(f"router on {booted[-1].name}: {url} (first push: --router-add-missing)")
+    else:
+        box.write_inventory(inventory_out, demo.demo_service())
     err.print(f"{len(booted)} hosts up in {time.monotonic() - started:.1f}s: "
               + ", ".join(f"{h.name}={h.address}" for h in booted))
     err.print(f"inventory: {inventory_out}   ssh: ssh -i {box.key_path} -o UserKnownHostsFile={box.known_hosts_path}"

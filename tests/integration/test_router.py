@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ruamel.yaml import YAML
 
 from kdeploy.lab import router_env
 from tests.conftest import Deployment
@@ -161,6 +162,10 @@ def test_router_drain_and_admit_by_hand_and_status_shows_membership(routed: Rout
     assert routed.worker_url("h1") not in routed.workers()
     code, doc = dep.json(capsys, "status", "test")
     assert {h["host"]: h.get("router") for h in doc["hosts"]} == {"h1": "out", "h2": "in"}
+    capsys.readouterr()
+    assert dep.kdeploy("status", "test") == 0
+    table = capsys.readouterr().err
+    assert "router" in table and "OUT" in table and "in" in table
     code, doc = dep.json(capsys, "verify", "h1")
     assert code == 4 and doc["hosts"][0]["result"] == "unhealthy" and "OUT of the router" in doc["hosts"][0]["error"]
     code, doc = dep.json(capsys, "router", "admit", "h1")
@@ -217,3 +222,40 @@ def test_rollback_goes_one_host_at_a_time_through_the_router(routed: Routed, cap
         assert hosts[name]["result"] == "restored" and hosts[name]["router"] == "in"
         assert _phases(hosts[name])[2] == "drain" and _phases(hosts[name])[-1] == "admit"
     assert routed.workers() == {routed.worker_url("h1"): True, routed.worker_url("h2"): True}
+
+
+@pytest.mark.hosts(2)
+def test_sandbox_router_unit_and_first_push_registers_every_host(deployment: Deployment, tmp_path: Path,
+                                                                 capsys) -> None:
+    """`sandbox up --router`'s pieces on the fleet's last host: the router as a unit there, an inventory
+    without that host and with `router:`, and a first push that registers every host."""
+    from kdeploy.lab import sandbox_router
+
+    box = deployment.fleet
+    router_host = box.hosts()[-1]
+    url = sandbox_router.install(box, router_host)
+    try:
+        assert box.exec(router_host.name, ["systemctl", "is-active", sandbox_router.UNIT]).stdout.strip() == "active"
+        path = tmp_path / "routed.yaml"
+        service = YAML().load(deployment.path.read_text())["defaults"]["service"]
+        sandbox_router.write_inventory(box, path, json.loads(json.dumps(service)), router_host, url)
+        doc = YAML().load(path.read_text())
+        assert router_host.name not in doc["hosts"] and doc["defaults"]["router"]["url"] == url
+        assert doc["defaults"]["service"]["sglang"]["host"] == "0.0.0.0"
+        only = {"h1", "h2"}
+        doc["hosts"] = {h: v for h, v in doc["hosts"].items() if h in only}
+        doc["groups"] = {"test": {"hosts": sorted(only)}}
+        with path.open("w") as fh:
+            YAML().dump(doc, fh)
+        routed = Deployment(box, path, deployment.payload, deployment.service, deployment.hosts, deployment.port)
+        code, out = routed.json(capsys, "push", "test", "--batch", "1")
+        assert code == 7 and "not registered in the router" in out["hosts"][0]["error"]
+        code, out = routed.json(capsys, "push", "test", "--batch", "1", "--router-add-missing")
+        assert code == 0, out
+        assert {h["host"]: h["router"] for h in out["hosts"]} == {"h1": "in", "h2": "in"}
+        listed = {w["url"]: w["is_healthy"] for w in httpx.get(f"{url}/workers").json()["workers"]}
+        assert listed == {f"http://{h.address}:{deployment.port}": True for h in box.hosts()[:2]}
+    finally:
+        box.exec(router_host.name, ["sh", "-c", f"systemctl disable --now {sandbox_router.UNIT}; rm -f "
+                                                f"/etc/systemd/system/{sandbox_router.UNIT}.service; "
+                                                f"rm -rf {sandbox_router.HOST_DIR}"], check=False)
