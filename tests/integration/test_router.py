@@ -255,6 +255,18 @@ def test_sandbox_router_unit_and_first_push_registers_every_host(deployment: Dep
         assert {h["host"]: h["router"] for h in out["hosts"]} == {"h1": "in", "h2": "in"}
         listed = {w["url"]: w["is_healthy"] for w in httpx.get(f"{url}/workers").json()["workers"]}
         assert listed == {f"http://{h.address}:{deployment.port}": True for h in box.hosts()[:2]}
+        # via: the same router reached over kdeploy's SSH connection to its host, at its loopback
+        doc = YAML().load(path.read_text())
+        doc["hosts"][router_host.name] = {"address": router_host.address}
+        doc["defaults"]["router"] = {"url": f"http://127.0.0.1:{sandbox_router.PORT}", "via": router_host.name}
+        with path.open("w") as fh:
+            YAML().dump(doc, fh)
+        code, out = routed.json(capsys, "router", "drain", "h1")
+        assert code == 0 and out["hosts"][0]["router"] == "out"
+        code, out = routed.json(capsys, "status", "test")
+        assert {h["host"]: h["router"] for h in out["hosts"]} == {"h1": "out", "h2": "in"}
+        code, out = routed.json(capsys, "router", "admit", "h1")
+        assert code == 0 and out["hosts"][0]["router"] == "in"
     finally:
         box.exec(router_host.name, ["sh", "-c", f"systemctl disable --now {sandbox_router.UNIT}; rm -f "
                                                 f"/etc/systemd/system/{sandbox_router.UNIT}.service; "
