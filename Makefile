@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 SANDBOX_INVENTORY ?= .sandbox/inventory.yaml
 
-.PHONY: system-deps venv ci-tools lint test demo demo-down bench clean
+.PHONY: system-deps venv ci-tools lint test demo demo-down bench bench-rollout clean
 
 # Installs only what is missing: systemd-nspawn, sshd/ssh, ip/tc, nsenter/flock, Debian's python3 + venv,
 # rsync and npm (gitlab-ci-local runs the CI example).
@@ -71,6 +71,12 @@ bench: venv
 .PHONY: bench-kernel
 bench-kernel:
 	python3 bench/kernel.py --tune --sglang $(SGLANG_WHEEL)
+
+# Zero-downtime rollouts behind the real sglang-router (docs/router.md, docs/benchmarks.md): 4 sandbox hosts,
+# 16 streams; writes bench/results/rollout.json and rollout.png; ~5 min on 2 cores.
+bench-rollout: venv
+	@$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/pip install -q matplotlib
+	flock /tmp/sandbox-heavy.lock $(BIN)/python bench/rollout.py
 
 clean:
 	rm -rf $(VENV) .sandbox .tools

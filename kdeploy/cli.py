@@ -40,7 +40,9 @@ app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ship SGLang extensions and serving configs to GPU hosts; prove every deploy healthy.")
 lock_app = typer.Typer(no_args_is_help=True, help="Inspect or clear the per-service deploy lock.")
 sandbox_app = typer.Typer(no_args_is_help=True, help="Local test hosts with real systemd, sshd and journald.")
+router_app = typer.Typer(no_args_is_help=True, help="Hosts' membership in their SGLang router, by hand.")
 app.add_typer(lock_app, name="lock")
+app.add_typer(router_app, name="router")
 app.add_typer(sandbox_app, name="sandbox")
 schema_app = typer.Typer(no_args_is_help=True, help="Print the JSON Schemas of kdeploy's contracts.")
 app.add_typer(schema_app, name="schema")
@@ -182,6 +184,9 @@ class Ui:
     def _log(self, host: HostResult) -> None:
         for line in host.log:
             self.err.print(f"  {host.host} | {line}", markup=False)
+        if host.router == "out":
+            self.err.print(f"  {host.host} | OUT of its router: `kdeploy router admit {host.host}` puts it back",
+                           markup=False)
 
     def _table(self, report: Report) -> None:
         table = self.table(f"kdeploy {report.command}", "host", "result", "release", "phase", "seconds", "detail")
@@ -279,6 +284,8 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
          canary: Annotated[int, typer.Option("--canary", min=0, help="Hosts that go first, alone, and must pass.")] = 0,
          batch: Annotated[str | None, typer.Option("--batch", help="N or N%: hosts restarting at once.")] = None,
          max_fail: Annotated[str | None, typer.Option("--max-fail", help="N or N%: failures before stopping.")] = None,
+         router_add_missing: Annotated[bool, typer.Option(
+             "--router-add-missing", help="Register hosts the router does not know after their deploy.")] = False,
          ) -> None:
     """Ship the payload and unit, restart, gate; roll back by itself when the gate fails."""
     if dry_run:
@@ -287,7 +294,8 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
     ui = Ui(as_json, junit_path)
     opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
                     lock_wait=lock_wait, workers=workers, timeout=timeout, canary=canary, batch=batch,
-                    max_fail=max_fail, skip_preflight=skip_preflight, command=command_line(ctx))
+                    max_fail=max_fail, skip_preflight=skip_preflight, router_add_missing=router_add_missing,
+                    command=command_line(ctx))
     loaded = _load(inventory)
     report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report, inventory=loaded)
@@ -468,7 +476,9 @@ def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
                           parallel=parallel)
 
     def show(rep: Report) -> None:
-        table = ui.table("kdeploy status", "host", "state", "since", "release", "env", "last deploy", "drift")
+        routed = any(host.router for host in rep.hosts)
+        columns = ("host", "state", "since", "release", "env", "last deploy", "drift", "router")
+        table = ui.table("kdeploy status", *columns[:8 if routed else 7])
         for host in rep.hosts:
             st = host.details
             if not isinstance(st, StatusView):
@@ -476,8 +486,9 @@ def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
             last = st.last_deploy
             deployed = f"{last.get('time')} {last.get('result')} by {last.get('user')}" if last else "-"
             drifted = "[red]" + escape("; ".join(st.drift)) + "[/]" if st.drift else "[green]none[/]"
+            router = [{"in": "[green]in[/]", "out": "[red]OUT[/]"}.get(host.router or "", "?")] if routed else []
             table.add_row(host.host, f"{st.active}/{st.sub}", st.since or "-", host.release or "-",
-                          escape(" ".join(f"{k}={v}" for k, v in st.env.items())) or "-", deployed, drifted)
+                          escape(" ".join(f"{k}={v}" for k, v in st.env.items())) or "-", deployed, drifted, *router)
         ui.err.print(table)
 
     ui.report(report, show, table=False)
@@ -563,6 +574,29 @@ def schema_inventory() -> None:
     sys.stdout.write(json.dumps(schema.inventory_schema(), indent=2) + "\n")
 
 
+def _router(action: str, target: str, inventory: Path, as_json: bool, accept: bool) -> None:
+    ui = Ui(as_json)
+    loaded = _load(inventory)
+    report = ui.run(lambda listener: fleet.router(loaded, target, action, _options(accept_new_host_keys=accept),
+                                                  listener=listener))
+    ui.report(report)
+    _exit(report)
+
+
+@router_app.command("admit")
+def router_admit(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+                 accept_new_host_keys: AcceptOpt = False) -> None:
+    """Register hosts' servers in their router again and wait until it lists them healthy."""
+    _router("admit", target, inventory, as_json, accept_new_host_keys)
+
+
+@router_app.command("drain")
+def router_drain(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+                 accept_new_host_keys: AcceptOpt = False) -> None:
+    """Take hosts' servers out of their router (new requests go to the others)."""
+    _router("drain", target, inventory, as_json, accept_new_host_keys)
+
+
 InstanceOpt = Annotated[int, typer.Option("--instance", min=0, max=9, help="Sandbox number (0-9), for several.")]
 
 
@@ -573,17 +607,30 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
                bastion: Annotated[bool, typer.Option("--bastion", help="Add a jump host; the others answer "
                                                      "only through it.")] = False,
                host_certs: Annotated[bool, typer.Option("--host-certs", help="Sign every host key with a "
-                                                        "sandbox CA; known_hosts trusts only the CA.")] = False
-               ) -> None:
+                                                        "sandbox CA; known_hosts trusts only the CA.")] = False,
+               router: Annotated[bool, typer.Option("--router", help="Also run the real SGLang router on one "
+                                                    "extra host (docs/router.md).")] = False) -> None:
     """Boot local hosts (systemd-nspawn) and write an inventory for them."""
-    from kdeploy.lab import demo, sandbox
+    from kdeploy.lab import demo, sandbox, sandbox_router
 
     box = sandbox.Sandbox(instance=instance)
     box.check_requirements()
     started = time.monotonic()
-    booted = box.up(hosts, bastion=bastion, host_certs=host_certs)
-    box.write_inventory(inventory_out, demo.demo_service())
+    if router and bastion:
+        raise InvalidInput("sandbox up: --router with --bastion is not supported (the router's API would sit "
+                           "behind the jump host)")
+    booted = box.up(hosts + 1 if router else hosts, bastion=bastion, host_certs=host_certs)
     err = Console(stderr=True, soft_wrap=True, highlight=False)
+    if router:
+        try:
+            url = sandbox_router.install(box, booted[-1])
+            sandbox_router.write_inventory(box, inventory_out, demo.demo_service(), booted[-1], url)
+        except BaseException:
+            box.down()
+            raise
+        err.print(f"router on {booted[-1].name}: {url} (first push: --router-add-missing)")
+    else:
+        box.write_inventory(inventory_out, demo.demo_service())
     err.print(f"{len(booted)} hosts up in {time.monotonic() - started:.1f}s: "
               + ", ".join(f"{h.name}={h.address}" for h in booted))
     err.print(f"inventory: {inventory_out}   ssh: ssh -F {box.ssh_config_path} {booted[0].name}")

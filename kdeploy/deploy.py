@@ -11,9 +11,10 @@ import difflib
 import shlex
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kdeploy import gate, history, lock, probe, provisional, release, sshconfig, systemd
 from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused, RemoteTimeout, Unreachable
@@ -21,7 +22,7 @@ from kdeploy.gatespec import GateSpec, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.remote import Remote
 from kdeploy.render import service_dir, unit_filename
-from kdeploy.report import Cancelled, HostResult, PhaseFailed
+from kdeploy.report import Cancelled, HostResult, PhaseFailed, Result
 from kdeploy.state import (
     HostState,
     decide,
@@ -33,6 +34,10 @@ from kdeploy.state import (
     state_script,
     status_script,
 )
+
+if TYPE_CHECKING:  # router and tunnel import httpx: only commands that speak HTTP pay for it
+    from kdeploy.router import RouterClient
+    from kdeploy.tunnel import ServiceHttp
 
 RELOCK_WAIT = 30.0  # after a reconnect: the host's own revert may be holding the lock while it runs
 
@@ -53,6 +58,7 @@ class Options:
     max_fail: str | None = None  # N or N%: failures tolerated before new batches stop (default: no limit)
     skip_preflight: bool = False
     ssh_config: str | None = None  # --ssh-config: overrides KDEPLOY_SSH_CONFIG and the inventory's
+    router_add_missing: bool = False  # a host the router does not know is registered after its deploy
     command: str | None = None  # what the lock and history record (the CLI's own command line; see recorded_command)
 
 
@@ -179,10 +185,12 @@ class HostPush:
     """
 
     def __init__(self, inventory: Inventory, host: HostConfig, local: Local, opts: Options,
-                 result: HostResult, cancel: threading.Event) -> None:
-        """``cancel``: Ctrl-C; checked before each change and during the upload."""
+                 result: HostResult, cancel: threading.Event, router: RouterClient | None = None) -> None:
+        """``cancel``: Ctrl-C; checked before each change and during the upload. ``router``: the host's
+        router, which ``activate`` drains it from and admits it to again."""
         self.inventory, self.host, self.local, self.opts, self.result = inventory, host, local, opts, result
         self.cancel = cancel
+        self.router = router
         self.remote: Remote | None = None
         self.held: lock.HeldLock | None = None
         self.state: HostState | None = None
@@ -270,11 +278,16 @@ class HostPush:
         try:
             _check(self.cancel)
             previous = self.state.confirmed
-            self.switch = provisional.new_pending(previous, self.target, revert_after(self.host, self.local.spec))
-            activate_and_gate(self.remote, self.host, self.result, self.opts, target=self.target,
-                              install_unit=self.install_unit, pending=self.switch, spec=self.local.spec,
-                              previous_spec=self._spec_of(previous))
-            self.staged = None
+            remote, target = self.remote, self.target
+
+            def restart() -> None:  # the revert's deadline counts from here, not from before the drain
+                self.switch = provisional.new_pending(previous, target, revert_after(self.host, self.local.spec))
+                activate_and_gate(remote, self.host, self.result, self.opts, target=target,
+                                  install_unit=self.install_unit, pending=self.switch, spec=self.local.spec,
+                                  previous_spec=self._spec_of(previous))
+                self.staged = None
+
+            behind_router(remote, self.host, self.result, self.router, self.cancel, restart)
         except Unreachable as exc:
             self._reconnect_and_roll_back(exc)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
@@ -290,8 +303,8 @@ class HostPush:
     def _reconnect_and_roll_back(self, lost: Unreachable) -> None:
         """The link dropped after the switch began: reconnect, take the lock again, and put the last confirmed
         release back, unless the host already did so by itself."""
-        assert self.state is not None and self.switch is not None and self.remote is not None
-        if not any(p.name == "activate" for p in self.result.phases):
+        assert self.state is not None and self.remote is not None
+        if self.switch is None or not any(p.name == "activate" for p in self.result.phases):
             self.result.fail(lost)
             return
         pending = self.switch
@@ -386,6 +399,90 @@ def preflight_verdict(host: HostConfig, output: str, upload_bytes: int) -> str:
         raise PreflightRefused(f"{host.name}: preflight refused: " + "; ".join(f"{c.name}: {c.detail}" for c in failed))
     return "preflight " + ", ".join(f"{c.name} {c.status}" for c in checks) + "".join(
         f"; {c.name}: {c.detail}" for c in checks if c.status == "warn")
+
+
+def drain(remote: Remote, host: HostConfig, result: HostResult, client: RouterClient,
+          cancel: threading.Event) -> None:
+    """Take the host's worker out of the router, then wait (up to ``drain_timeout``) until SGLang's gauges show
+    no request running or queued, so the restart cuts none off."""
+    from kdeploy.router import POLL
+    from kdeploy.tunnel import ServiceHttp
+
+    assert host.router is not None and host.worker_url is not None
+    with result.phase("drain") as phase:
+        was_in = client.remove(host.worker_url, cancel=lambda: _check(cancel))
+        result.router = "out"
+        phase.detail = f"{host.worker_url} removed from the router" if was_in else f"{host.worker_url} was not in"
+        deadline = time.monotonic() + host.router.drain_timeout
+        with ServiceHttp(remote, host.service.sglang.host, host.service.sglang.port) as http:
+            while True:
+                _check(cancel)
+                left = _in_flight(http)
+                if left is None:
+                    phase.detail += "; no /metrics (--enable-metrics): SGLang's SIGTERM drain finishes them"
+                    return
+                if left == 0:
+                    phase.detail += "; no request in flight"
+                    return
+                if time.monotonic() > deadline:
+                    phase.detail += f"; {left} request(s) still in flight after {host.router.drain_timeout:g}s"
+                    return
+                time.sleep(POLL)
+
+
+def _in_flight(http: ServiceHttp) -> int | None:
+    import httpx
+
+    from kdeploy.router import in_flight
+
+    try:
+        response = http.client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    return in_flight(response.text) if response.status_code == 200 else None
+
+
+def admit(host: HostConfig, result: HostResult, client: RouterClient) -> None:
+    """Register the host's worker again and wait until the router lists it healthy (Ctrl-C does not stop it:
+    the host serves again, it must not stay out)."""
+    assert host.worker_url is not None
+    with result.phase("admit") as phase:
+        client.add(host.worker_url)
+        result.router = "in"
+        phase.detail = f"{host.worker_url} healthy in the router"
+
+
+def behind_router(remote: Remote, host: HostConfig, result: HostResult, client: RouterClient | None,
+                  cancel: threading.Event, restart: Callable[[], None]) -> None:
+    """``restart`` (switch, restart, gate, maybe roll back) with the host out of the router: drained first,
+    admitted only when it ended serving (deployed, or rolled back and its rollback gated). A host that needs
+    a person stays out, and says so."""
+    if client is None:
+        restart()
+        return
+    drain(remote, host, result, client, cancel)
+    restart()
+    if result.result in (Result.DEPLOYED, Result.RESTORED, Result.ROLLED_BACK):
+        try:
+            admit(host, result, client)
+        except KdeployError as exc:
+            result.finish(Result.FAILED if result.ok else result.result,
+                          f"{result.error + '; ' if result.error else ''}left OUT of the router: {exc}")
+    elif result.router == "out":
+        result.log.append(f"left OUT of the router: fix the host, then `kdeploy router admit {host.name}`")
+
+
+def router_phase(inventory: Inventory, host: HostConfig, result: HostResult, opts: Options) -> bool:
+    """Phase ``router``: is the host registered in its router, and healthy there? Sets ``result.router``."""
+    from kdeploy import router as routing
+
+    assert host.router is not None
+    with result.phase("router") as phase, routing.connect(
+            inventory, host.router, accept_new_host_keys=opts.accept_new_host_keys) as client:
+        member = routing.membership(client, host)
+        result.router = "in" if member.member else "out"
+        phase.detail = member.describe()
+        return member.member and member.healthy
 
 
 def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, timeout: float) -> systemd.UnitState:
@@ -531,8 +628,10 @@ def finish_command(host: HostConfig, result: HostResult, started: float, release
     return "\n".join(c for c in (history.append_command(sdir, entry), release.prune_command(sdir, prune)) if c)
 
 
-def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
-    """Re-activate an older release (and its unit), restart and gate it as it was deployed."""
+def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult,
+                  router: RouterClient | None = None) -> None:
+    """Re-activate an older release (and its unit), restart and gate it as it was deployed; drained from
+    ``router`` meanwhile."""
     started = time.monotonic()
     with connect(inventory, host, result, opts) as remote:
         held = None
@@ -553,12 +652,16 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
             result.release = target
             fallback = inventory_spec(inventory, host, opts)
             previous = state.confirmed
-            activate_and_gate(remote, host, result, opts, target=target, install_unit=True,
-                              pending=provisional.new_pending(previous, target, revert_after(host, fallback)),
-                              spec=_overridden(state.gates.get(target, fallback), opts),
-                              previous_spec=state.gates.get(previous or "", fallback))
-            if result.result == "deployed":
-                result.finish("restored")
+
+            def restart() -> None:
+                activate_and_gate(remote, host, result, opts, target=target, install_unit=True,
+                                  pending=provisional.new_pending(previous, target, revert_after(host, fallback)),
+                                  spec=_overridden(state.gates.get(target, fallback), opts),
+                                  previous_spec=state.gates.get(previous or "", fallback))
+                if result.result == "deployed":
+                    result.finish("restored")
+
+            behind_router(remote, host, result, router, threading.Event(), restart)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
             result.fail(exc)
         finally:
@@ -583,6 +686,9 @@ def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: H
         except PhaseFailed as exc:
             result.finish("unhealthy", exc.detail)
             return
+    if host.router is not None and not router_phase(inventory, host, result, opts):
+        result.finish("unhealthy", result.phases[-1].detail)
+        return
     result.finish("healthy")
 
 
@@ -621,6 +727,11 @@ def status_host(inventory: Inventory, host: HostConfig, local: Local, opts: Opti
                                 {k: v for k, v in status.env.items() if k not in ("PYTHONPATH", "PYTHONUNBUFFERED")},
                                 status.last_deploy, found)
     phase.detail = "; ".join(found) or "in sync with the inventory"
+    if host.router is not None:
+        try:
+            router_phase(inventory, host, result, opts)
+        except KdeployError as exc:  # the router's state is unknown, not the host's: status still answers
+            result.log.append(f"router membership unknown: {exc}")
     result.finish("ok")
 
 

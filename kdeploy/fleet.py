@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kdeploy import deploy, settings
 from kdeploy.deploy import Local, Options
-from kdeploy.errors import InvalidInput, KdeployError
+from kdeploy.errors import InvalidInput, KdeployError, PreflightRefused
 from kdeploy.gatespec import PayloadGate, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.release import Payload, scan_payload
@@ -105,7 +105,14 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
     """
     cancel = cancel or threading.Event()
     results = {name: HostResult(name, listener=listener) for name in names}
-    steps = {name: deploy.HostPush(inventory, inventory.hosts[name], local[name], opts, results[name], cancel)
+    try:
+        routers = open_routers(inventory, names, opts, max(opts.canary, count(opts.batch, len(names), parallel)))
+    except KdeployError as exc:  # refused or unreachable router: no host was touched
+        for result in results.values():
+            result.fail(exc)
+        return Report("push", [results[n] for n in names])
+    steps = {name: deploy.HostPush(inventory, inventory.hosts[name], local[name], opts, results[name], cancel,
+                                   router=routers.get(name))
              for name in names}
     try:
         _rollout(names, steps, results, opts, parallel, cancel)
@@ -115,7 +122,42 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
             step.skip("not restarted: interrupted", "interrupted")
     finally:
         run_parallel([(results[n], steps[n].close) for n in names], parallel, threading.Event())
+        close_routers(routers)
     return Report("push", [results[n] for n in names])
+
+
+def open_routers(inventory: Inventory, names: list[str], opts: Options, batch: int) -> dict:
+    """The router client of each host that has one, after the router preflight: every worker healthy, each
+    host registered (or ``--router-add-missing``), and someone left serving while a batch is out. A refusal
+    raises (exit 7) before any host is touched."""
+    from kdeploy import router as routing
+
+    groups: dict[tuple, list[str]] = {}
+    for name in names:
+        config = inventory.hosts[name].router
+        if config is not None:
+            groups.setdefault(routing.key_of(config), []).append(name)
+    clients: dict[str, routing.RouterClient] = {}
+    try:
+        for members in groups.values():
+            config = inventory.hosts[members[0]].router
+            assert config is not None
+            client = routing.connect(inventory, config, accept_new_host_keys=opts.accept_new_host_keys)
+            clients.update(dict.fromkeys(members, client))
+            wanted = {m: str(inventory.hosts[m].worker_url) for m in members}
+            why = routing.preflight_verdict(client.workers(), wanted, batch, opts.router_add_missing)
+            if why:
+                raise PreflightRefused(f"router {client.label}: preflight refused: {why}")
+    except BaseException:
+        close_routers(clients)
+        raise
+    return clients
+
+
+def close_routers(clients: dict) -> None:
+    """Close each router client once (hosts share them)."""
+    for client in {id(c): c for c in clients.values()}.values():
+        client.close()
 
 
 def _rollout(names: list[str], steps: dict[str, deploy.HostPush], results: dict[str, HostResult], opts: Options,
@@ -191,7 +233,17 @@ def verify(inventory: Inventory, target: str | None, opts: Options | None = None
 
 def rollback(inventory: Inventory, target: str | None, opts: Options | None = None, *,
              parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
-    return _each(inventory, target, "rollback", deploy.rollback_host, opts, parallel, listener)
+    """Behind a router, one host at a time (each drained, restarted, gated, admitted), after its preflight."""
+    opts = opts or Options()
+    names = inventory.resolve(target)
+    routers = open_routers(inventory, names, opts, 1)
+    try:
+        return fan_out(inventory, names, "rollback",
+                       lambda host, result: deploy.rollback_host(inventory, host, opts, result,
+                                                                 router=routers.get(host.name)),
+                       parallel=1 if routers else parallel, listener=listener)
+    finally:
+        close_routers(routers)
 
 
 def probe(inventory: Inventory, target: str | None, opts: Options | None = None, *,
@@ -218,6 +270,38 @@ def status(inventory: Inventory, target: str | None, opts: Options | None = None
     return fan_out(inventory, names, "status",
                    lambda host, result: deploy.status_host(inventory, host, local[host.name], opts, result),
                    parallel=parallel, listener=listener)
+
+
+def router(inventory: Inventory, target: str | None, action: str, opts: Options | None = None, *,
+           listener: Listener | None = None) -> Report:
+    """``kdeploy router admit|drain``: put hosts back in their router (waiting until it lists them healthy),
+    or take them out (the restart-free half of a rollout's drain), by hand, one at a time."""
+    from kdeploy import router as routing
+
+    opts = opts or Options()
+    names = inventory.resolve(target)
+    without = [n for n in names if inventory.hosts[n].router is None]
+    if without:
+        raise InvalidInput(f"{', '.join(without)}: no router in the inventory (add a router: section)")
+    results = []
+    for name in names:
+        host, result = inventory.hosts[name], HostResult(name, listener=listener)
+        results.append(result)
+        assert host.router is not None and host.worker_url is not None
+        try:
+            with routing.connect(inventory, host.router, accept_new_host_keys=opts.accept_new_host_keys) as client, \
+                    result.phase(action) as phase:
+                if action == "admit":
+                    client.add(host.worker_url)
+                    result.router, phase.detail = "in", f"{host.worker_url} healthy in the router"
+                else:
+                    was_in = client.remove(host.worker_url)
+                    result.router = "out"
+                    phase.detail = f"{host.worker_url} {'removed from' if was_in else 'was not in'} the router"
+            result.finish("ok")
+        except KdeployError as exc:
+            result.fail(exc)
+    return Report(f"router {action}", results)
 
 
 def changed_hosts(old: Inventory, new: Inventory) -> list[str]:

@@ -253,6 +253,58 @@ class Service(_Strict):
         return self.gate.timeout or float(self.unit.timeout_start_sec)
 
 
+WORKER_URL_FIELDS = ("address", "port", "name")
+
+
+def _router_url(value: str) -> str:
+    """The router's API: ``http(s)://HOST:PORT`` with nothing after it (paths are the router's own)."""
+    m = re.fullmatch(r"(https?)://([^/?#\s]+)/?", value)
+    if not m:
+        raise ValueError("must be http://HOST:PORT or https://HOST:PORT (the router's API, no path)")
+    return value.rstrip("/")
+
+
+def _worker_url(value: str) -> str:
+    """A template the router knows the worker by; only ``{address}``, ``{port}`` and ``{name}``."""
+    import string
+
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
+    except ValueError as exc:
+        raise ValueError(f"not a valid template: {exc}") from None
+    unknown = [f for f in fields if f not in WORKER_URL_FIELDS]
+    if unknown:
+        raise ValueError(f"unknown placeholder {{{unknown[0]}}}: use {{address}}, {{port}} or {{name}}")
+    if not re.match(r"https?://", value):
+        raise ValueError("must start with http:// or https://")
+    return value
+
+
+def _api_key_env(value: str) -> str:
+    if not ENV_NAME.match(value):
+        raise ValueError(f"{value!r} is not a valid environment variable name")
+    return value
+
+
+class Router(_Strict):
+    """The SGLang router (``sglang-router``) the host's server sits behind: a rollout drains the host from it
+    before the restart and admits it again after the gate."""
+
+    url: Annotated[str, AfterValidator(_no_control), AfterValidator(_router_url)] = _doc(
+        "the router's API: `http://HOST:PORT` or `https://HOST:PORT`, no path")
+    via: SafeStr | None = _doc("reach `url` from this host (an inventory host) through kdeploy's SSH connection; "
+                               "no router port has to be open to the controller", None)
+    worker_url: Annotated[str, AfterValidator(_no_control), AfterValidator(_worker_url)] = _doc(
+        "how the router knows each host's server: `{address}` is the host's `address`, `{port}` its "
+        "`service.sglang.port`, `{name}` its name; it must match the URL the router lists the worker under",
+        "http://{address}:{port}")
+    drain_timeout: float = _doc("seconds a drained host may take to finish its requests before the restart goes "
+                                "ahead anyway", 120, gt=0)
+    api_key_env: Annotated[str, AfterValidator(_api_key_env)] | None = _doc(
+        "the name of an environment variable of the controller holding the router's API key (sent as "
+        "`Authorization: Bearer`); the key itself never goes in the inventory", None)
+
+
 class HostConfig(_Strict):
     """One host with every layer merged in: what kdeploy acts on."""
 
@@ -272,6 +324,15 @@ class HostConfig(_Strict):
                                              shown="`~/.ssh/config` + `/etc/ssh/ssh_config`")
     service: Service = _doc("what runs on the host (`service.name`, `service.python` and "
                             "`service.sglang.model_path` must be set at some level)")
+    router: Router | None = _doc("the SGLang router in front of this host's server: drained before its "
+                                 "restart, re-admitted after its gate (docs/router.md)", None)
+
+    @property
+    def worker_url(self) -> str | None:
+        """How the router knows this host's server (None: no router)."""
+        if self.router is None:
+            return None
+        return self.router.worker_url.format(address=self.address, port=self.service.sglang.port, name=self.name)
 
 
 # Keys allowed at each settings level (defaults, group, host): everything but the identity fields.
@@ -405,8 +466,9 @@ def parse(raw: dict, path: Path) -> Inventory:
         group_layers[str(name)] = layer
 
     hosts: dict[str, HostConfig] = {}
+    host_layers: dict[str, list[tuple[tuple, dict]]] = {}
     for name, host in raw_hosts.items():
-        layers = [(("defaults",), defaults)]
+        layers = host_layers[str(name)] = [(("defaults",), defaults)]
         layers += [(("groups", g), group_layers[g]) for g, members in groups.items() if name in members]
         layers.append((("hosts", name), host or {}))  # `ct200:` with nothing under it is an empty mapping
         merged: dict = {}
@@ -419,6 +481,12 @@ def parse(raw: dict, path: Path) -> Inventory:
             err = exc.errors()[0]
             loc = tuple(p for p in err["loc"] if p != "[key]")  # a dict key's error: name the key itself
             errors.fail(_source(loc, layers), _reason(err))
+    for name, host in hosts.items():
+        via = host.router.via if host.router else None
+        if via is not None and via not in hosts:
+            errors.fail(_source(("router", "via"), host_layers[name]),
+                        f"unknown host {via!r}{_suggest(via, list(hosts))}: the router is reached through a host "
+                        "of this inventory")
     return Inventory(path=path, hosts=hosts, groups=groups)
 
 

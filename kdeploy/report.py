@@ -119,6 +119,7 @@ class HostResult:
     restored: Result | None = None  # set-env/set: how putting the old config back ended on this host
     traceback: str | None = None  # an internal error's, for --debug and the JSON
     details: Details | None = None  # the command's own findings (plan, status, history, lock, probe)
+    router: str | None = None  # membership in the SGLang router as this command left it: "in" or "out"
     listener: Listener | None = field(default=None, repr=False, compare=False)
     done: bool = field(default=False, repr=False, compare=False)
     prefix: str = field(default="", repr=False, compare=False)
@@ -181,7 +182,7 @@ class HostResult:
                "phases": [asdict(p) for p in self.phases], "exit_code": self.exit_code, "error": self.error}
         if self.log:
             out["log"] = self.log
-        for key in ("attempted", "restored", "traceback"):
+        for key in ("attempted", "restored", "traceback", "router"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.details is not None:

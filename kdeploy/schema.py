@@ -82,6 +82,8 @@ class HostDoc(_Doc):
     restored: ResultName | None = Field(default=None, description="set-env/set: how putting the old config "
                                                                   "back ended on this host.")
     traceback: str | None = Field(default=None, description="An internal error's traceback.")
+    router: Literal["in", "out"] | None = Field(default=None, description="Membership in the SGLang router as the "
+                                                                        "command left the host (docs/router.md).")
     plan: PlanDoc | None = Field(default=None, description="plan: what a push would change.")
     status: StatusDoc | None = Field(default=None, description="status: the service's live state and drift.")
     history: list[dict[str, Any]] | None = Field(default=None, description="history: the host's raw history "
@@ -168,6 +170,7 @@ _TABLES: list[tuple[str, type[BaseModel], tuple[str, ...]]] = [
     ("service.hicache", inventory.HiCache, ()),
     ("service.gate", inventory.Gate, ()),
     ("service.unit", inventory.UnitSettings, ()),
+    ("router", inventory.Router, ()),
 ]
 _BEGIN = re.compile(r"<!-- BEGIN generated: (\S+) .*?-->\n.*?<!-- END generated -->", re.DOTALL)
 

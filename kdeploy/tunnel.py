@@ -64,6 +64,13 @@ class ServiceHttp:
         self.close()
 
 
+def channel_client(remote: Remote, address: str, port: int, *, base_url: str, headers: dict[str, str],
+                   timeout: float = 10.0) -> httpx.Client:
+    """An httpx client whose every connection is a channel to ``address``:``port`` dialled by the host."""
+    return httpx.Client(transport=_ChannelTransport(remote, address, port), base_url=base_url, headers=headers,
+                        timeout=timeout)
+
+
 class _ChannelStream(httpcore.NetworkStream):
     def __init__(self, channel: paramiko.Channel) -> None:
         self.channel = channel

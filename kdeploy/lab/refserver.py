@@ -33,13 +33,22 @@ What it reproduces from SGLang, as far as a deploy tool can observe it:
   Readiness is logged as ``The server is fired up and ready to roll!``.
 * HTTP (bound at start, before the workers): ``GET /health``, ``/health_generate``, ``/ready``, ``/ping``
   -> 503 until ready, then 200 with an empty body; ``GET /v1/models``, ``/model_info``, ``/server_info``
-  (alias ``/get_server_info``); ``GET /metrics`` only with ``--enable-metrics``; ``POST /v1/completions``
-  (OpenAI format; 503 until ready; 400 on malformed input) and ``POST /generate`` (SGLang native).
+  (alias ``/get_server_info``); ``GET /metrics`` only with ``--enable-metrics`` (SGLang's gauges
+  ``sglang:num_running_reqs`` and ``sglang:num_queue_reqs`` with its labels, and the
+  ``sglang:num_requests_total`` counter); ``POST /v1/completions`` (OpenAI format, ``"stream": true`` as
+  server-sent events ending ``data: [DONE]``; 503 until ready; 400 on malformed input) and ``POST /generate``
+  (SGLang native, ``"stream": true`` likewise). Every generated token takes ``REFSERVER_TOKEN_DELAY``
+  seconds, so requests stay in flight as long as on a real server.
   "The capital of France is" completes to " Paris. This is a well-known fact" (cut to ``max_tokens``
   whitespace tokens); other prompts get a pseudo-text derived from a hash of the prompt. Temperature 0 is
   deterministic; temperature > 0 is random (reproducible with ``seed``).
 * Supervision: if a worker dies, the main process logs the rank and exit code, stops the other workers
-  and exits 1. SIGTERM/SIGINT: stop the workers and exit 0.
+  and exits 1. SIGINT: stop the workers and exit 0.
+* SIGTERM drains, as SGLang 0.5.23's ``SignalHandler.sigterm_handler`` + ``TokenizerManager.sigterm_watchdog``
+  do: ``/health`` answers 503 at once, requests in flight run to their end and new ones are still served;
+  a watchdog that wakes every 5 s (``REFSERVER_SHUTDOWN_POLL``) since start logs ``Gracefully exiting...
+  Remaining number of requests N`` and, once none remain, stops the workers and exits 0. There is no
+  limit of its own: systemd's TimeoutStopSec ends a drain that takes too long.
 
 Fault switches (environment variables, read by the main process and inherited by the workers):
 
@@ -58,6 +67,10 @@ Fault switches (environment variables, read by the main process and inherited by
     The France prompt yields " Lyon. It is a city" instead.
 ``REFSERVER_NONDETERMINISTIC=1``
     Temperature-0 answers vary between calls (a random word is appended).
+``REFSERVER_TOKEN_DELAY=<seconds>``
+    Each generated token takes that long (streamed tokens are sent one by one, as they are made).
+``REFSERVER_SHUTDOWN_POLL=<seconds>``
+    The SIGTERM watchdog's period (SGLang: 5); tests shorten it.
 ``REFSERVER_IGNORE_SIGTERM=1``
     The main process and the workers ignore SIGTERM (a slow CUDA teardown; systemd SIGKILLs them after
     TimeoutStopSec). Workers still exit when the main process dies.
@@ -88,6 +101,9 @@ ENV_NO_PLUGINS_RANK = "REFSERVER_NO_PLUGINS_RANK"
 ENV_WRONG_ANSWER = "REFSERVER_WRONG_ANSWER"
 ENV_NONDETERMINISTIC = "REFSERVER_NONDETERMINISTIC"
 ENV_IGNORE_SIGTERM = "REFSERVER_IGNORE_SIGTERM"
+ENV_TOKEN_DELAY = "REFSERVER_TOKEN_DELAY"
+ENV_SHUTDOWN_POLL = "REFSERVER_SHUTDOWN_POLL"
+SHUTDOWN_POLL = 5.0  # SGLang's sigterm_watchdog sleeps 5 s between looks
 
 # Sizes of the Kimi-K2.5 INT4 TP8 service in the field notes, at mem_fraction_static=0.88.
 _BASE_MEM_FRACTION = 0.88
@@ -412,11 +428,44 @@ class _State:
         self.args = args
         self.unknown = unknown
         self.ready = threading.Event()
+        self.draining = threading.Event()  # SIGTERM received: /health 503, requests still served
         self.started = time.time()
         self.requests = 0
+        self.running = 0  # generation requests in flight (sglang:num_running_reqs)
+        self.lock = threading.Lock()
+        self.token_delay = max(0.0, _env_float(ENV_TOKEN_DELAY) or 0.0)
+
+    @contextlib.contextmanager
+    def in_flight(self):
+        """Count one generation request as running for as long as it is served (stream included)."""
+        with self.lock:
+            self.running += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.running -= 1
+                self.requests += 1
+
+    def metrics(self) -> str:
+        """Prometheus text with SGLang's names and labels (sglang/srt/observability/metrics_collector.py)."""
+        a = self.args
+        labels = (f'model_name="{a.served_model_name}",engine_type="unified",tp_rank="0",pp_rank="0"')
+        with self.lock:
+            running, total = self.running, self.requests
+        return ("# HELP sglang:num_running_reqs The number of running requests.\n"
+                "# TYPE sglang:num_running_reqs gauge\n"
+                f"sglang:num_running_reqs{{{labels}}} {running}.0\n"
+                "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n"
+                "# TYPE sglang:num_queue_reqs gauge\n"
+                f"sglang:num_queue_reqs{{{labels}}} 0.0\n"
+                "# HELP sglang:num_requests_total Number of requests processed.\n"
+                "# TYPE sglang:num_requests_total counter\n"
+                f'sglang:num_requests_total{{model_name="{a.served_model_name}"}} {total}.0\n')
 
 
 def _make_handler(state: _State):
+    import itertools
     import json
     import uuid
     from http.server import BaseHTTPRequestHandler
@@ -457,7 +506,7 @@ def _make_handler(state: _State):
             path = self.path.split("?", 1)[0]
             a = state.args
             if path in quiet_paths:
-                self._send(200 if state.ready.is_set() else 503)
+                self._send(200 if state.ready.is_set() and not state.draining.is_set() else 503)
             elif path == "/v1/models":
                 self._json(200, {"object": "list", "data": [{
                     "id": a.served_model_name, "object": "model", "created": int(state.started),
@@ -475,9 +524,7 @@ def _make_handler(state: _State):
                              "ready": state.ready.is_set(), "unsupported_flags": state.unknown})
                 self._json(200, info)
             elif path == "/metrics" and a.enable_metrics:
-                body = (f"sglang:num_requests_total{{model_name=\"{a.served_model_name}\"}} {state.requests}\n"
-                        f"sglang:ready {int(state.ready.is_set())}\n")
-                self._send(200, body.encode(), "text/plain; version=0.0.4")
+                self._send(200, state.metrics().encode(), "text/plain; version=0.0.4")
             else:
                 self._error(404, f"Not Found: {path}", "NotFoundError")
 
@@ -512,10 +559,11 @@ def _make_handler(state: _State):
                 self._error(503, "The server is not ready yet", "ServiceUnavailableError")
                 return
             try:
-                if path == "/v1/completions":
-                    self._completions(body)
-                else:
-                    self._generate(body)
+                with state.in_flight():
+                    if path == "/v1/completions":
+                        self._completions(body)
+                    else:
+                        self._generate(body)
             except ValueError as exc:
                 self._error(400, str(exc), "BadRequestError")
 
@@ -546,21 +594,59 @@ def _make_handler(state: _State):
                 return prompt
             raise ValueError("prompt must be a string or a non-empty list of strings")
 
+        @staticmethod
+        def _stream(body: dict, prompts: list[str]) -> bool:
+            """Whether to stream (one prompt only); a bad request is a 400 before anything is sent."""
+            if not body.get("stream"):
+                return False
+            if len(prompts) != 1:
+                raise ValueError("stream=true takes a single prompt")
+            return True
+
+        def _events(self, events) -> None:
+            """Send server-sent events (chunked, one flush per event) as the tokens are made, then [DONE]."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for event in itertools.chain(events, ["[DONE]"]):
+                data = f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n".encode()
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+
+        def _paced(self, text: str):
+            """The completion's tokens, each after ``REFSERVER_TOKEN_DELAY`` seconds."""
+            for token in _word_tokens(text):
+                if state.token_delay:
+                    time.sleep(state.token_delay)
+                yield " " + token
+
         def _completions(self, body: dict) -> None:
             if "prompt" not in body:
                 raise ValueError("prompt is required")
-            if body.get("stream"):
-                raise ValueError("stream=true is not supported by the reference server")
             prompts = self._prompts(body["prompt"])
             max_tokens, temperature, seed = self._sampling(body, "max_tokens")
+            if self._stream(body, prompts):
+                rid, model = f"cmpl-{uuid.uuid4().hex}", state.args.served_model_name
+                text = complete_text(prompts[0], max_tokens, temperature, seed)
+
+                def chunk(piece: str, finish: str | None) -> dict:
+                    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+                            "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish,
+                                         "matched_stop": None}]}
+
+                self._events(itertools.chain((chunk(t, None) for t in self._paced(text)), [chunk("", "length")]))
+                return
             choices, prompt_tokens, completion_tokens = [], 0, 0
             for i, prompt in enumerate(prompts):
-                text = complete_text(prompt, max_tokens, temperature, seed)
+                text = "".join(self._paced(complete_text(prompt, max_tokens, temperature, seed)))
                 choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": "length",
                                 "matched_stop": None})
                 prompt_tokens += len(_word_tokens(prompt))
                 completion_tokens += len(_word_tokens(text))
-            state.requests += 1
             self._json(200, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                              "created": int(time.time()), "model": state.args.served_model_name,
                              "choices": choices,
@@ -573,14 +659,28 @@ def _make_handler(state: _State):
                 raise ValueError("sampling_params must be an object")
             prompts = self._prompts(body.get("text", body.get("input_ids")))
             max_tokens, temperature, seed = self._sampling(params, "max_new_tokens")
+
+            def meta(prompt: str, text: str, done: bool) -> dict:
+                return {"id": rid, "prompt_tokens": len(_word_tokens(prompt)),
+                        "completion_tokens": len(_word_tokens(text)),
+                        "finish_reason": {"type": "length", "length": max_tokens} if done else None}
+
+            rid = uuid.uuid4().hex
+            if self._stream(body, prompts):  # SGLang streams the text so far in every event
+                prompt, full = prompts[0], complete_text(prompts[0], max_tokens, temperature, seed)
+
+                def events():
+                    text = ""
+                    for piece in self._paced(full):
+                        text += piece
+                        yield {"text": text, "meta_info": meta(prompt, text, text == full)}
+
+                self._events(events())
+                return
             out = []
             for prompt in prompts:
-                text = complete_text(prompt, max_tokens, temperature, seed)
-                out.append({"text": text, "meta_info": {
-                    "id": uuid.uuid4().hex, "prompt_tokens": len(_word_tokens(prompt)),
-                    "completion_tokens": len(_word_tokens(text)),
-                    "finish_reason": {"type": "length", "length": max_tokens}}})
-            state.requests += 1
+                text = "".join(self._paced(complete_text(prompt, max_tokens, temperature, seed)))
+                out.append({"text": text, "meta_info": meta(prompt, text, True)})
             single = isinstance(body.get("text", body.get("input_ids")), str) or len(out) == 1
             self._json(200, out[0] if single else out)
 
@@ -612,6 +712,28 @@ def _stop_workers(procs: list, conns: list, timeout: float = 3.0) -> None:
     for conn in conns:
         if conn is not None:
             conn.close()
+
+
+def _drain(state: _State, wake_fd: int, received: list[int], clear_wakeup) -> None:
+    """SGLang's ``sigterm_watchdog``: look every period (counted from the start) until no request is left;
+    a second signal other than SIGTERM (Ctrl-C) ends the wait."""
+    from multiprocessing.connection import wait
+
+    state.draining.set()
+    period = _env_float(ENV_SHUTDOWN_POLL) or SHUTDOWN_POLL
+    seen = len(received)
+    while True:
+        elapsed = time.time() - state.started
+        wait([wake_fd], period - elapsed % period)
+        clear_wakeup()
+        if any(sig != received[0] for sig in received[seen:]):
+            _log("Interrupted while draining: exiting now")
+            return
+        with state.lock:
+            remaining = state.running
+        _log(f"Gracefully exiting... Remaining number of requests {remaining}.")
+        if not remaining:
+            return
 
 
 def _server_args_line(args) -> str:
@@ -757,7 +879,11 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
     name = signal.Signals(received[0]).name
-    _log(f"Received {name}, shutting down")
+    if received[0] == signal.SIGTERM:
+        _log(f"SIGTERM received. signum={int(signal.SIGTERM)}. Draining requests and shutting down...")
+        _drain(state, wake_r, received, drain_wakeup)
+    else:
+        _log(f"Received {name}, shutting down")
     _stop_workers(procs, conns)
     httpd.shutdown()
     httpd.server_close()

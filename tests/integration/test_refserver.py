@@ -228,7 +228,7 @@ def test_tp8_workers_load_plugin_and_serve(start):
 
 
 def test_sigterm_stops_workers_and_exits_zero(start):
-    srv = start(tp=8)
+    srv = start(tp=8, env={"REFSERVER_SHUTDOWN_POLL": "0.5"})
     srv.wait_for(READY)
     workers = set(srv.worker_pids().values())
     assert len(workers) == 8 and all(_alive(p) for p in workers)
@@ -352,3 +352,76 @@ def test_standalone_copy_under_debian_python(start, tmp_path):
     os.kill(srv.pid, signal.SIGTERM)
     assert srv.wait_exit(5) == 0
     assert _wait_dead(workers, 1.0) == set()
+
+
+def _stream_lines(srv: RefServer, path: str, body: dict, opened: threading.Event | None = None) -> list[str]:
+    """The ``data:`` payloads of a streamed request, read as they come."""
+    req = urllib.request.Request(f"http://127.0.0.1:{srv.port}{path}", data=json.dumps(body).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    out = []
+    with urllib.request.urlopen(req, timeout=20) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"] == "text/event-stream"
+        if opened is not None:
+            opened.set()
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                out.append(line[6:])
+    return out
+
+
+def _gauges(srv: RefServer) -> dict[str, float]:
+    status, body = srv.request("GET", "/metrics")
+    assert status == 200
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in body.decode().splitlines() if line and not line.startswith("#")}
+
+
+def test_streams_paced_tokens_and_counts_them_in_metrics(start):
+    srv = start(tp=1, env={"REFSERVER_TOKEN_DELAY": "0.05"}, args=("--enable-metrics",))
+    srv.wait_for(READY)
+    assert _gauges(srv)["sglang:num_running_reqs"] == 0
+    seen: dict[str, float] = {}
+    opened = threading.Event()
+    watcher = threading.Thread(target=lambda: (opened.wait(5), time.sleep(0.3), seen.update(_gauges(srv))))
+    watcher.start()
+    t0 = time.monotonic()
+    events = _stream_lines(srv, "/v1/completions", {"prompt": "a story", "max_tokens": 20, "stream": True,
+                                                    "temperature": 0}, opened)
+    took = time.monotonic() - t0
+    watcher.join()
+    assert seen["sglang:num_running_reqs"] == 1 and seen["sglang:num_queue_reqs"] == 0
+    assert events[-1] == "[DONE]" and len(events) == 22
+    assert 0.9 <= took < 4, took  # 20 tokens at 50 ms
+    chunks = [json.loads(e) for e in _stream_lines(srv, "/v1/completions", {
+        "prompt": FRANCE, "max_tokens": 20, "stream": True, "temperature": 0})[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == " Paris. This is a well-known fact"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[0]["choices"][0]["finish_reason"] is None
+    native = _stream_lines(srv, "/generate", {"text": FRANCE, "stream": True,
+                                              "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    assert [json.loads(e)["text"] for e in native[:-1]] == [" Paris.", " Paris. This", " Paris. This is"]
+    t0 = time.monotonic()
+    assert srv.complete(max_tokens=4)["choices"][0]["text"] == " Paris. This is a"
+    assert time.monotonic() - t0 >= 0.2  # non-streamed requests are paced too
+    gauges = _gauges(srv)
+    assert gauges["sglang:num_running_reqs"] == 0 and gauges["sglang:num_requests_total"] == 4
+
+
+def test_sigterm_drains_in_flight_requests_like_sglang(start):
+    """SIGTERM: /health 503 at once, a stream in flight runs to its end, then exit 0 (SGLang 0.5.23)."""
+    srv = start(tp=2, env={"REFSERVER_TOKEN_DELAY": "0.05", "REFSERVER_SHUTDOWN_POLL": "0.5"})
+    srv.wait_for(READY)
+    opened = threading.Event()
+    got: list[list[str]] = []
+    client = threading.Thread(target=lambda: got.append(_stream_lines(
+        srv, "/v1/completions", {"prompt": "a long story", "max_tokens": 40, "stream": True}, opened)))
+    client.start()
+    assert opened.wait(5)
+    os.kill(srv.pid, signal.SIGTERM)
+    srv.wait_for("Draining requests")
+    assert srv.request("GET", "/health")[0] == 503
+    assert srv.request("POST", "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 1}})[0] == 200
+    assert srv.wait_exit(10) == 0
+    client.join(5)
+    assert len(got) == 1 and got[0][-1] == "[DONE]" and len(got[0]) == 42, got
+    assert any("Remaining number of requests 1." in line for line in srv.text())

@@ -322,6 +322,24 @@ BAD = [
                  "hosts.ct200.service.gate.prompts.0.expect", "not a valid regular expression", id="gate-bad-regex"),
     pytest.param(BASE.replace("    hosts: [ct200]\n", "    hosts: ct200  # <-\n"),
                  "groups.ddtree.hosts", "must be a list of host names", id="group-hosts-not-list"),
+    pytest.param(BASE.replace("defaults:\n", "defaults:\n  router: {url: 10.0.0.9:30080}  # <-\n"),
+                 "defaults.router.url", "must be http://HOST:PORT or https://HOST:PORT", id="router-url-no-scheme"),
+    pytest.param(BASE.replace("defaults:\n", "defaults:\n  router: {url: 'http://r:1/workers'}  # <-\n"),
+                 "defaults.router.url", "must be http://HOST:PORT or https://HOST:PORT", id="router-url-path"),
+    pytest.param(BASE.replace("    hosts: [ct200]\n",
+                              "    hosts: [ct200]\n    router: {url: 'http://r:1', via: ct2}  # <-\n"),
+                 "groups.ddtree.router.via", "unknown host 'ct2' (did you mean", id="router-via-unknown"),
+    pytest.param(BASE.replace("defaults:\n",
+                              "defaults:\n  router: {url: 'http://r:1', worker_url: 'http://{ip}:1'}  # <-\n"),
+                 "defaults.router.worker_url", "unknown placeholder {ip}", id="router-worker-url-field"),
+    pytest.param(BASE.replace("  ct201:\n    address: 10.0.0.2\n",
+                              "  ct201:\n    address: 10.0.0.2\n"
+                              "    router: {url: 'http://r:1', drain_timeout: 0}  # <-\n"),
+                 "hosts.ct201.router.drain_timeout", "Input should be greater than 0", id="router-drain-timeout"),
+    pytest.param(BASE.replace("defaults:\n", "defaults:\n  router: {url: 'http://r:1', api_key_env: 'a-b'}  # <-\n"),
+                 "defaults.router.api_key_env", "'a-b' is not a valid environment variable name", id="router-key-env"),
+    pytest.param(BASE.replace("defaults:\n", "defaults:\n  router: {url: 'http://r:1', api_key: x}  # <-\n"),
+                 "defaults.router.api_key", "unknown key (did you mean 'api_key_env'?)", id="router-api-key-inline"),
     pytest.param(BASE.replace("  ct201:\n    address: 10.0.0.2",
                               "  ct201: just-a-string  # <-\n  x:\n    address: 10.0.0.2"),
                  "hosts.ct201", "must be a mapping", id="host-not-mapping"),
@@ -438,3 +456,15 @@ def test_no_hosts(tmp_path, capsys, text):
     rc, line = render_cli(path, capsys)
     assert rc == 2
     assert re.fullmatch(rf"kdeploy: {re.escape(str(path))}(:\d+)?: hosts: no hosts defined", line), line
+
+
+def test_router_layers_and_worker_url(tmp_path):
+    text = BASE.replace("defaults:\n", "defaults:\n  router: {url: 'http://127.0.0.1:30080/', via: ct201}\n").replace(
+        "    hosts: [ct200]\n", "    hosts: [ct200]\n    router: {drain_timeout: 30, worker_url: 'http://{name}.lan:{port}'}\n")
+    inv = load(write(tmp_path, text))
+    a, b = inv.hosts["ct200"], inv.hosts["ct201"]
+    assert a.router is not None and b.router is not None
+    assert a.router.url == "http://127.0.0.1:30080" and a.router.via == "ct201" and a.router.drain_timeout == 30
+    assert a.worker_url == "http://ct200.lan:30000"
+    assert b.router.drain_timeout == 120 and b.worker_url == "http://10.0.0.2:30000"
+    assert load(write(tmp_path, BASE, "plain.yaml")).hosts["ct200"].worker_url is None

@@ -1,0 +1,273 @@
+"""Rollouts behind the real SGLang router (sglang-router 0.3.2, run on this machine) over sandbox hosts:
+drain waits for requests in flight, a failed gate keeps the host out until its rollback passed, the preflight
+refuses when another worker is unhealthy, ``router admit|drain`` by hand, and Ctrl-C mid-drain.
+
+Each host's reference server binds 0.0.0.0 with ``--enable-metrics`` and paced tokens, so the router (on the
+controller) reaches it at the host's sandbox address and requests stay in flight for seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from ruamel.yaml import YAML
+
+from kdeploy.lab import router_env
+from tests.conftest import Deployment
+
+TOKEN_DELAY = 0.1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Routed:
+    def __init__(self, dep: Deployment, url: str) -> None:
+        self.dep, self.url = dep, url
+
+    def workers(self) -> dict[str, bool]:
+        """Worker URL -> healthy, as the router lists them."""
+        body = httpx.get(f"{self.url}/workers", timeout=5).json()
+        return {w["url"]: w["is_healthy"] for w in body["workers"]}
+
+    def worker_url(self, host: str) -> str:
+        return f"http://{self.dep.load().hosts[host].address}:{self.dep.port}"
+
+    def wait(self, predicate, what: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate(self.workers()):
+            assert time.monotonic() < deadline, f"router never showed {what}: {self.workers()}"
+            time.sleep(0.2)
+
+
+def _stream(url: str, tokens: int, out: list, started: threading.Event) -> None:
+    """One streamed completion; appends (status, events, ended with [DONE])."""
+    body = {"model": "m", "prompt": "a long story", "max_tokens": tokens, "stream": True}
+    events = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+            started.set()
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        out.append((resp.status_code, len(events), bool(events) and events[-1] == "[DONE]"))
+    except httpx.HTTPError as exc:
+        started.set()
+        out.append((type(exc).__name__, len(events), False))
+
+
+@pytest.fixture
+def routed(deployment: Deployment, tmp_path: Path) -> Iterator[Routed]:
+    """The deployment's hosts serving on 0.0.0.0, all registered in a real router started here."""
+    deployment.edit(lambda doc: doc["defaults"]["service"].update(
+        env={"REFSERVER_TOKEN_DELAY": str(TOKEN_DELAY), "REFSERVER_SHUTDOWN_POLL": "1"}))
+    deployment.edit(lambda doc: doc["defaults"]["service"]["sglang"].update(
+        host="0.0.0.0", extra_args=["--enable-metrics"]))
+    assert deployment.kdeploy("push", "test", "--no-verify") == 0
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    workers = [f"http://{deployment.load().hosts[h].address}:{deployment.port}" for h in deployment.hosts]
+    argv = router_env.router_argv(router_env.ensure_venv(), "127.0.0.1", port, workers, health_interval=1,
+                                  health_failures=1, prometheus_port=_free_port())
+    with router_env.running(argv, url, tmp_path / "router.log"):
+        deployment.edit(lambda doc: doc["defaults"].update(router={"url": url, "drain_timeout": 30}))
+        r = Routed(deployment, url)
+        r.wait(lambda w: len(w) == len(workers) and all(w.values()), "every worker healthy")
+        yield r
+
+
+def _phases(host: dict) -> list[str]:
+    return [p["name"] for p in host["phases"]]
+
+
+@pytest.mark.hosts(2)
+def test_drain_waits_for_a_stream_in_flight_and_admits_after_the_gate(routed: Routed, capsys) -> None:
+    dep = routed.dep
+    (dep.payload / "rev.txt").write_text("2")
+    out: list = []
+    started = threading.Event()
+    h1 = routed.worker_url("h1")
+    client = threading.Thread(target=_stream, args=(h1, 50, out, started))  # 5 s on h1, which goes first
+    client.start()
+    assert started.wait(10)
+    code, doc = dep.json(capsys, "push", "test", "--batch", "1")
+    client.join(30)
+    assert code == 0, doc
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    for name in ("h1", "h2"):
+        assert hosts[name]["result"] == "deployed" and hosts[name]["router"] == "in"
+        names = _phases(hosts[name])
+        assert names.index("drain") < names.index("activate") < names.index("restart") < names.index("admit")
+    drain = next(p for p in hosts["h1"]["phases"] if p["name"] == "drain")
+    assert "no request in flight" in drain["detail"] and drain["seconds"] >= 2, drain
+    assert out == [(200, 52, True)], out  # 50 tokens + the final chunk + [DONE]: nothing cut off
+    assert all(routed.workers().values()) and len(routed.workers()) == 2
+
+
+@pytest.mark.hosts(2)
+def test_failed_gate_keeps_the_host_out_until_its_rollback_passed(routed: Routed, capsys) -> None:
+    dep = routed.dep
+    (dep.payload / "rev.txt").write_text("5")
+    dep.edit(lambda doc: doc["hosts"]["h2"].update(service={"env": {"REFSERVER_WRONG_ANSWER": "1"}}))
+    seen: list[tuple[str, bool]] = []
+
+    def watch(host: str, phase: str, status: str) -> None:
+        if host == "h2" and status == "start" and phase in ("rollback", "rollback restart", "admit"):
+            seen.append((phase, routed.worker_url("h2") in routed.workers()))
+
+    from kdeploy import fleet
+    from kdeploy.deploy import Options
+
+    report = fleet.push(dep.load(), "test", Options(batch="1"), listener=watch)
+    hosts = {h.host: h for h in report.hosts}
+    assert hosts["h1"].result == "deployed" and hosts["h2"].result == "rolled_back", hosts["h2"].error
+    assert report.exit_code == 4
+    assert seen == [("rollback", False), ("rollback restart", False), ("admit", False)], seen
+    assert hosts["h2"].router == "in" and hosts["h2"].phases[-1].name == "admit"
+    assert routed.workers() == {routed.worker_url("h1"): True, routed.worker_url("h2"): True}
+
+
+@pytest.mark.hosts(3)
+def test_preflight_refuses_when_another_worker_is_unhealthy(routed: Routed, capsys) -> None:
+    dep = routed.dep
+    dep.sh("h3", f"systemctl stop {dep.service}")
+    routed.wait(lambda w: w.get(routed.worker_url("h3")) is False, "h3 unhealthy")
+    (dep.payload / "rev.txt").write_text("3")
+    before = {h: dep.show(h, "InvocationID") for h in ("h1", "h2")}
+    code, doc = dep.json(capsys, "push", "h1,h2", "--batch", "1")
+    assert code == 7, doc
+    assert {h["result"] for h in doc["hosts"]} == {"preflight_refused"}
+    assert "unhealthy worker(s) " + routed.worker_url("h3") in doc["hosts"][0]["error"]
+    assert {h: dep.show(h, "InvocationID") for h in ("h1", "h2")} == before  # nothing touched
+
+
+@pytest.mark.hosts(2)
+def test_router_drain_and_admit_by_hand_and_status_shows_membership(routed: Routed, capsys) -> None:
+    dep = routed.dep
+    code, doc = dep.json(capsys, "router", "drain", "h1")
+    assert code == 0 and doc["hosts"][0]["router"] == "out"
+    assert routed.worker_url("h1") not in routed.workers()
+    code, doc = dep.json(capsys, "status", "test")
+    assert {h["host"]: h.get("router") for h in doc["hosts"]} == {"h1": "out", "h2": "in"}
+    capsys.readouterr()
+    assert dep.kdeploy("status", "test") == 0
+    table = capsys.readouterr().err
+    assert "router" in table and "OUT" in table and "in" in table
+    code, doc = dep.json(capsys, "verify", "h1")
+    assert code == 4 and doc["hosts"][0]["result"] == "unhealthy" and "OUT of the router" in doc["hosts"][0]["error"]
+    code, doc = dep.json(capsys, "router", "admit", "h1")
+    assert code == 0 and doc["hosts"][0]["router"] == "in"
+    assert routed.workers() == {routed.worker_url("h1"): True, routed.worker_url("h2"): True}
+    code, doc = dep.json(capsys, "verify", "test")
+    assert code == 0 and all("router" in _phases(h) for h in doc["hosts"])
+
+
+@pytest.mark.hosts(2)
+def test_ctrl_c_mid_drain_reports_the_host_out_and_admit_fixes_it(routed: Routed) -> None:
+    dep = routed.dep
+    (dep.payload / "rev.txt").write_text("4")
+    out: list = []
+    started = threading.Event()
+    client = threading.Thread(target=_stream, args=(routed.worker_url("h1"), 80, out, started))  # 8 s on h1
+    client.start()
+    assert started.wait(10)
+    h1_before = dep.show("h1", "InvocationID")
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1", "--json",
+                             "--inventory", str(dep.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        routed.wait(lambda w: routed.worker_url("h1") not in w, "h1 drained", timeout=60)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        stdout, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    client.join(30)
+    doc = json.loads(stdout)
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    assert proc.returncode == 130, err
+    assert hosts["h1"]["result"] == "interrupted" and hosts["h1"]["router"] == "out", hosts["h1"]
+    assert "OUT of its router" in err
+    assert routed.worker_url("h1") not in routed.workers()            # truthful: it really is out
+    assert dep.show("h1", "InvocationID") == h1_before                # and was never restarted
+    assert out == [(200, 82, True)]
+    assert dep.kdeploy("router", "admit", "h1") == 0
+    assert routed.workers()[routed.worker_url("h1")] is True
+
+
+@pytest.mark.hosts(2)
+def test_rollback_goes_one_host_at_a_time_through_the_router(routed: Routed, capsys) -> None:
+    dep = routed.dep
+    (dep.payload / "rev.txt").write_text("6")
+    code, doc = dep.json(capsys, "push", "test")  # every host in one batch would leave none serving
+    assert code == 7 and "a batch of 2 would leave none serving" in doc["hosts"][0]["error"]
+    assert dep.kdeploy("push", "test", "--batch", "1") == 0
+    code, doc = dep.json(capsys, "rollback", "test")
+    assert code == 0, doc
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    for name in ("h1", "h2"):
+        assert hosts[name]["result"] == "restored" and hosts[name]["router"] == "in"
+        assert _phases(hosts[name])[2] == "drain" and _phases(hosts[name])[-1] == "admit"
+    assert routed.workers() == {routed.worker_url("h1"): True, routed.worker_url("h2"): True}
+
+
+@pytest.mark.hosts(2)
+def test_sandbox_router_unit_and_first_push_registers_every_host(deployment: Deployment, tmp_path: Path,
+                                                                 capsys) -> None:
+    """`sandbox up --router`'s pieces on the fleet's last host: the router as a unit there, an inventory
+    without that host and with `router:`, and a first push that registers every host."""
+    from kdeploy.lab import sandbox_router
+
+    box = deployment.fleet
+    router_host = box.hosts()[-1]
+    url = sandbox_router.install(box, router_host)
+    try:
+        assert box.exec(router_host.name, ["systemctl", "is-active", sandbox_router.UNIT]).stdout.strip() == "active"
+        path = tmp_path / "routed.yaml"
+        service = YAML().load(deployment.path.read_text())["defaults"]["service"]
+        sandbox_router.write_inventory(box, path, json.loads(json.dumps(service)), router_host, url)
+        doc = YAML().load(path.read_text())
+        assert router_host.name not in doc["hosts"] and doc["defaults"]["router"]["url"] == url
+        assert doc["defaults"]["service"]["sglang"]["host"] == "0.0.0.0"
+        only = {"h1", "h2"}
+        doc["hosts"] = {h: v for h, v in doc["hosts"].items() if h in only}
+        doc["groups"] = {"test": {"hosts": sorted(only)}}
+        with path.open("w") as fh:
+            YAML().dump(doc, fh)
+        routed = Deployment(box, path, deployment.payload, deployment.service, deployment.hosts, deployment.port)
+        code, out = routed.json(capsys, "push", "test", "--batch", "1")
+        assert code == 7 and "not registered in the router" in out["hosts"][0]["error"]
+        code, out = routed.json(capsys, "push", "test", "--batch", "1", "--router-add-missing")
+        assert code == 0, out
+        assert {h["host"]: h["router"] for h in out["hosts"]} == {"h1": "in", "h2": "in"}
+        listed = {w["url"]: w["is_healthy"] for w in httpx.get(f"{url}/workers").json()["workers"]}
+        assert listed == {f"http://{h.address}:{deployment.port}": True for h in box.hosts()[:2]}
+        # via: the same router reached over kdeploy's SSH connection to its host, at its loopback
+        doc = YAML().load(path.read_text())
+        doc["hosts"][router_host.name] = {"address": router_host.address}
+        doc["defaults"]["router"] = {"url": f"http://127.0.0.1:{sandbox_router.PORT}", "via": router_host.name}
+        with path.open("w") as fh:
+            YAML().dump(doc, fh)
+        code, out = routed.json(capsys, "router", "drain", "h1")
+        assert code == 0 and out["hosts"][0]["router"] == "out"
+        code, out = routed.json(capsys, "status", "test")
+        assert {h["host"]: h["router"] for h in out["hosts"]} == {"h1": "out", "h2": "in"}
+        code, out = routed.json(capsys, "router", "admit", "h1")
+        assert code == 0 and out["hosts"][0]["router"] == "in"
+    finally:
+        box.exec(router_host.name, ["sh", "-c", f"systemctl disable --now {sandbox_router.UNIT}; rm -f "
+                                                f"/etc/systemd/system/{sandbox_router.UNIT}.service; "
+                                                f"rm -rf {sandbox_router.HOST_DIR}"], check=False)

@@ -1,0 +1,97 @@
+"""kdeploy/router.py's pure parts: the router's /workers answer, SGLang's gauges, the rollout preflight."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kdeploy.errors import ExitCode, InvalidInput
+from kdeploy.inventory import Router
+from kdeploy.router import RouterError, Worker, api_key, in_flight, parse_workers, preflight_verdict
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "inventory.yaml"
+# As sglang-router 0.3.2 answers GET /workers (one worker, trimmed metadata).
+WORKERS = json.dumps({"workers": [{
+    "id": "3799d817-0ea7-489f-bf4f-edfa9da5d969", "url": "http://10.0.0.1:30000", "model_id": "m", "priority": 50,
+    "cost": 1.0, "worker_type": "regular", "is_healthy": True, "load": 2, "connection_mode": "HTTP",
+    "metadata": {"tp_size": "1"}, "disable_health_check": False}], "total": 1,
+    "stats": {"prefill_count": 0, "decode_count": 0, "regular_count": 1}})
+
+# As sglang 0.5.23 exposes them (sglang/srt/observability/metrics_collector.py), one TP rank each.
+METRICS = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m",engine_type="unified",tp_rank="0",pp_rank="0"} 3.0
+sglang:num_queue_reqs{model_name="m",engine_type="unified",tp_rank="0",pp_rank="0"} 1.0
+sglang:num_running_reqs_offline_batch{model_name="m"} 9.0
+sglang:num_requests_total{model_name="m"} 40.0
+"""
+
+
+def test_parse_workers():
+    assert parse_workers(WORKERS) == [Worker("3799d817-0ea7-489f-bf4f-edfa9da5d969", "http://10.0.0.1:30000",
+                                             True, 2)]
+
+
+@pytest.mark.parametrize("text", ["", "[]", '{"workers": [{"url": "x"}]}', '{"total": 0}'])
+def test_parse_workers_refuses_unknown_shapes(text):
+    with pytest.raises(RouterError) as err:
+        parse_workers(text)
+    assert err.value.exit_code == ExitCode.PREFLIGHT
+
+
+def test_in_flight_sums_running_and_queued_only():
+    assert in_flight(METRICS) == 4
+    assert in_flight(METRICS.replace(" 3.0", " 0.0").replace(" 1.0\n", " 0.0\n")) == 0
+    assert in_flight("sglang:num_requests_total 3\n") is None
+
+
+def _w(url: str, healthy: bool = True) -> Worker:
+    return Worker(url, url, healthy, 0)
+
+
+def test_preflight_verdict():
+    workers = [_w("http://a:1"), _w("http://b:1"), _w("http://c:1")]
+    assert preflight_verdict(workers, {"a": "http://a:1", "b": "http://b:1"}, 1, False) is None
+    sick = [*workers[:2], _w("http://c:1", False)]
+    assert "unhealthy worker(s) http://c:1" in preflight_verdict(sick, {"a": "http://a:1"}, 1, False)
+    assert "d not registered" in preflight_verdict(workers, {"d": "http://d:1"}, 1, False)
+    assert preflight_verdict(workers, {"d": "http://d:1"}, 1, True) is None
+    assert preflight_verdict([], {"a": "http://a:1", "b": "http://b:1"}, 1, True) is None  # a new, empty router
+    assert "would leave none serving" in preflight_verdict(workers[:1], {"a": "http://a:1"}, 1, False)
+    every = {h: f"http://{h}:1" for h in "abc"}
+    assert "a batch of 3 would leave none serving" in preflight_verdict(workers, every, 3, False)
+    assert preflight_verdict(workers, every, 2, False) is None
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    router = Router(url="http://r:1", api_key_env="KD_ROUTER_KEY")
+    monkeypatch.delenv("KD_ROUTER_KEY", raising=False)
+    with pytest.raises(InvalidInput, match="KD_ROUTER_KEY is not set"):
+        api_key(router)
+    monkeypatch.setenv("KD_ROUTER_KEY", "s3cret")
+    assert api_key(router) == "s3cret" and api_key(Router(url="http://r:1")) is None
+
+
+def test_router_command_without_router_section_is_invalid_input(capsys):
+    from kdeploy import cli
+
+    code = cli.main(["router", "admit", "ct200", "--inventory", str(EXAMPLE)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == ExitCode.INVALID
+    assert err == ["kdeploy: ct200: no router in the inventory (add a router: section)"]
+
+
+def test_unset_api_key_variable_refuses_before_any_host(tmp_path, capsys, monkeypatch):
+    from kdeploy import cli
+
+    monkeypatch.delenv("KD_NO_SUCH_KEY", raising=False)
+    text = EXAMPLE.read_text().replace("defaults:\n", "defaults:\n  router: {url: 'http://127.0.0.1:9', "
+                                                      "api_key_env: KD_NO_SUCH_KEY}\n", 1)
+    path = tmp_path / "inventory.yaml"
+    path.write_text(text)
+    code = cli.main(["router", "drain", "ct200", "--inventory", str(path)])
+    assert code == ExitCode.INVALID
+    assert "KD_NO_SUCH_KEY is not set" in capsys.readouterr().err
