@@ -478,7 +478,8 @@ def router_phase(inventory: Inventory, host: HostConfig, result: HostResult, opt
 
     assert host.router is not None
     with result.phase("router") as phase, routing.connect(
-            inventory, host.router, accept_new_host_keys=opts.accept_new_host_keys) as client:
+            inventory, host.router, accept_new_host_keys=opts.accept_new_host_keys, ssh_config=opts.ssh_config
+    ) as client:
         member = routing.membership(client, host)
         result.router = "in" if member.member else "out"
         phase.detail = member.describe()

@@ -142,7 +142,8 @@ def open_routers(inventory: Inventory, names: list[str], opts: Options, batch: i
         for members in groups.values():
             config = inventory.hosts[members[0]].router
             assert config is not None
-            client = routing.connect(inventory, config, accept_new_host_keys=opts.accept_new_host_keys)
+            client = routing.connect(inventory, config, accept_new_host_keys=opts.accept_new_host_keys,
+                                     ssh_config=opts.ssh_config)
             clients.update(dict.fromkeys(members, client))
             wanted = {m: str(inventory.hosts[m].worker_url) for m in members}
             why = routing.preflight_verdict(client.workers(), wanted, batch, opts.router_add_missing)
@@ -289,7 +290,8 @@ def router(inventory: Inventory, target: str | None, action: str, opts: Options 
         results.append(result)
         assert host.router is not None and host.worker_url is not None
         try:
-            with routing.connect(inventory, host.router, accept_new_host_keys=opts.accept_new_host_keys) as client, \
+            with routing.connect(inventory, host.router, accept_new_host_keys=opts.accept_new_host_keys,
+                                 ssh_config=opts.ssh_config) as client, \
                     result.phase(action) as phase:
                 if action == "admit":
                     client.add(host.worker_url)

@@ -154,19 +154,20 @@ class RouterClient:
         self.close()
 
 
-def connect(inventory: Inventory, router: Router, *, accept_new_host_keys: bool = False) -> RouterClient:
-    """A client for ``router``: straight to ``url``, or through the SSH connection of its ``via`` host."""
+def connect(inventory: Inventory, router: Router, *, accept_new_host_keys: bool = False,
+            ssh_config: str | None = None) -> RouterClient:
+    """A client for ``router``: straight to ``url``, or through the SSH connection of its ``via`` host (reached
+    as any host is: ``ssh_config`` is the run's ``--ssh-config``)."""
     key = api_key(router)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if router.via is None:
         return RouterClient(httpx.Client(base_url=router.url, headers=headers, timeout=10.0), router.url)
-    from kdeploy import tunnel
+    from kdeploy import sshconfig, tunnel
     from kdeploy.remote import Remote
 
     via = inventory.hosts[router.via]
-    remote = Remote.connect(via, accept_new_host_keys=accept_new_host_keys,
-                            known_hosts=inventory.local_path(via.known_hosts) if via.known_hosts else None,
-                            identity_file=inventory.local_path(via.identity_file) if via.identity_file else None)
+    remote = Remote.connect(via, sshconfig.target_for(inventory, via, ssh_config),
+                            accept_new_host_keys=accept_new_host_keys)
     url = httpx.URL(router.url)
     client = tunnel.channel_client(remote, url.host, url.port or (443 if url.scheme == "https" else 80),
                                    base_url=router.url, headers=headers)

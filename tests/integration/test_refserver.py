@@ -341,7 +341,8 @@ def test_standalone_copy_under_debian_python(start, tmp_path):
     shutil.copy(REPO / "kdeploy" / "lab" / "refserver.py", app / "kdeploy_refserver.py")
     (app / "sitecustomize.py").write_text(
         "import os, sys\nsys.stdout.write(f'[sitecustomize] pid={os.getpid()}\\n'); sys.stdout.flush()\n")
-    srv = start(tp=2, python=python, module="kdeploy_refserver", cwd=tmp_path, pythonpath=(app, PLUGIN_DIR))
+    srv = start(tp=2, python=python, module="kdeploy_refserver", cwd=tmp_path, pythonpath=(app, PLUGIN_DIR),
+                env={"REFSERVER_SHUTDOWN_POLL": "0.5"})  # SGLang's 5 s watchdog period would eat the wait below
     srv.wait_for(READY)
     workers = set(srv.worker_pids().values())
     assert len(workers) == 2
