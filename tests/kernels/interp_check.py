@@ -59,6 +59,13 @@ def cases() -> list[dict]:
                     layout="indptr", seed=23, config=dict(block_m=32, block_n=32, min_chunk=64), dtype="float32"))
     out.append(dict(bs=3, heads=2, q_len=4, prefix_lens=[90, 0, 180], page_size=1, tree=True, nsplit=16,
                     layout="req_to_token", seed=24, config=dict(max_ctas=6, combine_block_s=2), dtype="float32"))
+    # one wave of programs (a pretend 6-multiprocessor GPU): partitions down to wave_min_chunk, not min_chunk
+    out.append(dict(bs=1, heads=2, q_len=5, prefix_lens=[100], page_size=1, tree=True, nsplit=6,
+                    layout="indptr", seed=28, dtype="float32",
+                    config=dict(block_n=16, min_chunk=64, wave_min_chunk=16, wave_sms=6, max_ctas=64)))
+    # the wide combine (one 512-channel program per row) on a launch of >= combine_wide_rows rows
+    out.append(dict(bs=2, heads=3, q_len=6, prefix_lens=[130, 45], page_size=64, tree=True, nsplit=4,
+                    layout="indptr", seed=29, dtype="float32", config=dict(combine_wide_rows=36)))
     # the 512 value channels split over two programs (dv_split=2): scores from two latent halves + rope
     out.append(dict(bs=2, heads=4, q_len=7, prefix_lens=[150, 20], page_size=64, tree=True, nsplit=4,
                     layout="indptr", seed=26, config=dict(dv_split=2), dtype="float32"))
@@ -98,7 +105,7 @@ def run_case(case: dict) -> dict:
     ref = run_reference(prob, SCALE)
     err = (out.float() - ref).abs()
     # which prefix partitions were written (LSE no longer the sentinel), per request, vs the expected count
-    min_chunk = -(-max(config.min_chunk, 1) // config.block_n) * config.block_n
+    min_chunk = mv.launch_min_chunk(ns, case["bs"], rows, config)
     written, expected = [], []
     lse_view = ws.views(case["bs"], ns)[1]
     for b, pre in enumerate(case["prefix_lens"]):
@@ -107,7 +114,8 @@ def run_case(case: dict) -> dict:
         expected.append(-(-pre // per) if pre else 0)
         written.append(int((lse_view[b, :ns, 0] != 12345.0).sum()))
     untouched = bool((lse_view[:, :, rows:] == 12345.0).all()) and bool((ws.part_lse[-3:] == 12345.0).all())
-    return dict(case=case, nsplit_used=ns, max_err=float(err.max()), ref_max=float(ref.abs().max()),
+    return dict(case=case, nsplit_used=ns, min_chunk_used=min_chunk, max_err=float(err.max()),
+                ref_max=float(ref.abs().max()),
                 rel_err=float((out.float() - ref).norm() / ref.norm()), all_written=bool(torch.isfinite(out).all()),
                 partitions_written=written, partitions_expected=expected, pad_rows_untouched=untouched,
                 seconds=round(seconds, 3))

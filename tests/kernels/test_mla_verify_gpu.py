@@ -58,6 +58,7 @@ FULL = [
     (2, 8, 16, [4096, 4095], 64, 16, "req_to_token", True, 1.0),
     (1, 16, 1, [32768], 1, 128, "indptr", True, 1.0),
     (1, 16, 9, [65536], 1, 64, "indptr", False, 1.0),     # wave-aware split: 44 partitions (43 used)
+    (1, 8, 9, [4096], 1, 64, "indptr", False, 1.0),       # one wave: 64 partitions of wave_min_chunk=64 tokens
     (3, 8, 64, [5000, 1, 12000], 1, 32, "indptr", True, 2.0),
     (6, 16, 16, [3, 0, 17, 64, 63, 200], 64, 8, "indptr", True, 3.0),   # the draft tree dominates
 ]
@@ -213,7 +214,8 @@ def test_tree_matches_sglang_extend_attention():
                                     dict(dv_split=2, block_m=64, block_n=32, num_warps=4, num_stages=3),
                                     dict(dv_split=2, block_m=128, block_n=32, num_warps=8, num_stages=2),
                                     dict(dv_split=2, block_m=64, block_n=32, num_warps=4, num_stages=4),
-                                    dict(pdl=True), dict(wave_sms=0)])
+                                    dict(pdl=True), dict(wave_sms=0), dict(combine_wide_rows=0),
+                                    dict(combine_wide_rows=1, wave_min_chunk=0)])
 def test_other_tile_configs(config):
     prob = make_problem(3, 16, 16, [40000, 9, 3000], page_size=64, dtype=torch.bfloat16, device=DEV, seed=11)
     out = run_kernel(prob, SCALE, 64, config=mv.with_config(mv.GPU_CONFIG, **config), out=poisoned(prob))

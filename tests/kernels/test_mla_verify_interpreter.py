@@ -48,6 +48,7 @@ def test_covers_trees_chains_pages_layouts_and_splits(interp: Script):
     assert any(c.get("mask") is False for c in cases)            # no custom mask: causal chain drafts
     assert any(c.get("mask_dtype") == "uint8" for c in cases)    # SGLang's graph buffer dtype
     assert {c.get("config", {}).get("dv_split", 1) for c in cases} == {1, 2}   # value channels split or not
+    assert any(c.get("config", {}).get("combine_wide_rows") for c in cases)      # one combine program per row
 
 
 def test_empty_partitions_exit_early(interp: Script):
@@ -57,5 +58,9 @@ def test_empty_partitions_exit_early(interp: Script):
     # short prefixes really use fewer partitions than NSPLIT (the rest exit at once)
     assert any(sum(c["partitions_written"]) < c["nsplit_used"] * len(c["partitions_written"]) for c in interp.cases)
     # the CTA cap reduced the partitions of a batch that already fills the (pretend) GPU
-    capped = [c for c in interp.cases if c["case"].get("config", {}).get("max_ctas")]
+    capped = [c for c in interp.cases if c["case"].get("config", {}).get("max_ctas")
+              and not c["case"]["config"].get("wave_min_chunk")]
     assert capped and all(c["nsplit_used"] < c["case"]["nsplit"] for c in capped)
+    # a launch of one wave of programs used the shorter wave_min_chunk partitions (4 of 6 written, not 2)
+    wave = [c for c in interp.cases if c["case"].get("config", {}).get("wave_min_chunk")]
+    assert wave and all(c["min_chunk_used"] == 16 and c["partitions_written"] == [4] for c in wave), wave

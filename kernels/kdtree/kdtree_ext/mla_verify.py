@@ -61,7 +61,14 @@ class KernelConfig:
     time ~ waves x tiles per program); ``dv_split`` 2 gives each half of the 512 value channels its own
     program (measured slower on H200: kept as an option, see docs/benchmarks.md); ``pdl`` launches the
     combine as a programmatic dependent launch (sm_90+): it starts while the split kernel's last programs
-    run, attends the draft tree, then waits (``griddepcontrol.wait``) before reading the partials."""
+    run, attends the draft tree, then waits (``griddepcontrol.wait``) before reading the partials;
+    ``wave_min_chunk`` (> 0, with ``wave_sms``) is the shortest partition instead of ``min_chunk`` when all
+    the launch's programs fit in one wave (bs=1, short prefixes): more, shorter partitions on idle
+    multiprocessors rather than a few long ones, where several waves would pay each program's fixed cost
+    again; ``combine_wide_rows`` (> 0): a launch of at least that many (token, head) rows in all combines
+    with one program per row for all 512 channels (twice ``combine_warps``), attending the draft tree once
+    per row instead of once per ``combine_block_d`` channels — smaller launches keep the narrower programs
+    for parallelism."""
 
     block_m: int = 64
     block_n: int = 64
@@ -78,13 +85,16 @@ class KernelConfig:
     combine_block_d: int = 256
     combine_block_j: int = 16
     combine_warps: int = 4
+    wave_min_chunk: int = 0
+    combine_wide_rows: int = 0
 
     def describe(self) -> str:
         return (f"block_m={self.block_m} block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} "
-                f"dv_split={self.dv_split} "
-                f"min_chunk={self.min_chunk} max_ctas={self.max_ctas} wave_sms={self.wave_sms} "
+                f"dv_split={self.dv_split} min_chunk={self.min_chunk} wave_min_chunk={self.wave_min_chunk} "
+                f"max_ctas={self.max_ctas} wave_sms={self.wave_sms} "
                 f"pdl={int(self.pdl)} partials={self.partial_dtype} "
-                f"combine=s{self.combine_block_s}/d{self.combine_block_d}/w{self.combine_warps}")
+                f"combine=s{self.combine_block_s}/d{self.combine_block_d}/w{self.combine_warps} "
+                f"combine_wide_rows={self.combine_wide_rows}")
 
 
 # Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
@@ -92,7 +102,11 @@ class KernelConfig:
 # of at least 256 tokens and at most 512 programs per launch, fp32 partials. Since run 3 (same day): the
 # partition count that fills the last wave of programs best (wave_sms=-1) and the combine as a programmatic
 # dependent launch (pdl; sm_90+ only, else off): bs=1 H=16 and bs=8 H=16 Q=9 5-24% faster, the rest 0-3%.
-GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True)
+# Since run 4 (same day, bench/results/kernel-h200-sweep3.*): partitions of 64 tokens when the launch is one
+# wave of programs (bs=1 at 4k: 24-38 us instead of 30-40 us replayed; identical code path from 16k up).
+# The combine of launches of >= 256 rows (bs x Q x H) in one 512-channel program per row, 8 warps: bs=1 H=16 Q=16
+# 1-13% faster, bs=8 Q=16 0.5-3%, bs=8 Q=9 within -0.5..+2.5% (bench/results/kernel-h200-sweep4.*).
+GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -356,6 +370,12 @@ def _wave_nsplit(ns: int, blocks: int, sms: int) -> int:
     return max(range(1, ns + 1), key=lambda n: (n / -(-(blocks * n) // sms), n))
 
 
+def _cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (``triton.cdiv`` goes through Triton's constexpr unwrapping: ~4 us a call,
+    and the launch path makes several)."""
+    return -(-a // b)
+
+
 @functools.lru_cache(maxsize=1)
 def _cuda_ok() -> bool:
     return torch.cuda.is_available()
@@ -380,10 +400,21 @@ def effective_nsplit(nsplit: int, bs: int, rows: int, config: KernelConfig) -> i
     of static sizes only: CUDA-graph safe)."""
     if config.max_ctas <= 0:
         return nsplit
-    blocks = max(bs * triton.cdiv(rows, config.block_m) * config.dv_split, 1)
+    blocks = max(bs * _cdiv(rows, config.block_m) * config.dv_split, 1)
     ns = max(1, min(nsplit, config.max_ctas // blocks))
     sms = _wave_sms(config)
     return _wave_nsplit(ns, blocks, sms) if sms > 0 else ns
+
+
+def launch_min_chunk(ns: int, bs: int, rows: int, config: KernelConfig) -> int:
+    """Shortest prefix partition (tokens, a multiple of block_n) of a launch with ``ns`` partitions:
+    ``wave_min_chunk`` when its programs fit in one wave, else ``min_chunk`` (static sizes only)."""
+    chunk = config.min_chunk
+    if config.wave_min_chunk > 0:
+        sms = _wave_sms(config)
+        if sms > 0 and bs * _cdiv(rows, config.block_m) * config.dv_split * ns <= sms:
+            chunk = config.wave_min_chunk
+    return _cdiv(max(chunk, 1), config.block_n) * config.block_n
 
 
 def _flat(t: torch.Tensor, last: int) -> torch.Tensor:
@@ -434,7 +465,7 @@ def mla_tree_verify(
         workspace = Workspace(bs * ns, rows, q.device, dtype=config.partial_dtype)
     assert workspace.fits(bs, rows, ns, config.partial_dtype), "workspace too small for this batch (or other dtype)"
     part_o, part_lse = workspace.views(bs, ns)
-    min_chunk = triton.cdiv(max(config.min_chunk, 1), config.block_n) * config.block_n
+    min_chunk = launch_min_chunk(ns, bs, rows, config)
     has_mask = custom_mask is not None
     if has_mask:
         assert mask_indptr is not None
@@ -444,7 +475,7 @@ def mla_tree_verify(
     pdl = config.pdl and q.is_cuda and _pdl_ok(torch.cuda.current_device() if q.device.index is None
                                                else q.device.index)
     assert config.dv_split in (1, 2), "dv_split: 1 or 2 programs per row block (512 or 256 value channels)"
-    _split_kernel[(triton.cdiv(rows, config.block_m) * config.dv_split, ns, bs)](
+    _split_kernel[(_cdiv(rows, config.block_m) * config.dv_split, ns, bs)](
         q, kbuf, qo_indptr, kv_start, kv_lens, kv_idx, part_o, part_lse,
         qk_scale, ns, min_chunk, mult,
         q.stride(0), q.stride(1), kbuf.stride(0),
@@ -453,15 +484,17 @@ def mla_tree_verify(
         WARP_SPEC=config.warp_specialize, DV_SPLIT=config.dv_split, PDL=pdl, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    _combine_kernel[(rows, bs, D_LATENT // config.combine_block_d)](
+    wide = 0 < config.combine_wide_rows <= bs * rows
+    block_d = D_LATENT if wide else config.combine_block_d
+    _combine_kernel[(rows, bs, D_LATENT // block_d)](
         q, kext, vext, mask, mindptr, part_o, part_lse, o3, qo_indptr, kv_start, kv_lens,
         qk_scale, ns, min_chunk,
         q.stride(0), q.stride(1), kext.stride(0), vext.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         o3.stride(0), o3.stride(1),
         H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n, BLOCK_S=config.combine_block_s,
-        BLOCK_D=config.combine_block_d, BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask,
-        PDL=pdl, num_warps=config.combine_warps, **({"launch_pdl": True} if pdl else {}),
+        BLOCK_D=block_d, BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask,
+        PDL=pdl, num_warps=config.combine_warps * (2 if wide else 1), **({"launch_pdl": True} if pdl else {}),
     )
     return o
 
