@@ -66,9 +66,10 @@ TILE_CONFIGS = [   # all compile without spills for sm_90 (checked offline: regi
 ]
 # run 3 (2026-12-01) tried the value channels split over two programs (dv_split=2: 4 warps x 64 rows, or
 # 8 warps x 128 rows; 16-100% slower: bench/results/kernel-h200-sweep1.json).
-# run 4 (2026-12-01, bench/results/kernel-h200-sweep2.*/-sweep3.*) tried a value-major tile (scores K Q^T, accumulator
-# V^T P^T: 36-45% slower), 32-row tiles with 4 warps (spill 268-346 registers: 19-100% slower, except bs=8 H=8 Q=9
-# at 16k-64k, 5-8% faster), more partitions than NSPLIT to fill a wave, and 1024 programs: no gain.
+# the second pass (2026-12-01, bench/results/kernel-h200-sweep2..4.*) tried a value-major tile (scores K Q^T,
+# accumulator V^T P^T: 31-62% slower on every shape), 32-row tiles with 4 warps (spill 268-346 registers: slower
+# except bs=8 H=8 Q=9 at 16k-64k, 5-8% faster), more partitions than NSPLIT to fill a wave, 1024 programs,
+# warp_specialize (no effect) and bf16 partials again (12% slower): none kept.
 # run 1 (2026-12-01) also tried block_n=16 (4 stages) and 16-row mma.sync tiles (slower), bf16 partials (slower)
 # wave_sms=-1: the partition count that fills the last wave of programs best (the default since run 3); 0: off
 SPLIT_RULES = [dict(min_chunk=mc, max_ctas=cap, wave_sms=w) for mc in (128, 256) for cap in (384, 512, 768)

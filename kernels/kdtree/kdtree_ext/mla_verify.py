@@ -102,10 +102,10 @@ class KernelConfig:
 # of at least 256 tokens and at most 512 programs per launch, fp32 partials. Since run 3 (same day): the
 # partition count that fills the last wave of programs best (wave_sms=-1) and the combine as a programmatic
 # dependent launch (pdl; sm_90+ only, else off): bs=1 H=16 and bs=8 H=16 Q=9 5-24% faster, the rest 0-3%.
-# Since run 4 (same day, bench/results/kernel-h200-sweep3.*): partitions of 64 tokens when the launch is one
-# wave of programs (bs=1 at 4k: 24-38 us instead of 30-40 us replayed; identical code path from 16k up).
-# The combine of launches of >= 256 rows (bs x Q x H) in one 512-channel program per row, 8 warps: bs=1 H=16 Q=16
-# 1-13% faster, bs=8 Q=16 0.5-3%, bs=8 Q=9 within -0.5..+2.5% (bench/results/kernel-h200-sweep4.*).
+# Second pass (same day; A/B in bench/results/kernel-h200-run6-ab.txt, CUDA-graph replay): partitions of 64 tokens
+# when the launch is one wave of programs (bs=1 at 4k: 24-33 us instead of 31-40 us; the same code path from 16k
+# up), and the combine of launches of >= 256 rows (bs x Q x H) in one 512-channel program of 8 warps per row
+# (bs=1 H=16 Q=16 0.4-13% faster, bs=8 Q=16 0.4-3%, bs=8 Q=9 -0.6..+2.6%).
 GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
@@ -371,7 +371,7 @@ def _wave_nsplit(ns: int, blocks: int, sms: int) -> int:
 
 
 def _cdiv(a: int, b: int) -> int:
-    """Host-side ceil division (``triton.cdiv`` goes through Triton's constexpr unwrapping: ~4 us a call,
+    """Host-side ceil division (``triton.cdiv`` goes through Triton's constexpr unwrapping: a few us a call,
     and the launch path makes several)."""
     return -(-a // b)
 
