@@ -37,6 +37,7 @@ CONNECTION_VARS = {
     "identity_file": ("ansible_ssh_private_key_file", "ansible_private_key_file"),
 }
 SSH_ARGS_VARS = ("ansible_ssh_args", "ansible_ssh_common_args", "ansible_ssh_extra_args")
+SERVICE_FILE = ("service file", "--service FILE")  # how errors name it
 PREFIX = "kdeploy_"  # kdeploy_<setting>: any host-level kdeploy setting as an Ansible host or group variable
 
 
@@ -177,11 +178,9 @@ def read(path: Path, text: str, fmt: Format) -> AnsibleInventory:
 def load(path: Path, text: str, fmt: Format, service: Path | None,
          service_text: str | None = None) -> inventory.Inventory:
     """The kdeploy inventory of an Ansible inventory plus the service file (``service_text``: its content)."""
-    if service is None:
-        raise InvalidInput(f"{path}: an Ansible inventory has no kdeploy service: pass --service FILE "
-                           "(or KDEPLOY_SERVICE; docs/inventory.md, Ansible inventories)")
+    service = require_service(path, service)
     if service_text is None:
-        service_text = inventory.read_text(service, "service file", "--service FILE")
+        service_text = inventory.read_text(service, *SERVICE_FILE)
     defaults = inventory.parse_yaml(service_text, service, "the service file must be a mapping like defaults:")
     found = read(path, text, fmt)
     hosts: dict[str, dict] = {}
@@ -204,6 +203,13 @@ def load(path: Path, text: str, fmt: Format, service: Path | None,
         return f"{path}: {'.'.join(map(str, rest)) or level}"
 
     return inventory.parse(raw, service, locate=locate)  # paths in the service file are relative to it
+
+
+def require_service(path: Path, service: Path | None) -> Path:
+    if service is None:
+        raise InvalidInput(f"{path}: an Ansible inventory has no kdeploy service: pass --service FILE "
+                           "(or KDEPLOY_SERVICE; docs/inventory.md, Ansible inventories)")
+    return service
 
 
 def to_kdeploy(host: str, variables: dict, line: int | None, path: Path) -> tuple[dict, dict[str, str]]:

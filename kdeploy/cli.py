@@ -412,11 +412,11 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
     _exit(report)
 
 
-def _edit(command: str, path: Path, make: Callable[[], settings.Edit], ui: Ui, no_apply: bool, accept: bool,
-          parallel: int, lock_wait: float, line: str) -> None:
+def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[], settings.Edit], ui: Ui,
+          no_apply: bool, accept: bool, parallel: int, lock_wait: float, line: str) -> None:
     """Make, check, write and roll out an edit under the lock of the file it edits (the inventory, or the service
     file of an Ansible inventory); a second kdeploy waits or exits 6."""
-    with settings.locked(path, lock_wait, f"kdeploy {command}"):
+    with settings.locked(service or inventory, lock_wait, f"kdeploy {command}", service is not None):
         edit = make()  # under the lock: from the file as the previous edit left it
         if not edit.changed:
             ui.err.print("inventory already says so: nothing to change")
@@ -463,8 +463,7 @@ def set_env(ctx: typer.Context,
     pairs = dict(settings.split_assignment(a) for a in assignments or [])
     if not pairs and not unset:
         raise InvalidInput("set-env: give KEY=VALUE or --unset KEY")
-    _edit("set-env", service or inventory,
-          lambda: settings.set_env(inventory, pairs, list(unset or []), target, service),
+    _edit("set-env", inventory, service, lambda: settings.set_env(inventory, pairs, list(unset or []), target, service),
           Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx))
 
 
@@ -478,7 +477,7 @@ def set_(ctx: typer.Context,
          parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0) -> None:
     """Change typed service settings (hicache.ratio=4.0, gate.workers=8, ...) and roll them out."""
     pairs = dict(settings.split_assignment(a) for a in assignments)
-    _edit("set", service or inventory, lambda: settings.set_values(inventory, pairs, target, service),
+    _edit("set", inventory, service, lambda: settings.set_values(inventory, pairs, target, service),
           Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx))
 
 

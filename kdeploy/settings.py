@@ -144,9 +144,8 @@ def _apply_service(path: Path, text: str, fmt: ansible.Format, service: Path | N
     if scope is not None:
         raise InvalidInput(f"--target {scope}: {path} is an Ansible inventory: set-env/set edit its service file, "
                            "for all hosts; per host or group, set kdeploy_service in Ansible's variables")
-    if service is None:
-        ansible.load(path, text, fmt, service)  # fails: names --service
-    before = inventory.read_text(service, "service file", "--service FILE")
+    service = ansible.require_service(path, service)
+    before = inventory.read_text(service, *ansible.SERVICE_FILE)
     old = ansible.load(path, text, fmt, service, before)
     original = inventory.parse_yaml(before, service)
     doc = inventory.parse_yaml(before, service)
@@ -315,10 +314,12 @@ def _replace(path: Path, text: str, *, expect: str) -> None:
 
 
 @contextmanager
-def locked(path: Path, wait: float, command: str) -> Iterator[None]:
-    """Hold the inventory's edit lock: an flock on ``.<name>.lock`` beside it (the inventory itself is replaced
-    by every write, so it cannot carry the lock), which names its holder. Waits up to ``wait`` seconds."""
-    inventory.read_text(path)  # a missing inventory fails as a load would, without leaving a lock file behind
+def locked(path: Path, wait: float, command: str, service: bool = False) -> Iterator[None]:
+    """Hold the edit lock of the inventory (or of an Ansible inventory's ``service`` file): an flock on
+    ``.<name>.lock`` beside it (the file itself is replaced by every write, so it cannot carry the lock), which
+    names its holder. Waits up to ``wait`` seconds."""
+    inventory.read_text(path, *(ansible.SERVICE_FILE if service else ()))  # a missing file fails as a load
+    # would, without leaving a lock file behind
     lock_path = path.with_name(f".{path.name}.lock")
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -301,3 +301,12 @@ def test_set_env_edits_the_service_file_and_refuses_a_scope(tmp_path):
         settings.set_values(path, {"sglang.tp": "2"}, "gpu", service)
     with pytest.raises(InvalidInput, match="pass --service FILE"):
         settings.set_values(path, {"sglang.tp": "2"}, None, None)
+
+
+def test_cli_set_env_writes_the_service_file_under_its_lock(tmp_path, capsys):
+    path, service = write(tmp_path, "hosts.ini", INI)
+    assert cli.main(["set-env", "KDTREE_VERIFY=on", "-i", str(path), "--service", str(service), "--no-apply"]) == 0
+    assert "KDTREE_VERIFY: on" in service.read_text() and path.read_text() == INI
+    assert (tmp_path / ".service.yaml.lock").exists() and not (tmp_path / ".hosts.ini.lock").exists()
+    assert cli.main(["set-env", "X=1", "-i", str(path), "--service", str(tmp_path / "none.yaml")]) == 2
+    assert "none.yaml: service file not found (pass --service FILE)" in capsys.readouterr().err
