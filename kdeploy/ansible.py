@@ -59,6 +59,8 @@ class AnsibleInventory:
     groups: dict[str, Group] = field(default_factory=dict)
     hosts: dict[str, dict] = field(default_factory=dict)  # host -> its own variables
     lines: dict[str, int] = field(default_factory=dict)  # host -> line of its first definition
+    groups_of: dict[str, list[Group]] = field(default_factory=dict)  # host -> its groups, ``all``'s children on
+    files: dict[Path, dict] = field(default_factory=dict)  # group_vars/host_vars read so far
 
     def group(self, name: str) -> Group:
         return self.groups.setdefault(name, Group(name))
@@ -91,6 +93,10 @@ class AnsibleInventory:
             elif not others and host not in ungrouped.hosts:
                 ungrouped.hosts.append(host)
         self._deepen("all", 0, ())
+        self.groups_of = {h: [] for h in self.hosts}
+        for group in self.groups.values():
+            for host in self.members(group.name) if group.name != "all" else ():
+                self.groups_of[host].append(group)
 
     def _deepen(self, name: str, depth: int, seen: tuple[str, ...]) -> None:
         if name in seen:
@@ -114,15 +120,19 @@ class AnsibleInventory:
         """The host's variables with Ansible's precedence (its default VARIABLE_PRECEDENCE): the inventory's
         group variables (``all``, then the others by depth, priority, name) < ``group_vars/all`` <
         ``group_vars/<group>`` in the same order < the host's inventory variables < ``host_vars/<host>``."""
-        groups = [g for g in self.groups.values() if g.name != "all" and host in self.members(g.name)]
-        groups.sort(key=lambda g: (g.depth, _priority(g), g.name))
-        folder = self.path.parent
+        groups = sorted(self.groups_of[host], key=lambda g: (g.depth, _priority(g), g.name))
         merged: dict = {}
-        for variables in (self.groups["all"].vars, *(g.vars for g in groups), _vars_dir(folder / "group_vars", "all"),
-                          *(_vars_dir(folder / "group_vars", g.name) for g in groups), self.hosts[host],
-                          _vars_dir(folder / "host_vars", host)):
+        for variables in (self.groups["all"].vars, *(g.vars for g in groups), self._file_vars("group_vars", "all"),
+                          *(self._file_vars("group_vars", g.name) for g in groups), self.hosts[host],
+                          self._file_vars("host_vars", host)):
             merged.update(variables)
         return merged
+
+    def _file_vars(self, kind: str, name: str) -> dict:
+        folder = self.path.parent / kind
+        if folder / name not in self.files:
+            self.files[folder / name] = _vars_dir(folder, name)
+        return self.files[folder / name]
 
 
 def _priority(group: Group) -> int:
