@@ -310,3 +310,12 @@ def test_cli_set_env_writes_the_service_file_under_its_lock(tmp_path, capsys):
     assert (tmp_path / ".service.yaml.lock").exists() and not (tmp_path / ".hosts.ini.lock").exists()
     assert cli.main(["set-env", "X=1", "-i", str(path), "--service", str(tmp_path / "none.yaml")]) == 2
     assert "none.yaml: service file not found (pass --service FILE)" in capsys.readouterr().err
+
+
+def test_completion_of_target_from_an_ansible_inventory(tmp_path, monkeypatch, capsys):
+    path, service = write(tmp_path, "hosts.ini", INI)
+    monkeypatch.setenv("_KDEPLOY_COMPLETE", "complete_bash")
+    monkeypatch.setenv("COMP_WORDS", f"kdeploy push -i {path} --service {service} gpu0")
+    monkeypatch.setenv("COMP_CWORD", "6")
+    assert cli.main([]) == 0
+    assert capsys.readouterr().out.split() == ["gpu01", "gpu02", "gpu03", "gpu04"]
