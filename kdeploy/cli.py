@@ -52,8 +52,9 @@ app.add_typer(schema_app, name="schema")
 def complete_target(ctx: typer.Context, incomplete: str) -> list[str]:
     """Shell completion of TARGET: ``all``, the inventory's hosts and groups, after the last comma of a list."""
     path = ctx.params.get("inventory") or os.environ.get("KDEPLOY_INVENTORY") or inv.DEFAULT_INVENTORY
+    service = ctx.params.get("service") or os.environ.get("KDEPLOY_SERVICE")
     try:
-        loaded = inv.load(Path(path))
+        loaded = inv.load(Path(path), service)
     except (KdeployError, OSError):
         return []
     done, _, last = incomplete.rpartition(",")
@@ -65,7 +66,10 @@ def complete_target(ctx: typer.Context, incomplete: str) -> list[str]:
 Target = Annotated[str, typer.Argument(help="host | group | all | comma list", show_default=False,
                                        autocompletion=complete_target)]
 OptTarget = Annotated[str, typer.Argument(help="host | group | all | comma list", autocompletion=complete_target)]
-InventoryOpt = Annotated[Path, typer.Option("--inventory", "-i", envvar="KDEPLOY_INVENTORY", help="Inventory file.")]
+InventoryOpt = Annotated[Path, typer.Option("--inventory", "-i", envvar="KDEPLOY_INVENTORY",
+                                            help="Inventory file: kdeploy's, or an Ansible INI/YAML one.")]
+ServiceOpt = Annotated[Path | None, typer.Option("--service", envvar="KDEPLOY_SERVICE", dir_okay=False,
+                                                 help="kdeploy service file for an Ansible inventory.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout; human text on stderr.")]
 JunitOpt = Annotated[Path | None, typer.Option("--junit", help="Also write a JUnit XML report (one testcase per host).",
                                                dir_okay=False)]
@@ -215,14 +219,15 @@ def _exit(report: Report) -> None:
     raise typer.Exit(report.exit_code)
 
 
-def _load(path: Path) -> inv.Inventory:
-    return inv.load(path)
+def _load(path: Path, service: Path | None) -> inv.Inventory:
+    return inv.load(path, service)
 
 
 @app.command()
-def render(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY) -> None:
+def render(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+           service: ServiceOpt = None) -> None:
     """Print each host's rendered systemd unit."""
-    loaded = _load(inventory)
+    loaded = _load(inventory, service)
     for name in loaded.resolve(target):
         sys.stdout.write(f"# ---- {name} ----\n{render_unit(loaded, loaded.hosts[name])}")
 
@@ -274,6 +279,7 @@ def command_line(ctx: typer.Context) -> str:
 
 @app.command()
 def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+         service: ServiceOpt = None,
          as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
          parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
          no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the health gate.")] = False,
@@ -289,22 +295,22 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
          ) -> None:
     """Ship the payload and unit, restart, gate; roll back by itself when the gate fails."""
     if dry_run:
-        _plan(target, inventory, as_json, accept_new_host_keys, parallel)
+        _plan(target, inventory, service, as_json, accept_new_host_keys, parallel)
         return
     ui = Ui(as_json, junit_path)
     opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
                     lock_wait=lock_wait, workers=workers, timeout=timeout, canary=canary, batch=batch,
                     max_fail=max_fail, skip_preflight=skip_preflight, router_add_missing=router_add_missing,
                     command=command_line(ctx))
-    loaded = _load(inventory)
+    loaded = _load(inventory, service)
     report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report, inventory=loaded)
     _exit(report)
 
 
-def _plan(target: str, inventory: Path, as_json: bool, accept: bool, parallel: int) -> None:
+def _plan(target: str, inventory: Path, service: Path | None, as_json: bool, accept: bool, parallel: int) -> None:
     ui = Ui(as_json)
-    loaded = _load(inventory)
+    loaded = _load(inventory, service)
     report = fleet.push(loaded, target, _options(accept_new_host_keys=accept), dry_run=True, parallel=parallel)
 
     def show(rep: Report) -> None:
@@ -327,21 +333,23 @@ def _plan(target: str, inventory: Path, as_json: bool, accept: bool, parallel: i
 
 
 @app.command()
-def plan(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+def plan(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+         service: ServiceOpt = None, as_json: JsonOpt = False,
          accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
     """Show what a push would change (unit diff, files, reload/restart); changes nothing."""
-    _plan(target, inventory, as_json, accept_new_host_keys, parallel)
+    _plan(target, inventory, service, as_json, accept_new_host_keys, parallel)
 
 
 @app.command()
-def verify(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+def verify(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+           service: ServiceOpt = None, as_json: JsonOpt = False,
            junit_path: JunitOpt = None, workers: WorkersOpt = None, timeout: TimeoutOpt = None,
            accept_new_host_keys: AcceptOpt = False,
            parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
     """Run the health gate against what runs now (exit 4 when unhealthy); changes nothing."""
     ui = Ui(as_json, junit_path)
     opts = _options(workers=workers, timeout=timeout, accept_new_host_keys=accept_new_host_keys)
-    loaded = _load(inventory)
+    loaded = _load(inventory, service)
     report = ui.run(lambda listener: fleet.verify(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report, lambda rep: _phases_table(ui, rep), table=False, inventory=loaded)
     _exit(report)
@@ -349,6 +357,7 @@ def verify(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
 
 @app.command()
 def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+             service: ServiceOpt = None,
              as_json: JsonOpt = False, junit_path: JunitOpt = None,
              to: Annotated[str | None, typer.Option("--to", help="Release id (default: the previous one).")] = None,
              lock_wait: LockWaitOpt = 0, accept_new_host_keys: AcceptOpt = False,
@@ -357,18 +366,19 @@ def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.D
     ui = Ui(as_json, junit_path)
     opts = _options(to_release=to, lock_wait=lock_wait, accept_new_host_keys=accept_new_host_keys,
                     command=command_line(ctx))
-    loaded = _load(inventory)
+    loaded = _load(inventory, service)
     report = ui.run(lambda listener: fleet.rollback(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report, inventory=loaded)
     _exit(report)
 
 
 @app.command()
-def probe(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+def probe(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+          service: ServiceOpt = None, as_json: JsonOpt = False,
           accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
     """What each host's service python offers the payload: SGLang version, plugin loader, hooks, registry."""
     ui = Ui(as_json)
-    report = fleet.probe(_load(inventory), target, _options(accept_new_host_keys=accept_new_host_keys),
+    report = fleet.probe(_load(inventory, service), target, _options(accept_new_host_keys=accept_new_host_keys),
                          parallel=parallel)
 
     def show(rep: Report) -> None:
@@ -381,12 +391,13 @@ def probe(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVEN
 
 
 @app.command()
-def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+            service: ServiceOpt = None, as_json: JsonOpt = False,
             limit: Annotated[int, typer.Option("--limit", min=1, help="Entries per host.")] = 20,
             accept_new_host_keys: AcceptOpt = False) -> None:
     """Show each host's deploy history."""
     ui = Ui(as_json)
-    report = fleet.history(_load(inventory), target,
+    report = fleet.history(_load(inventory, service), target,
                            _options(history_limit=limit, accept_new_host_keys=accept_new_host_keys))
 
     def show(rep: Report) -> None:
@@ -401,10 +412,11 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
     _exit(report)
 
 
-def _edit(command: str, path: Path, make: Callable[[], settings.Edit], ui: Ui, no_apply: bool, accept: bool,
-          parallel: int, lock_wait: float, line: str) -> None:
-    """Make, check, write and roll out an edit under the inventory's lock; a second kdeploy waits or exits 6."""
-    with settings.locked(path, lock_wait, f"kdeploy {command}"):
+def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[], settings.Edit], ui: Ui,
+          no_apply: bool, accept: bool, parallel: int, lock_wait: float, line: str) -> None:
+    """Make, check, write and roll out an edit under the lock of the file it edits (the inventory, or the service
+    file of an Ansible inventory); a second kdeploy waits or exits 6."""
+    with settings.locked(service or inventory, lock_wait, f"kdeploy {command}", service is not None):
         edit = make()  # under the lock: from the file as the previous edit left it
         if not edit.changed:
             ui.err.print("inventory already says so: nothing to change")
@@ -444,13 +456,14 @@ def set_env(ctx: typer.Context,
             assignments: Annotated[list[str] | None, typer.Argument(help="KEY=VALUE ...", show_default=False)] = None,
             unset: Annotated[list[str] | None, typer.Option("--unset", help="Remove KEY at the scope.")] = None,
             target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+            service: ServiceOpt = None,
             as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
             parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0) -> None:
     """Set or unset service environment flags in the inventory and roll them out (gated, reverted on failure)."""
     pairs = dict(settings.split_assignment(a) for a in assignments or [])
     if not pairs and not unset:
         raise InvalidInput("set-env: give KEY=VALUE or --unset KEY")
-    _edit("set-env", inventory, lambda: settings.set_env(inventory, pairs, list(unset or []), target),
+    _edit("set-env", inventory, service, lambda: settings.set_env(inventory, pairs, list(unset or []), target, service),
           Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx))
 
 
@@ -459,20 +472,22 @@ def set_(ctx: typer.Context,
          assignments: Annotated[list[str], typer.Argument(help="PATH=VALUE, e.g. hicache.ratio=4.0",
                                                           show_default=False)],
          target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+         service: ServiceOpt = None,
          as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
          parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0) -> None:
     """Change typed service settings (hicache.ratio=4.0, gate.workers=8, ...) and roll them out."""
     pairs = dict(settings.split_assignment(a) for a in assignments)
-    _edit("set", inventory, lambda: settings.set_values(inventory, pairs, target), Ui(as_json, junit_path), no_apply,
-          accept_new_host_keys, parallel, lock_wait, command_line(ctx))
+    _edit("set", inventory, service, lambda: settings.set_values(inventory, pairs, target, service),
+          Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx))
 
 
 @app.command()
-def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+           service: ServiceOpt = None, as_json: JsonOpt = False,
            accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
     """One row per host: state, uptime, release, env flags in effect, last deploy, drift."""
     ui = Ui(as_json)
-    report = fleet.status(_load(inventory), target, _options(accept_new_host_keys=accept_new_host_keys),
+    report = fleet.status(_load(inventory, service), target, _options(accept_new_host_keys=accept_new_host_keys),
                           parallel=parallel)
 
     def show(rep: Report) -> None:
@@ -495,9 +510,9 @@ def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
     _exit(report)
 
 
-def _lock(target: str, inventory: Path, as_json: bool, release: bool, force: bool) -> None:
+def _lock(target: str, inventory: Path, service: Path | None, as_json: bool, release: bool, force: bool) -> None:
     ui = Ui(as_json)
-    report = fleet.lock(_load(inventory), target, _options(force=force), release=release)
+    report = fleet.lock(_load(inventory, service), target, _options(force=force), release=release)
 
     def show(rep: Report) -> None:
         for host in rep.hosts:
@@ -510,21 +525,22 @@ def _lock(target: str, inventory: Path, as_json: bool, release: bool, force: boo
 
 
 @lock_app.command("status")
-def lock_status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+def lock_status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None,
                 as_json: JsonOpt = False) -> None:
     """Who holds each host's deploy lock (free / held / stale)."""
-    _lock(target, inventory, as_json, False, False)
+    _lock(target, inventory, service, as_json, False, False)
 
 
 @lock_app.command("release")
-def lock_release(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+def lock_release(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+                 service: ServiceOpt = None, as_json: JsonOpt = False,
                  force: Annotated[bool, typer.Option("--force", help="Also end a LIVE holder.")] = False) -> None:
     """Clear a stale lock (with --force, end a live holder too)."""
-    _lock(target, inventory, as_json, True, force)
+    _lock(target, inventory, service, as_json, True, force)
 
 
 @app.command("logs")
-def logs_(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+def logs_(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None,
           lines: Annotated[int, typer.Option("--lines", "-n", min=0, help="Last N lines per host (0: all).")] = 50,
           grep: Annotated[str | None, typer.Option("--grep", "-g", help="Only lines matching this extended "
                                                                         "regular expression (grep -E).")] = None,
@@ -538,7 +554,7 @@ def logs_(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
     """The service's journal on each host, every line prefixed by its host."""
     query = logs.LogQuery(lines=lines, grep=grep, since=since, run=run, follow=follow)
     query.check()
-    loaded = _load(inventory)
+    loaded = _load(inventory, service)
     stop = threading.Event()
 
     def emit(line: str) -> None:
@@ -574,9 +590,9 @@ def schema_inventory() -> None:
     sys.stdout.write(json.dumps(schema.inventory_schema(), indent=2) + "\n")
 
 
-def _router(action: str, target: str, inventory: Path, as_json: bool, accept: bool) -> None:
+def _router(action: str, target: str, inventory: Path, service: Path | None, as_json: bool, accept: bool) -> None:
     ui = Ui(as_json)
-    loaded = _load(inventory)
+    loaded = _load(inventory, service)
     report = ui.run(lambda listener: fleet.router(loaded, target, action, _options(accept_new_host_keys=accept),
                                                   listener=listener))
     ui.report(report)
@@ -584,17 +600,19 @@ def _router(action: str, target: str, inventory: Path, as_json: bool, accept: bo
 
 
 @router_app.command("admit")
-def router_admit(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+def router_admit(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+                 service: ServiceOpt = None, as_json: JsonOpt = False,
                  accept_new_host_keys: AcceptOpt = False) -> None:
     """Register hosts' servers in their router again and wait until it lists them healthy."""
-    _router("admit", target, inventory, as_json, accept_new_host_keys)
+    _router("admit", target, inventory, service, as_json, accept_new_host_keys)
 
 
 @router_app.command("drain")
-def router_drain(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, as_json: JsonOpt = False,
+def router_drain(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+                 service: ServiceOpt = None, as_json: JsonOpt = False,
                  accept_new_host_keys: AcceptOpt = False) -> None:
     """Take hosts' servers out of their router (new requests go to the others)."""
-    _router("drain", target, inventory, as_json, accept_new_host_keys)
+    _router("drain", target, inventory, service, as_json, accept_new_host_keys)
 
 
 InstanceOpt = Annotated[int, typer.Option("--instance", min=0, max=9, help="Sandbox number (0-9), for several.")]

@@ -392,22 +392,18 @@ def _yaml() -> YAML:
     return yaml
 
 
-def read_raw(path: Path) -> CommentedMap:
-    """The inventory as a round-trip document (comments and order kept, line numbers known)."""
-    return parse_yaml(read_text(path), path)
-
-
-def read_text(path: Path) -> str:
+def read_text(path: Path, what: str = "inventory", option: str = "--inventory PATH") -> str:
     try:
         return path.read_text()
     except FileNotFoundError:
-        raise InvalidInput(f"{path}: inventory not found (pass --inventory PATH)") from None
+        raise InvalidInput(f"{path}: {what} not found (pass {option})") from None
     except OSError as exc:
-        raise InvalidInput(f"{path}: cannot read inventory: {exc.strerror}") from None
+        raise InvalidInput(f"{path}: cannot read {what}: {exc.strerror}") from None
 
 
-def parse_yaml(text: str, path: Path) -> CommentedMap:
-    """``text`` (the content of ``path``) as a round-trip document."""
+def parse_yaml(text: str, path: Path,
+               shape: str = "the inventory must be a mapping with defaults/groups/hosts") -> CommentedMap:
+    """``text`` (the content of ``path``) as a round-trip document; ``shape``: the error when it is no mapping."""
     try:
         data = _yaml().load(text)
     except YAMLError as exc:
@@ -418,18 +414,33 @@ def parse_yaml(text: str, path: Path) -> CommentedMap:
     if data is None:
         data = CommentedMap()
     if not isinstance(data, dict):
-        raise InvalidInput(f"{path}: the inventory must be a mapping with defaults/groups/hosts")
+        raise InvalidInput(f"{path}: {shape}")
     return data
 
 
-def load(path: Path | str = DEFAULT_INVENTORY) -> Inventory:
+def load(path: Path | str = DEFAULT_INVENTORY, service: Path | str | None = None) -> Inventory:
+    """A kdeploy inventory, or an Ansible one (INI or YAML) with the kdeploy service file ``service``."""
+    from kdeploy import ansible  # it builds on this module
+
     path = Path(path)
-    return parse(read_raw(path), path)
+    text = read_text(path)
+    fmt = ansible.detect(path, text)
+    if fmt is not None:
+        return ansible.load(path, text, fmt, Path(service) if service is not None else None)
+    if service is not None:
+        raise service_without_ansible(path)
+    return parse(parse_yaml(text, path), path)
 
 
-def parse(raw: dict, path: Path) -> Inventory:
-    """Validate a raw inventory document; errors name file, line, key path and reason."""
-    errors = _Errors(path, raw)
+def service_without_ansible(path: Path) -> InvalidInput:
+    return InvalidInput(f"{path}: a kdeploy inventory carries its service under defaults: --service FILE (or "
+                        "KDEPLOY_SERVICE) goes with an Ansible inventory only")
+
+
+def parse(raw: dict, path: Path, locate: typing.Callable[[tuple], str] | None = None) -> Inventory:
+    """Validate a raw inventory document; errors name file, line, key path and reason (``locate`` turns a key
+    path into that ``file:line: key.path`` for a document not read from one YAML file)."""
+    errors = _Errors(path, raw, locate)
     for key in raw:
         if key not in ("defaults", "groups", "hosts"):
             errors.fail((key,), f"unknown key{_suggest(str(key), ['defaults', 'groups', 'hosts'])}")
@@ -491,14 +502,17 @@ def parse(raw: dict, path: Path) -> Inventory:
 
 
 class _Errors:
-    def __init__(self, path: Path, raw: dict) -> None:
+    def __init__(self, path: Path, raw: dict, locate: typing.Callable[[tuple], str] | None) -> None:
         self.path = path
         self.raw = raw
+        self.locate = locate or self._locate
+
+    def _locate(self, where: tuple) -> str:
+        line = line_of(self.raw, where)
+        return f"{self.path}{f':{line}' if line else ''}: {'.'.join(str(p) for p in where)}"
 
     def fail(self, where: tuple, reason: str) -> typing.NoReturn:
-        line = _line_of(self.raw, where)
-        keypath = ".".join(str(p) for p in where)
-        raise InvalidInput(f"{self.path}{f':{line}' if line else ''}: {keypath}: {reason}")
+        raise InvalidInput(f"{self.locate(where)}: {reason}")
 
 
 def _mapping(value: Any, where: tuple, errors: _Errors) -> dict:
@@ -509,7 +523,7 @@ def _mapping(value: Any, where: tuple, errors: _Errors) -> dict:
     return value
 
 
-def _line_of(raw: Any, where: tuple) -> int | None:
+def line_of(raw: Any, where: tuple) -> int | None:
     """1-based line of the deepest key of ``where`` that exists in the document."""
     line = None
     node = raw

@@ -1,5 +1,7 @@
 """Edit the inventory in place (``set-env``, ``set``): comments, order and formatting survive.
 
+With an Ansible inventory the edit goes to the kdeploy service file instead (the defaults of every host).
+
 An edit is computed on the round-trip document and validated exactly as a load would; ``fleet.check_edit``
 then computes what its push would (units, payload hashes), and only then is it written atomically. A bad
 value leaves the file byte-for-byte unchanged. ``locked`` keeps a second kdeploy from editing the same file
@@ -27,7 +29,7 @@ from pathlib import Path
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
-from kdeploy import inventory, lock
+from kdeploy import ansible, inventory, lock
 from kdeploy.errors import InvalidInput, LockHeld
 
 
@@ -117,8 +119,14 @@ def _child(node: CommentedMap, key: str) -> CommentedMap:
     return child
 
 
-def _apply(path: Path, scope: str | None, change: Callable[[CommentedMap, str], None]) -> Edit:
+def _apply(path: Path, scope: str | None, change: Callable[[CommentedMap, str], None],
+           service: Path | None = None) -> Edit:
     before = inventory.read_text(path)  # read once: the edit, its checks and its undo all start from this text
+    fmt = ansible.detect(path, before)
+    if fmt is not None:
+        return _apply_service(path, before, fmt, service, scope, change)
+    if service is not None:
+        raise inventory.service_without_ansible(path)
     original = inventory.parse_yaml(before, path)
     old = inventory.parse(original, path)
     doc = _yaml().load(before)
@@ -127,6 +135,24 @@ def _apply(path: Path, scope: str | None, change: Callable[[CommentedMap, str], 
     after = _dump(doc)
     new = inventory.parse(_yaml().load(after), path)  # validate exactly as a load would, before writing anything
     return Edit(path, before, after, name, old, new, tuple(diff(original, doc)))
+
+
+def _apply_service(path: Path, text: str, fmt: ansible.Format, service: Path | None, scope: str | None,
+                   change: Callable[[CommentedMap, str], None]) -> Edit:
+    """An Ansible inventory: its hosts, groups and variables stay Ansible's; the edit goes to the service file,
+    the defaults level of every host."""
+    if scope is not None:
+        raise InvalidInput(f"--target {scope}: {path} is an Ansible inventory: set-env/set edit its service file, "
+                           "for all hosts; per host or group, set kdeploy_service in Ansible's variables")
+    service = ansible.require_service(path, service)
+    before = inventory.read_text(service, *ansible.SERVICE_FILE)
+    old = ansible.load(path, text, fmt, service, before)
+    original = inventory.parse_yaml(before, service)
+    doc = inventory.parse_yaml(before, service)
+    change(doc, "defaults")
+    after = _dump(doc)
+    new = ansible.load(path, text, fmt, service, after)
+    return Edit(service, before, after, "defaults", old, new, tuple(diff(original, doc)))
 
 
 def _dump(doc: CommentedMap) -> str:
@@ -217,7 +243,8 @@ def _put(doc: CommentedMap, change: Change) -> None:
         node.ca.items[key] = change.comment
 
 
-def set_env(path: Path, assignments: dict[str, str], unset: list[str], scope: str | None = None) -> Edit:
+def set_env(path: Path, assignments: dict[str, str], unset: list[str], scope: str | None = None,
+            service: Path | None = None) -> Edit:
     def change(level: CommentedMap, name: str) -> None:
         env = _child(_child(level, "service"), "env")
         for key, value in assignments.items():
@@ -231,10 +258,11 @@ def set_env(path: Path, assignments: dict[str, str], unset: list[str], scope: st
         if not level["service"]:
             del level["service"]
 
-    return _apply(path, scope, change)
+    return _apply(path, scope, change, service)
 
 
-def set_values(path: Path, assignments: dict[str, str], scope: str | None = None) -> Edit:
+def set_values(path: Path, assignments: dict[str, str], scope: str | None = None,
+               service: Path | None = None) -> Edit:
     """``hicache.ratio=4.0``-style settings, relative to ``service`` (a leading ``service.`` is allowed)."""
     def change(level: CommentedMap, name: str) -> None:
         for dotted, raw in assignments.items():
@@ -246,7 +274,7 @@ def set_values(path: Path, assignments: dict[str, str], scope: str | None = None
                 node = _child(node, part)
             node[parts[-1]] = _scalar(raw)
 
-    return _apply(path, scope, change)
+    return _apply(path, scope, change, service)
 
 
 def write(edit: Edit) -> None:
@@ -286,10 +314,12 @@ def _replace(path: Path, text: str, *, expect: str) -> None:
 
 
 @contextmanager
-def locked(path: Path, wait: float, command: str) -> Iterator[None]:
-    """Hold the inventory's edit lock: an flock on ``.<name>.lock`` beside it (the inventory itself is replaced
-    by every write, so it cannot carry the lock), which names its holder. Waits up to ``wait`` seconds."""
-    inventory.read_text(path)  # a missing inventory fails as a load would, without leaving a lock file behind
+def locked(path: Path, wait: float, command: str, service: bool = False) -> Iterator[None]:
+    """Hold the edit lock of the inventory (or of an Ansible inventory's ``service`` file): an flock on
+    ``.<name>.lock`` beside it (the file itself is replaced by every write, so it cannot carry the lock), which
+    names its holder. Waits up to ``wait`` seconds."""
+    inventory.read_text(path, *(ansible.SERVICE_FILE if service else ()))  # a missing file fails as a load
+    # would, without leaving a lock file behind
     lock_path = path.with_name(f".{path.name}.lock")
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)

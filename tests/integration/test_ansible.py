@@ -1,0 +1,41 @@
+"""An Ansible INI inventory plus a kdeploy service file deploy real sandbox hosts (docs/inventory.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from ruamel.yaml import YAML
+
+from kdeploy import cli
+from tests.conftest import Deployment
+
+# kdeploy settings that the Ansible inventory carries instead of the service file
+ANSIBLE_VARS = {"user": "ansible_user", "port": "ansible_port", "identity_file": "ansible_ssh_private_key_file"}
+
+
+def test_push_and_status_through_an_ansible_inventory(deployment: Deployment, tmp_path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    doc = YAML(typ="safe").load(deployment.path.read_text())
+    defaults = doc["defaults"]
+    host = deployment.hosts[0]
+    variables = [f"ansible_host={doc['hosts'][host]['address']}"]
+    variables += [f"{var}={defaults.pop(key)}" for key, var in ANSIBLE_VARS.items() if key in defaults]
+    hosts_ini = tmp_path / "hosts.ini"
+    hosts_ini.write_text(f"[gpu]\n{host} {' '.join(variables)}\n\n[prod:children]\ngpu\n")
+    service = tmp_path / "service.yaml"
+    with service.open("w") as fh:
+        YAML().dump(defaults, fh)  # the service block and what else kdeploy needs (known_hosts or ssh_config)
+
+    def run(*args: str) -> tuple[int, dict]:
+        capsys.readouterr()
+        code = cli.main([*args, "prod", "-i", str(hosts_ini), "--service", str(service), "--json"])
+        return code, json.loads(capsys.readouterr().out)
+
+    code, pushed = run("push")
+    assert code == 0, pushed
+    assert [(h["host"], h["result"]) for h in pushed["hosts"]] == [(host, "deployed")]
+    assert deployment.show(host, "ActiveState") == "active"
+    code, status = run("status")
+    assert code == 0, status
+    assert status["hosts"][0]["release"] == pushed["hosts"][0]["release"]
