@@ -76,7 +76,7 @@ def _env_name(key: Any) -> Any:
         raise ValueError(f"{key!r} is not a valid environment variable name")
     if SECRET_NAME.search(key):
         raise ValueError(f"{key} looks like a secret and unit files are world-readable: "
-                         "put it in service.environment_file (mode 0600) instead")
+                         "list it in service.secrets (written into service.environment_file, mode 0600) instead")
     return key
 
 

@@ -168,6 +168,7 @@ def inventory_schema() -> dict[str, Any]:
 _TABLES: list[tuple[str, type[BaseModel], tuple[str, ...]]] = [
     ("host", inventory.HostConfig, ("name",)),
     ("service", inventory.Service, ()),
+    ("service.secrets", inventory.SecretSettings, ()),
     ("service.sglang", inventory.SGLang, ()),
     ("service.hicache", inventory.HiCache, ()),
     ("service.gate", inventory.Gate, ()),
