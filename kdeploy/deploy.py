@@ -534,8 +534,7 @@ def _activate(remote: Remote, host: HostConfig, result: HostResult, target: str,
     env_step, stdin = "", None
     if secrets is not None and sv.environment_file:
         salt = secret.new_salt()
-        env_step, stdin = secret.write_script(sdir, sv.environment_file, salt, secrets.digest(salt)), \
-            secrets.content().encode()
+        env_step, stdin = secret.write_script(sdir, sv.environment_file, salt), secret.write_stdin(secrets, salt)
     elif restore and sv.environment_file and sv.secrets.configured:
         env_step = secret.restore_script(sdir, sv.environment_file)
     with result.phase("activate") as phase:

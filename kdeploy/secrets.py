@@ -160,10 +160,17 @@ def _tmp(environment_file: str) -> str:
     return shlex.quote(f"{environment_file}.kdeploy-tmp")
 
 
-def write_script(service_dir: str, environment_file: str, salt: str, digest: str) -> str:
-    """Activation lines (under ``set -eu``) that write stdin into the environment file atomically: the last
-    confirmed content is saved first (unless an unconfirmed switch already saved it), the temp file is created
-    0600 root, checked against ``digest`` (a cut-off stdin never lands), fsynced, renamed, and the salt stored."""
+def write_stdin(secrets: Secrets, salt: str) -> bytes:
+    """What :func:`write_script` reads: the salted digest on a first line (kept off the command line, which
+    other users of the host may read in ``ps``), then the content."""
+    return f"{secrets.digest(salt)}\n{secrets.content()}".encode()
+
+
+def write_script(service_dir: str, environment_file: str, salt: str) -> str:
+    """Activation lines (under ``set -eu``) that write stdin (:func:`write_stdin`) into the environment file
+    atomically: the last confirmed content is saved first (unless an unconfirmed switch already saved it), the
+    temp file is created 0600 root, checked against the digest (a cut-off stdin never lands), fsynced,
+    renamed, and the salt stored."""
     d = shlex.quote(service_dir)
     ef, tmp = shlex.quote(environment_file), _tmp(environment_file)
     prev = f"{d}/{PREVIOUS}"
@@ -174,10 +181,11 @@ def write_script(service_dir: str, environment_file: str, salt: str, digest: str
         f"  mv -f {prev}.tmp {prev}",
         "fi",
         f"rm -f {tmp}",
+        "read -r want",
         f"cat > {tmp}",
         f"chown 0:0 {tmp}",
         f"chmod 0600 {tmp}",
-        f"[ \"$({{ printf %s {shlex.quote(salt)}; cat {tmp}; }} | sha256sum | cut -c1-64)\" = {shlex.quote(digest)} ]"
+        f"[ \"$({{ printf %s {shlex.quote(salt)}; cat {tmp}; }} | sha256sum | cut -c1-64)\" = \"$want\" ]"
         f" || {{ rm -f {tmp}; echo 'secrets arrived incomplete' >&2; exit 1; }}",
         f"sync {tmp}",
         f"mv -T {tmp} {ef}",

@@ -114,8 +114,8 @@ def test_logs_mask_every_hosts_known_values(tmp_path, monkeypatch):
     assert mask("h1 | env HF_TOKEN=hf_live_token x=from-the-file") == "h1 | env HF_TOKEN=*** x=***"
 
 
-def _sh(script: str, stdin: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run(["sh", "-c", f"set -eu\n{script}"], input=stdin, text=True, capture_output=True, check=False)
+def _sh(script: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", "-c", f"set -eu\n{script}"], input=stdin, capture_output=True, check=False)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the script chowns to root")
@@ -125,17 +125,19 @@ def test_write_keeps_the_confirmed_content_and_restore_puts_it_back(tmp_path):
     ef.parent.mkdir()
     ef.write_text('OLD="1"\n')
     new = secrets.Secrets({"HF_TOKEN": "hf_new"})
-    cut_off = _sh(secrets.write_script(str(sdir), str(ef), "s1", new.digest("s1")), 'HF_TOKEN="hf_')
-    assert cut_off.returncode == 1 and "incomplete" in cut_off.stderr and ef.read_text() == 'OLD="1"\n'
-    done = _sh(secrets.write_script(str(sdir), str(ef), "s1", new.digest("s1")), new.content())
+    script = secrets.write_script(str(sdir), str(ef), "s1")
+    assert new.digest("s1") not in script and "hf_new" not in script
+    cut_off = _sh(script, secrets.write_stdin(new, "s1")[:-5])
+    assert cut_off.returncode == 1 and b"incomplete" in cut_off.stderr and ef.read_text() == 'OLD="1"\n'
+    done = _sh(script, secrets.write_stdin(new, "s1"))
     assert done.returncode == 0, done.stderr
     assert ef.read_text() == new.content() and oct(ef.stat().st_mode & 0o777) == "0o600"
     assert (sdir / ".secrets.salt").read_text() == "s1" and (sdir / ".secrets.prev").read_text() == 'OLD="1"\n'
-    read = _sh(secrets.read_command(str(sdir), str(ef))).stdout
+    read = _sh(secrets.read_command(str(sdir), str(ef))).stdout.decode()
     assert secrets.parse_stamp(read) == secrets.Stamp("s1", new.digest("s1"))
     # a second unconfirmed write keeps the last CONFIRMED content, not the unconfirmed one
     again = secrets.Secrets({"HF_TOKEN": "hf_newer"})
-    assert _sh(secrets.write_script(str(sdir), str(ef), "s2", again.digest("s2")), again.content()).returncode == 0
+    assert _sh(secrets.write_script(str(sdir), str(ef), "s2"), secrets.write_stdin(again, "s2")).returncode == 0
     assert (sdir / ".secrets.prev").read_text() == 'OLD="1"\n'
     assert _sh(secrets.restore_script(str(sdir), str(ef))).returncode == 0
     assert ef.read_text() == 'OLD="1"\n' and oct(ef.stat().st_mode & 0o777) == "0o600"
