@@ -136,8 +136,8 @@ def masker(inventory: Inventory, names: list[str]) -> Callable[[str], str]:
     """Masks every value of the hosts' secrets that the controller knows now (``***``): a service that logs its
     own environment must not put a token on a CI log. Unset variables are no error here: nothing to mask."""
     known = [s for s in (secret.resolve(inventory, inventory.hosts[n], strict=False) for n in names) if s]
-    merged = secret.Secrets({f"{i}:{k}": v for i, s in enumerate(known) for k, v in s.values.items()})
-    return merged.mask
+    values = {v for s in known for v in s.values.values()}
+    return lambda text: secret.mask(text, values)
 
 
 def run(inventory: Inventory, names: list[str], query: LogQuery, opts: Options,

@@ -20,7 +20,7 @@ import os
 import re
 import secrets as random
 import shlex
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,11 +56,15 @@ class Secrets:
         return dict.fromkeys(self.values, MASK)
 
     def mask(self, text: str) -> str:
-        """``text`` with every occurrence of a value (of at least MIN_MASKED characters) as ``***``."""
-        for value in sorted(self.values.values(), key=len, reverse=True):
-            if len(value) >= MIN_MASKED:
-                text = text.replace(value, MASK)
-        return text
+        return mask(text, self.values.values())
+
+
+def mask(text: str, values: Iterable[str]) -> str:
+    """``text`` with every occurrence of a value (of at least MIN_MASKED characters) as ``***``."""
+    for value in sorted(values, key=len, reverse=True):
+        if len(value) >= MIN_MASKED:
+            text = text.replace(value, MASK)
+    return text
 
 
 def salted_digest(salt: str, content: str) -> str:
