@@ -12,11 +12,12 @@ import shlex
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, ClassVar
 
 from kdeploy import gate, history, lock, probe, provisional, release, sshconfig, systemd
+from kdeploy import secrets as secret
 from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused, RemoteTimeout, Unreachable
 from kdeploy.gatespec import GateSpec, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
@@ -97,6 +98,10 @@ class Local:
     unit_text: str
     payload: release.Payload
     spec: GateSpec  # what this push's gate checks; stored with the release it stages
+    secrets: secret.Secrets | None = None  # what the environment file must hold (None: not kdeploy's)
+
+    def masked_secrets(self) -> dict[str, str]:
+        return self.secrets.masked() if self.secrets else {}
 
 
 def inventory_spec(inventory: Inventory, host: HostConfig, opts: Options) -> GateSpec:
@@ -121,6 +126,7 @@ class Plan:
     daemon_reload: bool
     restart: bool
     reasons: list[str]  # why the host needs a restart (the words of preflight and status drift)
+    secrets: dict[str, str] = field(default_factory=dict)  # name -> "***" (never a value)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -135,6 +141,7 @@ class StatusView:
     env: dict[str, str]  # the unit's live flags (kdeploy's own PYTHONPATH/PYTHONUNBUFFERED left out)
     last_deploy: dict | None
     drift: list[str]
+    secrets: dict[str, str] = field(default_factory=dict)  # name -> "***" (never a value)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -165,13 +172,14 @@ def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Option
         with result.phase("preflight") as phase:
             state = parse_state(remote.run(state_script(host), timeout=60).stdout)
             phase.detail = f"current {state.current or 'none'}, unit {state.unit.summary}"
-        decision = decide(local.payload.identity, local.unit_text, state, force_restart=opts.force_restart)
+        decision = decide(local.payload.identity, local.unit_text, state, force_restart=opts.force_restart,
+                          secrets=local.secrets)
         delta = decision.delta
         unit_diff = "".join(difflib.unified_diff(
             (state.unit_text or "").splitlines(keepends=True), local.unit_text.splitlines(keepends=True),
             fromfile=f"{host.name}:{unit_filename(host.service)}", tofile="rendered"))
         result.details = Plan(delta.added, delta.changed, delta.removed, unit_diff, decision.install_unit,
-                              decision.restart, decision.reasons)
+                              decision.restart, decision.reasons, local.masked_secrets())
         result.release = state.current
         result.finish("planned")
 
@@ -196,6 +204,7 @@ class HostPush:
         self.state: HostState | None = None
         self.target: str | None = None
         self.install_unit = False
+        self.ship_secrets = False
         self.staged: str | None = None
         self.switch: provisional.Pending | None = None  # armed by activate()
         self.started = time.monotonic()
@@ -214,8 +223,9 @@ class HostPush:
                                                  command=recorded_command(self.opts, "push"))
                 self.state = state
                 decision = decide(local.payload.identity, local.unit_text, state,
-                                  force_restart=self.opts.force_restart)
+                                  force_restart=self.opts.force_restart, secrets=local.secrets)
                 self.install_unit = decision.install_unit
+                self.ship_secrets = decision.secrets_changed
                 no_op = decision.no_op
                 phase.detail = f"lock taken; current {state.current or 'none'}; {state.unit.summary}"
                 if decision.reasons:
@@ -284,7 +294,8 @@ class HostPush:
                 self.switch = provisional.new_pending(previous, target, revert_after(self.host, self.local.spec))
                 activate_and_gate(remote, self.host, self.result, self.opts, target=target,
                                   install_unit=self.install_unit, pending=self.switch, spec=self.local.spec,
-                                  previous_spec=self._spec_of(previous))
+                                  previous_spec=self._spec_of(previous),
+                                  secrets=self.local.secrets if self.ship_secrets else None)
                 self.staged = None
 
             behind_router(remote, self.host, self.result, self.router, self.cancel, restart)
@@ -368,7 +379,8 @@ class HostPush:
         state = self.state
         keep = {state.current, state.confirmed} if state else set()
         return finish_command(self.host, self.result, self.started, state.releases if state else [], self.local,
-                              keep, command=recorded_command(self.opts, "push"))
+                              keep, command=recorded_command(self.opts, "push"),
+                              secrets="changed" if self.ship_secrets else None)
 
 
 def preflight_command(host: HostConfig) -> str:
@@ -385,7 +397,8 @@ def preflight_checks(host: HostConfig, output: str, upload_bytes: int) -> list[p
     checks = list(probe.parse_preflight(
         output, unit=unit_filename(sv), port=sv.sglang.port, tp=sv.sglang.tp, payload_bytes=upload_bytes,
         hicache_enabled=hc.enabled, hicache_ratio=hc.ratio, hicache_size_gb=hc.size_gb,
-        device_kv_gb_per_rank=hc.device_kv_gb_per_rank, environment_file=sv.environment_file).all_checks())
+        device_kv_gb_per_rank=hc.device_kv_gb_per_rank, environment_file=sv.environment_file,
+        secrets_written=sv.secrets.configured).all_checks())
     if not sv.module.startswith("sglang.") and checks[0].status == "fail":
         checks[0] = probe.Check("sglang", "warn", f"service runs {sv.module}, not SGLang: {checks[0].detail}")
     return checks
@@ -510,17 +523,27 @@ def revert_after(host: HostConfig, spec: GateSpec) -> float:
 
 
 def _activate(remote: Remote, host: HostConfig, result: HostResult, target: str, install_unit: bool,
-              pending: provisional.Pending, name: str = "activate") -> None:
-    """Arm the host's revert, then switch ``current`` (and the unit): one round trip."""
-    sdir = service_dir(host.service)
-    unit = unit_filename(host.service)
-    arm = provisional.arm_script(sdir, unit, provisional.timer_unit(host.service.name), pending,
-                                 host.service.on_first_deploy_failure)
-    with result.phase(name) as phase:
-        out = remote.run(release.activate_script(sdir, target, unit, install_unit, arm), timeout=120)
+              pending: provisional.Pending, *, secrets: secret.Secrets | None = None, restore: bool = False) -> None:
+    """Arm the host's revert, then write ``secrets`` (over stdin) or, with ``restore``, put the last confirmed
+    ones back, then switch ``current`` (and the unit): one round trip."""
+    sv = host.service
+    sdir = service_dir(sv)
+    unit = unit_filename(sv)
+    arm = provisional.arm_script(sdir, unit, provisional.timer_unit(sv.name), pending, sv.on_first_deploy_failure,
+                                 sv.environment_file if sv.secrets.configured else None)
+    env_step, stdin = "", None
+    if secrets is not None and sv.environment_file:
+        salt = secret.new_salt()
+        env_step, stdin = secret.write_script(sdir, sv.environment_file, salt), secret.write_stdin(secrets, salt)
+    elif restore and sv.environment_file and sv.secrets.configured:
+        env_step = secret.restore_script(sdir, sv.environment_file)
+    with result.phase("activate") as phase:
+        out = remote.run(release.activate_script(sdir, target, unit, install_unit, arm, env_step), stdin=stdin,
+                         timeout=120)
         if not out.ok:
             raise PhaseFailed(f"switching to {target} failed: {out.last_error()}")
         phase.detail = (f"current -> {target}" + ("; unit installed, daemon-reload" if install_unit else "")
+                        + (f"; secrets written ({', '.join(secrets.masked())} = {secret.MASK})" if stdin else "")
                         + f"; reverts to {pending.previous or 'nothing'} by itself unless confirmed within "
                           f"{max(0, pending.deadline - time.time()):.0f}s")
 
@@ -539,12 +562,12 @@ def confirm(remote: Remote, host: HostConfig, result: HostResult, pending: provi
 
 def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts: Options, *, target: str,
                       install_unit: bool, pending: provisional.Pending, spec: GateSpec,
-                      previous_spec: GateSpec) -> None:
-    """Switch to ``target`` provisionally, restart, gate, confirm; on a failed gate go back to the last
-    confirmed release (``pending.previous``) by itself."""
+                      previous_spec: GateSpec, secrets: secret.Secrets | None = None) -> None:
+    """Switch to ``target`` (and ``secrets``) provisionally, restart, gate, confirm; on a failed gate go back
+    to the last confirmed release (``pending.previous``) and secrets by itself."""
     result.attempted = target
     try:
-        _activate(remote, host, result, target, install_unit, pending)
+        _activate(remote, host, result, target, install_unit, pending, secrets=secrets)
         started = restart_and_follow(remote, host, result, host.service.unit.timeout_stop_sec + 60)
         if opts.verify:
             gate.run_gate(remote, spec, result, release=target, started=started)
@@ -567,7 +590,10 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
     with result.phase("rollback") as phase:
         if previous is None:
             if host.service.on_first_deploy_failure == "stop":
-                remote.run(f"systemctl disable --quiet {unit}; systemctl stop --no-block {unit}", timeout=60)
+                restore = (secret.restore_script(service_dir(host.service), host.service.environment_file)
+                           if host.service.secrets.configured and host.service.environment_file else "true")
+                remote.run(f"systemctl disable --quiet {unit}; systemctl stop --no-block {unit}; {restore}",
+                           timeout=60)
                 state = "stopped and disabled"
             else:
                 state = "left running as it is"
@@ -579,7 +605,7 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
         again = provisional.new_pending(previous, previous, revert_after(host, spec), pending.token)
         try:
             with result.prefixed("rollback "):
-                _activate(remote, host, result, previous, True, again)
+                _activate(remote, host, result, previous, True, again, restore=True)
                 started = restart_and_follow(remote, host, result, host.service.unit.timeout_stop_sec + 60)
                 gate.run_gate(remote, spec, result, release=previous, started=started)
                 confirm(remote, host, result, again)
@@ -606,11 +632,12 @@ def _disarm(remote: Remote, host: HostConfig, result: HostResult, pending: provi
 
 
 def finish_command(host: HostConfig, result: HostResult, started: float, releases: list[str],
-                   local: Local | None = None, keep: set[str | None] = frozenset(), *, command: str) -> str:
+                   local: Local | None = None, keep: set[str | None] = frozenset(), *, command: str,
+                   secrets: str | None = None) -> str:
     """Append the history line and prune old releases (sent to the lock holder, run under the lock).
 
     Never pruned: the release now current, the one attempted, and ``keep`` (what ran before the command
-    and the last confirmed release: a rollback's targets).
+    and the last confirmed release: a rollback's targets). ``secrets``: "changed" when the push wrote them.
     """
     sdir = service_dir(host.service)
     attempted = result.attempted
@@ -623,6 +650,8 @@ def finish_command(host: HostConfig, result: HostResult, started: float, release
         "duration": round(time.monotonic() - started, 2),
         "result": result.result, "release": result.release, "attempted": attempted, "error": result.error,
     }
+    if secrets:
+        entry["secrets"] = secrets
     protect = {str(r) for r in (result.release, attempted, *keep) if r}
     prune = release.releases_to_prune(sorted(set(releases) | ({attempted} if attempted else set())),
                                       host.service.keep_releases, protect)
@@ -722,11 +751,11 @@ def status_host(inventory: Inventory, host: HostConfig, local: Local, opts: Opti
     with connect(inventory, host, result, opts) as remote, result.phase("status") as phase:
         status = parse_status(remote.run(status_script(host), timeout=60).stdout)
     state = status.state
-    found = drift(local.payload.identity, local.unit_text, status)
+    found = drift(local.payload.identity, local.unit_text, status, local.secrets)
     result.release = state.current
     result.details = StatusView(state.unit.active, state.unit.sub, state.unit.active_since,
                                 {k: v for k, v in status.env.items() if k not in ("PYTHONPATH", "PYTHONUNBUFFERED")},
-                                status.last_deploy, found)
+                                status.last_deploy, found, local.masked_secrets())
     phase.detail = "; ".join(found) or "in sync with the inventory"
     if host.router is not None:
         try:

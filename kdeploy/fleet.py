@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 
 from kdeploy import deploy, settings
+from kdeploy import secrets as secret
 from kdeploy.deploy import Local, Options
 from kdeploy.errors import InvalidInput, KdeployError, PreflightRefused
 from kdeploy.gatespec import PayloadGate, gate_spec, load_payload_gate
@@ -187,8 +188,9 @@ def _rollout(names: list[str], steps: dict[str, deploy.HostPush], results: dict[
 
 
 def prepare(inventory: Inventory, names: list[str], opts: Options | None = None) -> dict[str, Local]:
-    """Render every unit, hash every payload and decide every gate before any host is touched (bad input,
-    e.g. a flag value the payload's manifest does not accept, fails here)."""
+    """Render every unit, hash every payload, decide every gate and read every secret before any host is
+    touched (bad input, e.g. a flag value the payload's manifest does not accept or a secret's environment
+    variable that is not set, fails here)."""
     opts = opts or Options()
     payloads: dict[Path, tuple[Payload, PayloadGate | None]] = {}
     out = {}
@@ -199,7 +201,7 @@ def prepare(inventory: Inventory, names: list[str], opts: Options | None = None)
             payloads[path] = (scan_payload(path), load_payload_gate(path))
         payload, manifest = payloads[path]
         spec = gate_spec(host.service, manifest, workers=opts.workers, timeout=opts.timeout)
-        out[name] = Local(render_unit(inventory, host), payload, spec)
+        out[name] = Local(render_unit(inventory, host), payload, spec, secret.resolve(inventory, host))
     return out
 
 

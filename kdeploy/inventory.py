@@ -24,6 +24,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
@@ -75,7 +76,7 @@ def _env_name(key: Any) -> Any:
         raise ValueError(f"{key!r} is not a valid environment variable name")
     if SECRET_NAME.search(key):
         raise ValueError(f"{key} looks like a secret and unit files are world-readable: "
-                         "put it in service.environment_file (mode 0600) instead")
+                         "list it in service.secrets (written into service.environment_file, mode 0600) instead")
     return key
 
 
@@ -201,6 +202,27 @@ class UnitSettings(_Strict):
     limit_nofile: int = _doc("`LimitNOFILE=`", 1048576, gt=0)
 
 
+def _secret_env(value: str) -> str:
+    if not ENV_NAME.match(value):
+        raise ValueError(f"{value!r} is not a valid environment variable name")
+    return value
+
+
+class SecretSettings(_Strict):
+    """Values written into ``environment_file`` by kdeploy (docs/inventory.md, secrets): read on the controller
+    when a command runs, never stored in the inventory, the unit, the release or any output."""
+
+    env: list[Annotated[str, AfterValidator(_secret_env)]] = _doc(
+        "names of environment variables of the controller (a CI job's secret variables); each becomes a line "
+        "`NAME=value` of the file; one that is not set fails before any host is touched (exit 2)", [])
+    file: SafeStr | None = _doc("a local file of `NAME=value` lines (relative to the inventory file; `#` "
+                                "comments; one pair of quotes around a whole value is removed)", None)
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.env) or self.file is not None
+
+
 class Service(_Strict):
     """What runs on the host."""
 
@@ -218,9 +240,11 @@ class Service(_Strict):
     env: dict[EnvName, EnvValue] = _doc("`Environment=` lines of the unit: quoted string values, no "
                                         "secret-looking names (rules below)", {})
     environment_file: AbsPath | None = _doc(
-        "rendered as `EnvironmentFile=-<path>`; kdeploy never writes or ships this file: put secrets there "
-        "yourself, owned by root, mode 0600. A push checks that in preflight (exit 7 when it is missing, not "
-        "root's, or readable by others: docs/push.md, checks)", None)
+        "rendered as `EnvironmentFile=-<path>`; with `secrets` kdeploy writes it (root, 0600), without them put "
+        "secrets there yourself, owned by root, mode 0600. A push checks that in preflight (exit 7 when it is "
+        "missing without `secrets`, not root's, or readable by others: docs/push.md, checks)", None)
+    secrets: SecretSettings = _doc("secrets kdeploy writes into `environment_file` (which must be set), below",
+                                   SecretSettings(), shown="none")
     sglang: SGLang = _doc("launch flags, below")
     hicache: HiCache = _doc("hierarchical cache flags, below", HiCache(), shown="disabled")
     gate: Gate = _doc("what a healthy deploy must show, below", Gate(), shown="see below")
@@ -243,6 +267,12 @@ class Service(_Strict):
         if not MODULE.match(value):
             raise ValueError("must be a dotted Python module name")
         return value
+
+    @model_validator(mode="after")
+    def _secrets_need_a_file(self) -> Service:
+        if self.secrets.configured and self.environment_file is None:
+            raise ValueError("secrets need service.environment_file: the file on the host kdeploy writes them into")
+        return self
 
     @property
     def workers(self) -> int:

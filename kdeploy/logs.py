@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kdeploy import secrets as secret
 from kdeploy.deploy import Options, connect
 from kdeploy.errors import InvalidInput, KdeployError
 from kdeploy.inventory import HostConfig, Inventory
@@ -131,15 +132,25 @@ def read(inventory: Inventory, host: HostConfig, query: LogQuery, opts: Options,
         return []
 
 
+def masker(inventory: Inventory, names: list[str]) -> Callable[[str], str]:
+    """Masks every value of the hosts' secrets that the controller knows now (``***``): a service that logs its
+    own environment must not put a token on a CI log. Unset variables are no error here: nothing to mask."""
+    known = [s for s in (secret.resolve(inventory, inventory.hosts[n], strict=False) for n in names) if s]
+    values = {v for s in known for v in s.values.values()}
+    return lambda text: secret.mask(text, values)
+
+
 def run(inventory: Inventory, names: list[str], query: LogQuery, opts: Options,
         emit: Callable[[str], None], stop: threading.Event) -> list[HostResult]:
-    """Read (or follow) every host at once; lines go to ``emit``, each host's in one piece unless following."""
+    """Read (or follow) every host at once; lines go to ``emit`` with secrets masked, each host's in one
+    piece unless following."""
     results = {name: HostResult(name) for name in names}
     lock = threading.Lock()
+    mask = masker(inventory, names)
 
     def locked_emit(line: str) -> None:
         with lock:
-            emit(line)
+            emit(mask(line))
 
     def one(name: str) -> None:
         result = results[name]
@@ -150,7 +161,7 @@ def run(inventory: Inventory, names: list[str], query: LogQuery, opts: Options,
             return
         with lock:
             for line in lines:
-                emit(line)
+                emit(mask(line))
 
     threads = [threading.Thread(target=one, args=(n,), name=f"kdeploy-logs-{n}", daemon=True) for n in names]
     for thread in threads:

@@ -305,12 +305,15 @@ def check_port(port: int, unit: str, listeners: list[Listener] | None) -> Check:
     return Check("port", "pass", f"port {port} held by {unit} ({who}): replaced in place")
 
 
-def check_environment_file(path: str | None, stat_line: str | None) -> Check | None:
+def check_environment_file(path: str | None, stat_line: str | None, written: bool = False) -> Check | None:
     """``service.environment_file`` must exist, be root's and be readable by root only: the unit reads it with
     ``EnvironmentFile=-`` (a missing file is no error to systemd), so without this check SGLang would start
-    without its HF_TOKEN, and a group- or world-readable file leaks it. ``stat_line``: ``stat -c '%u %a %F'``."""
+    without its HF_TOKEN, and a group- or world-readable file leaks it. ``stat_line``: ``stat -c '%u %a %F'``.
+    ``written``: kdeploy writes it (``service.secrets``), so a missing one is created by the push."""
     if path is None:
         return None
+    if not stat_line and written:
+        return Check("envfile", "pass", f"environment_file {path}: written by this push (service.secrets)")
     if not stat_line:
         return Check("envfile", "fail", f"environment_file {path} is missing (the service would start without "
                                         "its secrets)")
@@ -423,7 +426,7 @@ class Preflight:
 def parse_preflight(stdout: str, *, unit: str, port: int, tp: int, payload_bytes: int,
                     hicache_enabled: bool = False, hicache_ratio: float | None = None,
                     hicache_size_gb: float | None = None, device_kv_gb_per_rank: float | None = None,
-                    environment_file: str | None = None) -> Preflight:
+                    environment_file: str | None = None, secrets_written: bool = False) -> Preflight:
     """Every check from the output of :func:`preflight_command`. The device KV GB per rank comes from the
     inventory (``hicache.device_kv_gb_per_rank``) when given, else from the last run's journal line."""
     s = parse_sections(stdout)
@@ -446,5 +449,6 @@ def parse_preflight(stdout: str, *, unit: str, port: int, tp: int, payload_bytes
                       kv_source=kv_source),
         check_port(port, unit, parse_listeners(port_s.text) if port_s.rc == 0 else None),
     )
-    envfile = check_environment_file(environment_file, s.get("envfile", empty).text.strip() or None)
+    envfile = check_environment_file(environment_file, s.get("envfile", empty).text.strip() or None,
+                                     secrets_written)
     return Preflight(probe, (*checks, envfile) if envfile else checks)

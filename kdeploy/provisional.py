@@ -25,13 +25,16 @@ from dataclasses import dataclass
 
 from kdeploy.systemd import UNIT_DIR
 
+PREVIOUS_SECRETS = ".secrets.prev"  # kdeploy.secrets.PREVIOUS: the last confirmed secrets while a switch is pending
+
 PENDING = "pending"
 SCRIPT = ".revert.sh"  # beside it: systemd would expand $ and % in a command line given to systemd-run
 NONE = "-"  # no confirmed release yet (a first deploy)
 MARGIN = 60.0  # seconds beyond restart + gate before the host acts on its own
 
-# Runs on the host as a transient service: $1 service dir, $2 unit file, $3 token, $4 first-deploy policy.
-_REVERT = r"""d=$1 unit=$2 token=$3 policy=$4
+# Runs on the host as a transient service: $1 service dir, $2 unit file, $3 token, $4 first-deploy policy,
+# $5 the environment file kdeploy writes secrets into ("-": none; its last confirmed content is put back).
+_REVERT = r"""d=$1 unit=$2 token=$3 policy=$4 envfile=$5
 exec 9>>"$d/.lock" || exit 1
 if ! flock -w 60 9; then  # a live controller confirms or re-arms long before: the holder's link is dead
   pid=$(sed -n 's/.*"remote_pid": *\([0-9]*\).*/\1/p' "$d/lock.json" 2>/dev/null)
@@ -44,6 +47,10 @@ now=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 info=$(printf '{"user":"systemd","controller":"%s","pid":%s,"since":"%s","command":"%s","remote_pid":%s}' \
   "$(hostname)" $$ "$now" "kdeploy-revert: unconfirmed switch to $target" $$)
 printf '%s\n' "$info" > "$d/.lock.json.tmp" && mv -f "$d/.lock.json.tmp" "$d/lock.json"
+if [ "$envfile" != - ] && [ -f "$d/PREVIOUS" ]; then
+  (umask 077 && rm -f "$envfile.kdeploy-tmp" && cp "$d/PREVIOUS" "$envfile.kdeploy-tmp" &&
+    sync "$envfile.kdeploy-tmp" && mv -T "$envfile.kdeploy-tmp" "$envfile")
+fi
 if [ "$prev" = "-" ]; then
   release=null
   if [ "$policy" = stop ]; then
@@ -60,12 +67,12 @@ else
   systemctl restart "$unit"
   what="switch to $target not confirmed by the deadline: the host went back to $prev by itself"
 fi
-rm -f "$d/pending"
+rm -f "$d/pending" "$d/PREVIOUS"
 printf '{"attempted":"%s","command":"kdeploy-revert","controller":"%s","error":"%s","release":%s,%s}\n' \
   "$target" "$(hostname)" "$what" "$release" "\"result\":\"reverted\",\"time\":\"$now\",\"user\":\"systemd\"" \
   >> "$d/history.jsonl"
 [ "$(cat "$d/lock.json" 2>/dev/null)" = "$info" ] && rm -f "$d/lock.json"
-exit 0""".replace("UNIT_DIR", UNIT_DIR)
+exit 0""".replace("UNIT_DIR", UNIT_DIR).replace("PREVIOUS", PREVIOUS_SECRETS)
 
 
 @dataclass(frozen=True)
@@ -116,13 +123,16 @@ def stop_revert_service(timer: str) -> str:
     return f"systemctl stop {shlex.quote(timer)}.service 2>/dev/null || true"
 
 
-def arm_script(service_dir: str, unit_file: str, timer: str, pending: Pending, policy: str) -> str:
-    """Lines for the activation script: replace any armed revert, record ``pending``, arm the timer."""
+def arm_script(service_dir: str, unit_file: str, timer: str, pending: Pending, policy: str,
+               environment_file: str | None = None) -> str:
+    """Lines for the activation script: replace any armed revert, record ``pending``, arm the timer.
+    ``environment_file``: where kdeploy writes the service's secrets (the revert restores them too)."""
     d = shlex.quote(service_dir)
     seconds = max(1, int(pending.deadline - time.time()))
     argv = ["systemd-run", "--quiet", "--collect", f"--unit={timer}", f"--on-active={seconds}",
             "--timer-property=AccuracySec=1s", f"--description=kdeploy: revert {unit_file} unless confirmed",
-            "/bin/sh", f"{service_dir}/{SCRIPT}", service_dir, unit_file, pending.token, policy]
+            "/bin/sh", f"{service_dir}/{SCRIPT}", service_dir, unit_file, pending.token, policy,
+            environment_file or NONE]
     return "\n".join([
         _stop(timer),
         f"printf '%s\\n' {shlex.quote(_REVERT)} > {d}/{SCRIPT}",
@@ -132,12 +142,14 @@ def arm_script(service_dir: str, unit_file: str, timer: str, pending: Pending, p
 
 
 def confirm_command(service_dir: str, timer: str, token: str) -> str:
-    """Disarm and keep the switch; prints CONFIRMED only if ``pending`` was still ours (else LOST)."""
+    """Disarm and keep the switch (and the secrets it wrote); prints CONFIRMED only if ``pending`` was still
+    ours (else LOST)."""
     d = shlex.quote(service_dir)
     return "\n".join([
         _stop(timer),
         f"read -r tok rest < {d}/{PENDING} 2>/dev/null || tok=",
-        f"if [ \"$tok\" = {shlex.quote(token)} ]; then rm -f {d}/{PENDING}; echo CONFIRMED; else echo LOST; fi",
+        f"if [ \"$tok\" = {shlex.quote(token)} ]; then rm -f {d}/{PENDING} {d}/{PREVIOUS_SECRETS}; echo CONFIRMED; "
+        "else echo LOST; fi",
     ])
 
 

@@ -293,17 +293,20 @@ def release_meta(manifest: dict[str, str], modes: dict[str, int], unit_text: str
     }
 
 
-def activate_script(service_dir: str, release: str, unit_file: str, install_unit: bool, arm: str = "") -> str:
+def activate_script(service_dir: str, release: str, unit_file: str, install_unit: bool, arm: str = "",
+                    env_step: str = "") -> str:
     """Point ``current`` at ``release``; with ``install_unit``, install that release's own unit and reload.
 
-    ``arm`` (``provisional.arm_script``) runs first, so no switch is ever left without its revert. The
+    ``arm`` (``provisional.arm_script``) runs first, so no switch is ever left without its revert; then
+    ``env_step`` (``kdeploy.secrets``: write stdin into the environment file, or restore it). The
     unit is copied to a temp name in the unit directory, checked against the release's recorded sha256,
     made 0644 like any unit file (the release's copy is root's only), then renamed over the live one, so
     systemd never sees a half-written unit.
     """
     d = shlex.quote(service_dir)
     rel = f"{d}/releases/{shlex.quote(release)}"
-    lines = ["set -eu", f"test -d {rel}", *([arm] if arm else [])]
+    lines = ["set -eu", f"test -d {rel}", *([f"{{\n{arm}\n}} </dev/null"] if arm else []),
+             *([env_step] if env_step else [])]
     if install_unit:
         tmp = shlex.quote(f"{UNIT_DIR}/.{unit_file}.kdeploy-tmp")
         lines += [

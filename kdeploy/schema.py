@@ -43,7 +43,8 @@ class PlanDoc(_Doc):
     unit_diff: str = Field(description="Unified diff of the installed unit against the rendered one ('' if equal).")
     daemon_reload: bool = Field(description="Whether the push would run systemctl daemon-reload.")
     restart: bool = Field(description="Whether the push would restart the service.")
-    reasons: list[str] = Field(description="Why the host needs a restart.")
+    reasons: list[str] = Field(description="Why the host needs a restart ('secrets: changed' among them).")
+    secrets: dict[str, str] = Field(description="The service's secrets by name, each value shown as '***'.")
 
 
 class StatusDoc(_Doc):
@@ -53,6 +54,7 @@ class StatusDoc(_Doc):
     env: dict[str, str] = Field(description="The unit's live environment flags (kdeploy's own left out).")
     last_deploy: dict[str, Any] | None = Field(description="The host's last history record, if any.")
     drift: list[str] = Field(description="Differences between the host and the inventory (empty: in sync).")
+    secrets: dict[str, str] = Field(description="The service's secrets by name, each value shown as '***'.")
 
 
 class LockHolderDoc(_Doc):
@@ -166,6 +168,7 @@ def inventory_schema() -> dict[str, Any]:
 _TABLES: list[tuple[str, type[BaseModel], tuple[str, ...]]] = [
     ("host", inventory.HostConfig, ("name",)),
     ("service", inventory.Service, ()),
+    ("service.secrets", inventory.SecretSettings, ()),
     ("service.sglang", inventory.SGLang, ()),
     ("service.hicache", inventory.HiCache, ()),
     ("service.gate", inventory.Gate, ()),

@@ -10,6 +10,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from kdeploy import history, provisional, release, systemd
+from kdeploy import secrets as secret
 from kdeploy.gatespec import GateSpec
 from kdeploy.inventory import HostConfig
 from kdeploy.lock import split_sections
@@ -30,6 +31,7 @@ class HostState:
     pending: provisional.Pending | None = None
     gates: dict[str, GateSpec] = field(default_factory=dict)  # release -> what it was deployed with
     history: list[dict] = field(default_factory=list)
+    secrets: secret.Stamp | None = None  # the environment file kdeploy last wrote, as a salted digest
 
     @property
     def confirmed(self) -> str | None:
@@ -62,6 +64,9 @@ def state_script(host: HostConfig, *, with_history: bool = False) -> str:
         f"echo @@pending; {provisional.read_command(service_dir(host.service))}",
         f"echo @@gates; grep -H . {d}/releases/*/{release.META}/gate.json 2>/dev/null",
     ]
+    sv = host.service
+    if sv.secrets.configured and sv.environment_file:
+        lines.append(f"echo @@secrets; {secret.read_command(service_dir(sv), sv.environment_file)}")
     if with_history:
         lines.append(f"echo @@history; {history.read_command(service_dir(host.service), HISTORY_LINES)}")
     lines += [f"echo @@show; {systemd.show_command(unit_filename(host.service))}", "true"]
@@ -92,6 +97,7 @@ def parse_state(text: str) -> HostState:
         pending=provisional.parse_pending(sections.get("pending", "")),
         gates=parse_gates(sections.get("gates", "")),
         history=history.parse(sections.get("history", "")),
+        secrets=secret.parse_stamp(sections.get("secrets", "")),
     )
 
 
@@ -105,14 +111,24 @@ class Decision:
     restart: bool
     install_unit: bool  # write the unit and daemon-reload
     reasons: list[str]
+    secrets_changed: bool = False  # the activation writes the environment file
 
     @property
     def no_op(self) -> bool:
         return not self.restart
 
 
-def decide(identity: dict[str, str], unit_text: str, state: HostState, *, force_restart: bool = False) -> Decision:
-    """``identity``: the payload's files as ``Payload.identity`` (content and mode) against the host's."""
+def secrets_changed(wanted: secret.Secrets | None, state: HostState) -> bool:
+    """The host's environment file is not what kdeploy would write now (or kdeploy never wrote it)."""
+    if wanted is None:
+        return False
+    return state.secrets is None or wanted.digest(state.secrets.salt) != state.secrets.digest
+
+
+def decide(identity: dict[str, str], unit_text: str, state: HostState, *, force_restart: bool = False,
+           secrets: secret.Secrets | None = None) -> Decision:
+    """``identity``: the payload's files as ``Payload.identity`` (content and mode) against the host's;
+    ``secrets``: what the environment file must hold (None: kdeploy does not manage it)."""
     delta = release.diff(identity, state.manifest)
     unit_changed = unit_text != state.unit_text
     reasons = []
@@ -123,6 +139,9 @@ def decide(identity: dict[str, str], unit_text: str, state: HostState, *, force_
     if unit_changed:
         reasons.append("unit differs from the inventory")
     stage = bool(reasons)
+    ship = secrets_changed(secrets, state)
+    if ship:
+        reasons.append("secrets: changed")
     if state.pending:
         reasons.append(state.pending.describe())
     if state.unit.need_reload:
@@ -131,7 +150,8 @@ def decide(identity: dict[str, str], unit_text: str, state: HostState, *, force_
         reasons.append(f"service is {state.unit.summary}")
     if force_restart:
         reasons.append("--force-restart")
-    return Decision(delta, unit_changed, stage, bool(reasons), unit_changed or state.unit.need_reload, reasons)
+    return Decision(delta, unit_changed, stage, bool(reasons), unit_changed or state.unit.need_reload, reasons,
+                    ship)
 
 
 def status_script(host: HostConfig) -> str:
@@ -169,12 +189,12 @@ def parse_status(text: str) -> Status:
         extra=sections.get("extra", "").split())
 
 
-def drift(identity: dict[str, str], unit_text: str, status: Status) -> list[str]:
+def drift(identity: dict[str, str], unit_text: str, status: Status, secrets: secret.Secrets | None = None) -> list[str]:
     """How the host differs from what the inventory would deploy now (empty: no drift): the reasons a push
     would act on, plus hand edits inside the release."""
     if status.state.current is None:
         return ["never deployed"]
-    found = decide(identity, unit_text, status.state).reasons
+    found = decide(identity, unit_text, status.state, secrets=secrets).reasons
     if status.edited:
         found.append("release files edited on the host: "
                      + ", ".join(p.removeprefix("./") for p in status.edited[:5]))

@@ -286,8 +286,8 @@ BAD = [
                  id="sglang-host-name"),
     pytest.param(BASE.replace('        KDTREE_VERIFY: "on"', '        HF_TOKEN: "hf_abc"  # <-'),
                  "groups.ddtree.service.env.HF_TOKEN",
-                 "HF_TOKEN looks like a secret and unit files are world-readable: put it in "
-                 "service.environment_file (mode 0600) instead", id="env-secret"),
+                 "HF_TOKEN looks like a secret and unit files are world-readable: list it in service.secrets "
+                 "(written into service.environment_file, mode 0600) instead", id="env-secret"),
     pytest.param(BASE.replace('        KDTREE_VERIFY: "on"', '        KDTREE_NSPLIT: 64  # <-'),
                  "groups.ddtree.service.env.KDTREE_NSPLIT", "quote the value (64) so YAML keeps it a string",
                  id="env-unquoted-int"),

@@ -180,7 +180,7 @@ def test_typed_details_and_facts_go_under_their_keys_only_when_present():
     host.attempted = "R1"
     doc = json.loads(json.dumps(host.as_json()))
     assert doc["plan"] == {"add": ["a.py"], "change": [], "remove": [], "unit_diff": "", "daemon_reload": False,
-                           "restart": True, "reasons": ["never deployed"]}
+                           "restart": True, "reasons": ["never deployed"], "secrets": {}}
     assert doc["attempted"] == "R1"
     host.details = LockView("held", LockInfo("u", "c", 1, "t", "kdeploy push all", 42))
     assert host.as_json()["lock"] == {"state": "held", "holder": {"user": "u", "controller": "c", "pid": 1,
