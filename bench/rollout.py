@@ -231,8 +231,9 @@ def main() -> int:
                            "timeout": 60}
         service["env"] = {"REFSERVER_TOKEN_DELAY": str(TOKEN_DELAY)}
         inv_path = tmp / "inventory.yaml"
-        sandbox_router.write_inventory(box, inv_path, service, router_host, sandbox_router.install(box, router_host))
-        _set_router(inv_path, None)  # the first deploy starts the servers; each way registers them
+        sandbox_router.write_inventory(box, inv_path, service, router_host,
+                                       f"http://{router_host.address}:{sandbox_router.PORT}")
+        _set_router(inv_path, None)  # the first deploy starts the servers; each way starts the router with them
         first = fleet.push(inventory.load(inv_path), "all", Options(verify=False))
         if not first.ok:
             raise RuntimeError(f"first deploy failed: {first.as_json()}")
