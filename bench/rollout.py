@@ -52,9 +52,8 @@ TOKENS = 32
 TOKEN_DELAY = 0.02
 BASELINE_S = 20.0
 # Rollouts back to back per way (a new payload each), so that >= 2,000 requests meet one ((a): four met 1,984
-# in one run); (c) once: its hosts
-# stop only at TimeoutStopSec (the demo service's 20 s: the router keeps feeding a server that drains on
-# SIGTERM, so it never runs dry; see docs/router.md).
+# in one run); (c) once: its hosts stop only at TimeoutStopSec (the demo service's 20 s: the router keeps
+# feeding a server that drains on SIGTERM, so it never runs dry; see docs/router.md).
 ROUNDS = {"a": 5, "b": 4, "c": 1}
 MAX_REQUESTS = 20000
 MAX_SECONDS = 400.0
