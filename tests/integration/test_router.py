@@ -1,6 +1,7 @@
 """Rollouts behind the real SGLang router (sglang-router 0.3.2, run on this machine) over sandbox hosts:
 drain waits for requests in flight, a failed gate keeps the host out until its rollback passed, the preflight
-refuses when another worker is unhealthy, ``router admit|drain`` by hand, and Ctrl-C mid-drain.
+refuses when another worker is unhealthy, ``router admit|drain`` by hand, Ctrl-C mid-drain, a controller
+SIGKILLed mid-drain, and a set-env rollout whose drain_timeout runs out.
 
 Each host's reference server binds 0.0.0.0 with ``--enable-metrics`` and paced tokens, so the router (on the
 controller) reaches it at the host's sandbox address and requests stay in flight for seconds.
