@@ -14,7 +14,9 @@ For each way: a no-rollout baseline (BASELINE_S of load), then load until the ro
 The client keeps CONCURRENCY streams of TOKENS tokens (REFSERVER_TOKEN_DELAY per token on the hosts), each
 prompt different (the policy is round_robin anyway). Every request's start, end, status, bytes and
 whether its stream ended with ``[DONE]`` is recorded; an error, a non-200 or a stream without ``[DONE]`` is
-a failure. The load only targets the router on 127.0.0.1, and stops by itself (MAX_REQUESTS, MAX_SECONDS).
+a failure. The router runs as ``kdeploy sandbox up --router`` runs it (a systemd unit on a fifth sandbox
+host, restarted per way with that way's flags); the load only targets that router at its sandbox address,
+and stops by itself (MAX_REQUESTS, MAX_SECONDS).
 
 Results: bench/results/rollout.json (every request), bench/results/rollout.png (throughput over time with
 each host's window shaded: drain start -> admit end, or restart start -> gate end without a router).
@@ -26,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -41,19 +42,19 @@ from ruamel.yaml import YAML  # noqa: E402
 
 from kdeploy import fleet, inventory  # noqa: E402
 from kdeploy.deploy import Options  # noqa: E402
-from kdeploy.lab import router_env  # noqa: E402
+from kdeploy.lab import sandbox_router  # noqa: E402
 from kdeploy.lab.demo import demo_service, project_dir  # noqa: E402
-from kdeploy.lab.sandbox import Sandbox  # noqa: E402
+from kdeploy.lab.sandbox import Sandbox, SandboxHost  # noqa: E402
 
 HOSTS = 4
 CONCURRENCY = 16
 TOKENS = 32
 TOKEN_DELAY = 0.02
 BASELINE_S = 20.0
-# Rollouts back to back per way (a new payload each), so that >= 2,000 requests meet one; (c) once: its hosts
-# stop only at TimeoutStopSec (the demo service's 20 s: the router keeps feeding a server that drains on
-# SIGTERM, so it never runs dry; see docs/router.md).
-ROUNDS = {"a": 4, "b": 4, "c": 1}
+# Rollouts back to back per way (a new payload each), so that >= 2,000 requests meet one ((a): four met 1,984
+# in one run); (c) once: its hosts stop only at TimeoutStopSec (the demo service's 20 s: the router keeps
+# feeding a server that drains on SIGTERM, so it never runs dry; see docs/router.md).
+ROUNDS = {"a": 5, "b": 4, "c": 1}
 MAX_REQUESTS = 20000
 MAX_SECONDS = 400.0
 PORT = 30000
@@ -61,10 +62,16 @@ RESULTS = ROOT / "bench" / "results"
 BIN_S = 2.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _set_router(inv_path: Path, router: dict | None) -> None:
+    """The inventory's ``router:`` section set to ``router``, or removed."""
+    yaml = YAML()
+    doc = yaml.load(inv_path.read_text())
+    if router:
+        doc["defaults"]["router"] = router
+    else:
+        doc["defaults"].pop("router", None)
+    with inv_path.open("w") as fh:
+        yaml.dump(doc, fh)
 
 
 async def _one(client: httpx.AsyncClient, url: str, n: int, t0: float) -> dict:
@@ -112,54 +119,43 @@ def _summary(records: list[dict]) -> dict:
             "throughput": round(len(records) / span, 1) if span else 0}
 
 
-def run_way(box: Sandbox, inv_path: Path, payload: Path, way: str, tmp: Path) -> dict:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    hosts = box.hosts()
-    workers = [f"http://{h.address}:{PORT}" for h in hosts]
-    argv = router_env.router_argv(router_env.ensure_venv(), "127.0.0.1", port, workers, retries=way != "a",
-                                  prometheus_port=_free_port())
-    yaml = YAML()
-    doc = yaml.load(inv_path.read_text())
-    if way in ("a", "b"):
-        doc["defaults"]["router"] = {"url": url, "drain_timeout": 60}
-    else:
-        doc["defaults"].pop("router", None)
-    with inv_path.open("w") as fh:
-        yaml.dump(doc, fh)
-    with router_env.running(argv, url, tmp / f"router-{way}.log"):
-        deadline = time.monotonic() + 60
-        while not (len(w := httpx.get(f"{url}/workers").json()["workers"]) == HOSTS
-                   and all(x["is_healthy"] for x in w)):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"router never listed {HOSTS} healthy workers")
-            time.sleep(0.2)
-        t0 = time.monotonic()
-        records: list[dict] = []
-        stop = threading.Event()
-        marks: list[tuple[str, str, str, float]] = []
-        rollout: dict = {}
+def run_way(box: Sandbox, router_host: SandboxHost, inv_path: Path, payload: Path, way: str) -> dict:
+    hosts = [h for h in box.hosts() if h.name != router_host.name]
+    workers = tuple(f"http://{h.address}:{PORT}" for h in hosts)
+    url = sandbox_router.install(box, router_host, workers=workers, retries=way != "a")
+    _set_router(inv_path, {"url": url, "drain_timeout": 60} if way in ("a", "b") else None)
+    deadline = time.monotonic() + 60
+    while not (len(w := httpx.get(f"{url}/workers").json()["workers"]) == HOSTS
+               and all(x["is_healthy"] for x in w)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"router never listed {HOSTS} healthy workers")
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    records: list[dict] = []
+    stop = threading.Event()
+    marks: list[tuple[str, str, str, float]] = []
+    rollout: dict = {}
 
-        def listener(host: str, phase: str, status: str) -> None:
-            marks.append((host, phase, status, time.monotonic() - t0))
+    def listener(host: str, phase: str, status: str) -> None:
+        marks.append((host, phase, status, time.monotonic() - t0))
 
-        def driver() -> None:
-            time.sleep(BASELINE_S)
-            rollout["start"] = time.monotonic() - t0
-            rollout["results"] = []
-            for n in range(ROUNDS[way]):
-                (payload / "rev.txt").write_text(f"{way}-{n}-{time.time()}")
-                report = fleet.push(inventory.load(inv_path), "all", Options(batch="1"), listener=listener)
-                rollout["results"].append({h.host: str(h.result) for h in report.hosts})
-            rollout["end"] = time.monotonic() - t0
-            time.sleep(2)
-            stop.set()
-
-        thread = threading.Thread(target=driver)
-        thread.start()
-        asyncio.run(load(url, t0, stop, records))
+    def driver() -> None:
+        time.sleep(BASELINE_S)
+        rollout["start"] = time.monotonic() - t0
+        rollout["results"] = []
+        for n in range(ROUNDS[way]):
+            (payload / "rev.txt").write_text(f"{way}-{n}-{time.time()}")
+            report = fleet.push(inventory.load(inv_path), "all", Options(batch="1"), listener=listener)
+            rollout["results"].append({h.host: str(h.result) for h in report.hosts})
+        rollout["end"] = time.monotonic() - t0
+        time.sleep(2)
         stop.set()
-        thread.join()
+
+    thread = threading.Thread(target=driver)
+    thread.start()
+    asyncio.run(load(url, t0, stop, records))
+    stop.set()
+    thread.join()
     windows: dict[str, list[tuple[float, float]]] = {}
     restart_time = 0.0
     for host in (h.name for h in hosts):
@@ -225,23 +221,24 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kdeploy-bench-rollout-"))
     results = []
     try:
-        box.up(HOSTS)
+        router_host = box.up(HOSTS + 1)[-1]
         payload = tmp / "payload"
         shutil.copytree(ROOT / "tests" / "data" / "testplugin", payload,
                         ignore=shutil.ignore_patterns("__pycache__"))
         service = demo_service(project_dir(), sglang=False, name="kdbench", payload=str(payload))
-        service["sglang"] = {**service["sglang"], "port": PORT, "tp": 1, "host": "0.0.0.0",
-                             "extra_args": ["--enable-metrics"]}
+        service["sglang"] = {**service["sglang"], "port": PORT, "tp": 1}
         service["gate"] = {"workers": 1, "poll_interval": 0.25, "markers": ["[kdeploy-testplugin] loaded"],
                            "timeout": 60}
         service["env"] = {"REFSERVER_TOKEN_DELAY": str(TOKEN_DELAY)}
         inv_path = tmp / "inventory.yaml"
-        box.write_inventory(inv_path, service)
+        sandbox_router.write_inventory(box, inv_path, service, router_host,
+                                       f"http://{router_host.address}:{sandbox_router.PORT}")
+        _set_router(inv_path, None)  # the first deploy starts the servers; each way starts the router with them
         first = fleet.push(inventory.load(inv_path), "all", Options(verify=False))
         if not first.ok:
             raise RuntimeError(f"first deploy failed: {first.as_json()}")
         for way in ("a", "b", "c"):
-            res = run_way(box, inv_path, payload, way, tmp)
+            res = run_way(box, router_host, inv_path, payload, way)
             results.append(res)
             print(json.dumps({k: res[k] for k in ("way", "baseline", "during", "rollout_seconds",
                                                   "restart_seconds_sum")}), flush=True)

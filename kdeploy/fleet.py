@@ -340,6 +340,8 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
     settings.write(edit)
     if not names:
         return Report(command, [], facts)
+    if opts.batch is None and any(edit.new.hosts[n].router for n in names):
+        opts = replace(opts, batch="1")  # no --batch here: behind a router one host at a time, as rollback
     report = rollout(edit.new, names, local, opts, parallel=parallel, listener=listener,
                      cancel=cancel or threading.Event())
     report.command, report.extra = command, facts

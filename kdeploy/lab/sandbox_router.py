@@ -36,8 +36,10 @@ def unit_text(argv: list[str]) -> str:
             f"TimeoutStopSec=15\n\n[Install]\nWantedBy=multi-user.target\n")
 
 
-def install(box: Sandbox, host: SandboxHost, *, timeout: float = 60.0) -> str:
-    """Copy the router venv into ``host``, start its unit, wait until its API answers; its URL."""
+def install(box: Sandbox, host: SandboxHost, *, workers: tuple[str, ...] = (), retries: bool = True,
+            timeout: float = 60.0) -> str:
+    """Copy the router venv into ``host``, (re)start its unit with ``workers`` and ``retries``, wait until its
+    API answers; its URL. Called again on the same host, it replaces the running router (the bench)."""
     venv = router_env.ensure_venv().parent.parent  # .../bin/python -> the venv
     dest = box.state_dir / host.name / "opt" / Path(HOST_DIR).name  # the host's /opt is this directory
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -45,10 +47,10 @@ def install(box: Sandbox, host: SandboxHost, *, timeout: float = 60.0) -> str:
                           check=False)
     if done.returncode:
         raise SandboxError(f"copying the router venv into {host.name} failed: {done.stderr.strip()}")
-    argv = router_env.router_argv(Path(HOST_DIR) / "bin" / "python", "0.0.0.0", PORT, [],
-                                  prometheus_port=PROMETHEUS_PORT)
+    argv = router_env.router_argv(Path(HOST_DIR) / "bin" / "python", "0.0.0.0", PORT, list(workers),
+                                  prometheus_port=PROMETHEUS_PORT, retries=retries)
     box.exec(host.name, ["sh", "-c", f"cat > /etc/systemd/system/{UNIT}.service && systemctl daemon-reload && "
-                                     f"systemctl enable --now {UNIT}"], input=unit_text(argv))
+                                     f"systemctl enable {UNIT} && systemctl restart {UNIT}"], input=unit_text(argv))
     url = f"http://{host.address}:{PORT}"
     deadline = time.monotonic() + timeout
     while True:

@@ -1,6 +1,7 @@
 """Rollouts behind the real SGLang router (sglang-router 0.3.2, run on this machine) over sandbox hosts:
 drain waits for requests in flight, a failed gate keeps the host out until its rollback passed, the preflight
-refuses when another worker is unhealthy, ``router admit|drain`` by hand, and Ctrl-C mid-drain.
+refuses when another worker is unhealthy, ``router admit|drain`` by hand, Ctrl-C mid-drain, a controller
+SIGKILLed mid-drain, and a set-env rollout whose drain_timeout runs out.
 
 Each host's reference server binds 0.0.0.0 with ``--enable-metrics`` and paced tokens, so the router (on the
 controller) reaches it at the host's sandbox address and requests stay in flight for seconds.
@@ -271,3 +272,61 @@ def test_sandbox_router_unit_and_first_push_registers_every_host(deployment: Dep
         box.exec(router_host.name, ["sh", "-c", f"systemctl disable --now {sandbox_router.UNIT}; rm -f "
                                                 f"/etc/systemd/system/{sandbox_router.UNIT}.service; "
                                                 f"rm -rf {sandbox_router.HOST_DIR}"], check=False)
+
+
+@pytest.mark.hosts(2)
+def test_killed_controller_leaves_the_host_out_and_set_env_restarts_after_the_drain_timeout(routed: Routed,
+                                                                                           capsys) -> None:
+    """A `kdeploy push` SIGKILLed mid-drain: the host stays out (not restarted), status says so, `router admit`
+    puts it back. Then set-env behind the router (one host at a time, as it has no --batch) with a 1 s
+    drain_timeout: h1's stream outlives it, the restart goes ahead anyway and the drain phase says so; the
+    server's SIGTERM drain still finishes the stream."""
+    dep = routed.dep
+    h1 = routed.worker_url("h1")
+    (dep.payload / "rev.txt").write_text("7")
+    out: list = []
+    started = threading.Event()
+    client = threading.Thread(target=_stream, args=(h1, 60, out, started))  # 6 s on h1
+    client.start()
+    assert started.wait(10)
+    h1_before = dep.show("h1", "InvocationID")
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1",
+                             "--inventory", str(dep.path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        routed.wait(lambda w: h1 not in w, "h1 drained", timeout=60)
+        proc.kill()
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert h1 not in routed.workers() and dep.show("h1", "InvocationID") == h1_before
+    code, doc = dep.json(capsys, "status", "test")
+    assert {h["host"]: h["router"] for h in doc["hosts"]} == {"h1": "out", "h2": "in"}, doc
+    code, doc = dep.json(capsys, "router", "admit", "h1")
+    assert code == 0 and doc["hosts"][0]["router"] == "in", doc
+    assert routed.workers() == {h1: True, routed.worker_url("h2"): True}
+    client.join(30)
+    assert out == [(200, 62, True)], out
+
+    dep.edit(lambda doc: doc["defaults"]["router"].update(drain_timeout=1))
+    out.clear()
+    started.clear()
+    client = threading.Thread(target=_stream, args=(h1, 80, out, started))  # 8 s on h1, which goes first
+    client.start()
+    assert started.wait(10)
+    code, doc = dep.json(capsys, "set-env", "KDEPLOY_ROUTED=1")
+    client.join(30)
+    assert code == 0, doc
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    for name in ("h1", "h2"):
+        assert hosts[name]["result"] == "deployed" and hosts[name]["router"] == "in", hosts[name]
+        names = _phases(hosts[name])
+        assert names.index("drain") < names.index("restart") < names.index("workers") < names.index("admit"), names
+        assert "KDEPLOY_ROUTED=1" in dep.show(name, "Environment")
+    drain = next(p for p in hosts["h1"]["phases"] if p["name"] == "drain")
+    assert drain["ok"] and "1 request(s) still in flight after 1s" in drain["detail"], drain
+    assert drain["seconds"] >= 1, drain
+    assert "no request in flight" in next(p for p in hosts["h2"]["phases"] if p["name"] == "drain")["detail"]
+    assert dep.show("h1", "InvocationID") != h1_before
+    assert out == [(200, 82, True)], out  # SIGTERM: SGLang serves what is in flight, then exits
+    assert routed.workers() == {h1: True, routed.worker_url("h2"): True}

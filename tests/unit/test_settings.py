@@ -312,3 +312,23 @@ def test_a_revert_nobody_raced_puts_back_the_exact_text(path: Path, capsys: pyte
     code, facts = edit_json(path, capsys, "set-env", "A=1")
     assert code == 4 and facts["reverted"] is True
     assert path.read_text() == folded
+
+
+@pytest.mark.parametrize("routed", [True, False], ids=["router", "no-router"])
+def test_behind_a_router_the_rollout_and_the_way_back_take_one_host_at_a_time(
+        path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, routed: bool) -> None:
+    """set-env/set have no --batch; their default (--parallel hosts at once) would take every worker out of
+    the router, which its preflight refuses."""
+    if routed:
+        path.write_text(INVENTORY.replace("groups:", "  router:\n    url: http://192.0.2.9:30080\ngroups:"))
+    batches: list[str | None] = []
+
+    def rollout(inv: Inventory, names: list[str], local: dict, opts: Options, **_: object) -> Report:
+        batches.append(opts.batch)
+        ends = {"h1": "deployed", "h2": "rolled_back"} if len(batches) == 1 else {}
+        return Report("push", [HostResult(n).finish(ends.get(n, "deployed")) for n in names])
+
+    monkeypatch.setattr(fleet, "rollout", rollout)
+    code, facts = edit_json(path, capsys, "set-env", "A=1")
+    assert code == 4 and facts["restored_hosts"] == {"h1": "deployed"}
+    assert batches == (["1", "1"] if routed else [None, None])
