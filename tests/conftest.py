@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,11 @@ TEST_PLUGIN = Path(__file__).parent / "data" / "testplugin"
 TEST_MARKER = "[kdeploy-testplugin] loaded"
 _ports = itertools.count(31000)
 _names = itertools.count(1)
+
+# A run started in the background by a shell without job control ignores SIGINT, and the kdeploy processes the
+# Ctrl-C tests start would inherit that (Python installs no KeyboardInterrupt then): a handler is reset on exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
