@@ -16,7 +16,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -490,22 +490,24 @@ class Remote:
             raise Unreachable(f"{self.host.name}: connection lost")
         return self._transport
 
-    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0,
+    def run(self, command: str, *, stdin: bytes | Iterable[bytes] | None = None, timeout: float | None = 120.0,
             cancel: threading.Event | None = None) -> RunResult:
-        """Run one shell command; ``stdin`` is streamed and closed. One round trip.
+        """Run one shell command; ``stdin`` (bytes, or chunks produced as they are sent) is streamed and
+        closed. One round trip.
 
         ``cancel`` is checked between chunks of ``stdin``: when it is set the channel is closed (the command
-        sees its input end early and cleans up) and :class:`Cancelled` is raised within a chunk's time.
+        sees its input end early and cleans up) and :class:`Cancelled` is raised within a chunk's time. A
+        chunk source that fails (OSError) closes the channel the same way and raises :class:`InputFailed`.
         """
         try:
             channel = self.transport.open_session(timeout=timeout)
             channel.settimeout(timeout)
             channel.exec_command(command)
-            for start in range(0, len(stdin or b""), SEND_CHUNK):
+            for chunk in _chunks(channel, stdin):
                 if cancel is not None and cancel.is_set():
                     channel.close()
                     raise Cancelled("interrupted while uploading: nothing was switched")
-                channel.sendall(stdin[start:start + SEND_CHUNK])
+                channel.sendall(chunk)
             channel.shutdown_write()
             stdout, stderr = _drain(channel)
             rc = channel.recv_exit_status()
@@ -541,6 +543,27 @@ class Remote:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class InputFailed(Exception):
+    """Reading what ``Remote.run`` streams to a command's stdin failed (a local file vanished or shrank)."""
+
+
+def _chunks(channel: paramiko.Channel, stdin: bytes | Iterable[bytes] | None) -> Iterator[bytes]:
+    """``stdin`` in pieces of at most ``SEND_CHUNK`` bytes; a failing source closes ``channel``."""
+    if stdin is None:
+        return
+    pieces = iter([stdin]) if isinstance(stdin, bytes) else iter(stdin)
+    while True:
+        try:
+            piece = next(pieces, None)
+        except OSError as exc:
+            channel.close()
+            raise InputFailed(str(exc)) from None
+        if piece is None:
+            return
+        for start in range(0, len(piece), SEND_CHUNK):
+            yield piece[start:start + SEND_CHUNK]
 
 
 def _drain(channel: paramiko.Channel) -> tuple[bytes, bytes]:

@@ -18,8 +18,8 @@ from kdeploy.errors import InvalidInput
 from kdeploy.release import (
     META,
     Delta,
+    TarStream,
     activate_script,
-    build_tarball,
     changed_since_scan,
     diff,
     manifest_text,
@@ -246,10 +246,10 @@ def test_release_meta():
     assert parse_manifest(meta["manifest.sha256"]) == {"b.py": SHA_B, "a.py": SHA_A, "B.py": SHA_A}
 
 
-def test_build_tarball_contents(tmp_path):
+def test_tar_stream_contents(tmp_path):
     root = make_tree(tmp_path / "p", {"a.py": "a\n", "d/b.py": "b\n", "skip.py": "s\n"})
     payload = scan_payload(root)
-    data = build_tarball(payload, ["a.py", "d/b.py"], {"x": "meta\n"})
+    data = b"".join(TarStream(payload, ["a.py", "d/b.py"], {"x": "meta\n"}))
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         members = {m.name: m for m in tar.getmembers()}
         assert list(members) == ["a.py", "d/b.py", META, f"{META}/x"]
@@ -287,7 +287,7 @@ def stage(sdir: Path, payload_root: Path, *, unit_text: str = "[Unit]\nDescripti
     remote = remote_identity(sdir)
     delta = diff(payload.identity, remote or {})
     rid = release_id(payload.manifest, unit_text, when)
-    tarball = build_tarball(payload, delta.upload, release_meta(payload.manifest, payload.modes, unit_text, UNIT))
+    tarball = b"".join(TarStream(payload, delta.upload, release_meta(payload.manifest, payload.modes, unit_text, UNIT)))
     return Staged(rid, delta, run_script(stage_script(str(sdir), rid, remote is not None, delta), tarball), tarball)
 
 
@@ -425,7 +425,7 @@ def test_failed_stage_leaves_nothing(tmp_path, case):
         upload.remove("pkg/removed.py")
     elif case == "mode-mismatch":
         meta["modes"] = meta["modes"].replace("0644 ./pkg/changed.py", "0755 ./pkg/changed.py")
-    tarball = build_tarball(payload, upload, meta)
+    tarball = b"".join(TarStream(payload, upload, meta))
     if case == "truncated":
         tarball = tarball[:1500]
     elif case == "garbage":
@@ -498,7 +498,7 @@ def test_stage_in_a_dir_with_spaces_never_touches_a_sibling(tmp_path):
     payload_root = make_tree(tmp_path / "payload", {"a.py": "a\n"})
     payload = scan_payload(payload_root)
     rid = release_id(payload.manifest, "u", T0)
-    tarball = build_tarball(payload, ["a.py"], release_meta(payload.manifest, payload.modes, "u", UNIT))
+    tarball = b"".join(TarStream(payload, ["a.py"], release_meta(payload.manifest, payload.modes, "u", UNIT)))
     failed = run_script(stage_script(str(sdir), rid, False, diff(payload.manifest, {})), tarball[:700])
     assert failed.returncode != 0
     assert (sibling / "precious").read_text() == "keep me\n"
