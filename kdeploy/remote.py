@@ -34,6 +34,9 @@ SEND_CHUNK = 256 * 1024  # an upload notices Ctrl-C within one chunk (~20 ms at 
 # hmac-sha2-256) verifies every received packet's MAC in Python. Hosts without GCM get the rest, in
 # paramiko's order.
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
+# What the host may send before we acknowledge it (paramiko's default: 2 MB): output and logs stream faster.
+WINDOW_SIZE = 16 * 1024 * 1024
+TUNE_WINDOW = True
 # A host that refuses or drops connections (rebooting) is retried with exponential backoff and jitter, for
 # at most RETRY_WINDOW seconds since the first attempt; authentication and host-key failures never are.
 RETRY_WINDOW = 6.0
@@ -82,7 +85,7 @@ class _Transport(paramiko.Transport):
 
 
 def _new_transport(sock: socket.socket | _Tunnel) -> _Transport:
-    transport = _Transport(sock)
+    transport = _Transport(sock, **({"default_window_size": WINDOW_SIZE} if TUNE_WINDOW else {}))
     options = transport.get_security_options()
     options.ciphers = PREFERRED_CIPHERS + tuple(c for c in options.ciphers if c not in PREFERRED_CIPHERS)
     return transport
@@ -238,11 +241,11 @@ def _handshake(hop: Hop, open_sock: Callable[[], socket.socket | _Tunnel],
                accept_new: bool) -> tuple[paramiko.Transport, str | None, list[str]]:
     """Connect (retrying transient failures), verify the host key, authenticate: (transport, newly recorded
     key, failed attempts). Unreachable names the hop."""
+    name = hop.host_key_alias or knownhosts.lookup_name(hop.hostname, hop.port)
     try:
-        entries, _ = knownhosts.load([*hop.user_known_hosts, *hop.global_known_hosts])
+        entries = knownhosts.table([*hop.user_known_hosts, *hop.global_known_hosts]).matching([name])
     except OSError as exc:
         raise Unreachable(f"{hop.label}: {exc}") from None
-    name = hop.host_key_alias or knownhosts.lookup_name(hop.hostname, hop.port)
 
     def attempt() -> tuple[paramiko.Transport, str | None]:
         sock = open_sock()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kdeploy import release as release_module
 from kdeploy.errors import InvalidInput
 from kdeploy.release import (
     META,
@@ -575,3 +576,17 @@ def test_activate_refuses_missing_release_or_tampered_unit(tmp_path, fake_system
     assert sorted(p.name for p in units.iterdir()) == [UNIT]    # and its temp copy is gone
     assert not (sdir / "current").exists()                      # nor current switched
     assert not log.exists()                                     # and systemctl never called
+
+
+def test_tar_stream_is_produced_in_bounded_chunks_and_refuses_a_shrunk_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(release_module, "CHUNK", 1000)
+    root = make_tree(tmp_path / "p", {"big.bin": "x" * 4500, "small.py": "s\n"})
+    payload = scan_payload(root)
+    stream = TarStream(payload, ["big.bin", "small.py"], {"x": "meta\n"})
+    chunks = list(stream)
+    assert max(len(c) for c in chunks) <= 1536 and stream.sent == sum(map(len, chunks))  # 1000 + a header
+    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
+        assert tar.extractfile("big.bin").read() == b"x" * 4500
+    (root / "big.bin").write_text("x" * 10)  # shrank after the scan
+    with pytest.raises(OSError, match="shrank"):
+        list(TarStream(payload, ["big.bin"], {}))
