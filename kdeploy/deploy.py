@@ -417,8 +417,8 @@ class HostPush:
         that never got its turn holds nothing by now: its staged release is removed over a new connection."""
         try:
             if self.held is None and self.staged and self.result.result in ("skipped", "interrupted"):
-                self._reconnect_to_clean_up()
-            if self.held is not None and self.remote is not None:
+                self._remove_staged()
+            elif self.held is not None and self.remote is not None:
                 finish = self._finish_command()
                 if not self.held.release(finish) and finish:  # the holder's link died (we reconnected)
                     self.remote.run(finish, timeout=60)
@@ -430,20 +430,20 @@ class HostPush:
                 self.remote.close()
                 self.remote = None
 
-    def _reconnect_to_clean_up(self) -> None:
-        """Take the lock again (never waiting) to remove the release this push staged and never activated;
-        if someone made it current or pending meanwhile, it is theirs now and stays."""
+    def _remove_staged(self) -> None:
+        """Connect and take the lock again (never waiting) to remove the release this push staged and never
+        activated; if someone made it current or pending meanwhile, it is theirs now and stays."""
         self.remote = open_remote(self.inventory, self.host, self.opts)
-        self.held, state = lock_and_read(self.remote, self.host, 0, command=recorded_command(self.opts, "push"))
-        if self.staged in (state.current, state.pending.target if state.pending else None):
-            self.staged = None
-        self.state = state
+        held, state = lock_and_read(self.remote, self.host, 0, command=recorded_command(self.opts, "push"))
+        theirs = self.staged in (state.current, state.pending.target if state.pending else None)
+        held.release("" if theirs else release.prune_command(service_dir(self.host.service), [str(self.staged)]))
+        self.result.release = state.current
 
     def _finish_command(self) -> str:
         sdir = service_dir(self.host.service)
-        if self.result.result in ("skipped", "interrupted"):
+        if self.result.result in ("skipped", "interrupted") and self.staged:
             self.result.release = self.state.current if self.state else None
-            return release.prune_command(sdir, [self.staged] if self.staged else [])
+            return release.prune_command(sdir, [self.staged])
         if self.result.result == "preflight_refused":  # a refused host is left exactly as it was
             return ""
         state = self.state

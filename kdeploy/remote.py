@@ -34,9 +34,6 @@ SEND_CHUNK = 256 * 1024  # an upload notices Ctrl-C within one chunk (~20 ms at 
 # hmac-sha2-256) verifies every received packet's MAC in Python. Hosts without GCM get the rest, in
 # paramiko's order.
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
-# What the host may send before we acknowledge it (paramiko's default: 2 MB): output and logs stream faster.
-WINDOW_SIZE = 16 * 1024 * 1024
-TUNE_WINDOW = True
 # A host that refuses or drops connections (rebooting) is retried with exponential backoff and jitter, for
 # at most RETRY_WINDOW seconds since the first attempt; authentication and host-key failures never are.
 RETRY_WINDOW = 6.0
@@ -85,7 +82,7 @@ class _Transport(paramiko.Transport):
 
 
 def _new_transport(sock: socket.socket | _Tunnel) -> _Transport:
-    transport = _Transport(sock, **({"default_window_size": WINDOW_SIZE} if TUNE_WINDOW else {}))
+    transport = _Transport(sock)
     options = transport.get_security_options()
     options.ciphers = PREFERRED_CIPHERS + tuple(c for c in options.ciphers if c not in PREFERRED_CIPHERS)
     return transport
@@ -194,7 +191,7 @@ def _identities(hop: Hop, agent: _Agent | None) -> tuple[list[paramiko.PKey], li
             if public in in_agent:
                 continue
         try:
-            files.append(paramiko.PKey.from_path(path))
+            files.append(_private_key(path))
         except (paramiko.PasswordRequiredException, TypeError) as exc:  # never prompt: a deploy is unattended
             # (cryptography raises TypeError for an OpenSSH-format key that needs a passphrase)
             if isinstance(exc, TypeError) and "password" not in str(exc):
@@ -207,6 +204,18 @@ def _identities(hop: Hop, agent: _Agent | None) -> tuple[list[paramiko.PKey], li
     if hop.identities_only:
         agent_keys = [k for k in agent_keys if k.asbytes() in wanted]
     return agent_keys + files, skipped
+
+
+_KEYS: dict[tuple, paramiko.PKey] = {}
+
+
+def _private_key(path: Path) -> paramiko.PKey:
+    """An identity file, read once per run (again only when it changed), not once per connection."""
+    st = path.stat()
+    stamp = (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
+    if stamp not in _KEYS:
+        _KEYS[stamp] = paramiko.PKey.from_path(path)
+    return _KEYS[stamp]
 
 
 def _public_blob(path: Path) -> bytes | None:
