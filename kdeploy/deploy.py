@@ -192,15 +192,20 @@ class HostPush:
     again, and stages again if needed), then switches, restarts and gates (rolling back on failure), records
     and lets go. ``close`` lets go of whatever is still held; a host that never got its turn (skipped,
     interrupted) gets its staged release removed, over a connection of its own.
+
+    ``hold``: a staged host keeps its connection and lock between the passes (no reconnect), for a rollout
+    whose hosts all fit in ``--parallel``: it holds no more connections at once than that either way.
     """
 
     def __init__(self, inventory: Inventory, host: HostConfig, local: Local, opts: Options,
-                 result: HostResult, cancel: threading.Event, router: RouterClient | None = None) -> None:
+                 result: HostResult, cancel: threading.Event, router: RouterClient | None = None,
+                 hold: bool = False) -> None:
         """``cancel``: Ctrl-C; checked before each change and during the upload. ``router``: the host's
         router, which ``activate`` drains it from and admits it to again."""
         self.inventory, self.host, self.local, self.opts, self.result = inventory, host, local, opts, result
         self.cancel = cancel
         self.router = router
+        self.hold = hold
         self.remote: Remote | None = None
         self.held: lock.HeldLock | None = None
         self.state: HostState | None = None
@@ -242,7 +247,7 @@ class HostPush:
         finally:
             if result.done:
                 self.close()
-            else:
+            elif not self.hold:
                 self._let_go()
 
     def _decide(self, state: HostState) -> Decision:
@@ -335,10 +340,11 @@ class HostPush:
     def activate(self) -> None:
         """The batch pass; ends holding nothing."""
         try:
-            _check(self.cancel)
-            self._resume()
-            if self.result.done:
-                return
+            if self.remote is None:
+                _check(self.cancel)
+                self._resume()
+                if self.result.done:
+                    return
             _check(self.cancel)
             assert self.remote is not None and self.state is not None and self.target is not None
             self.result.release = self.target

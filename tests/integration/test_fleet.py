@@ -176,8 +176,11 @@ def test_ctrl_c_mid_rollout_finishes_the_running_batch_and_leaves_the_rest_uncha
     _bump(deployment, "2")
     h1_before = deployment.show("h1", "InvocationID")
     h2_before = _state(deployment, "h2")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1", "--json",
-                             "--inventory", str(deployment.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    # --parallel 1: h2 lets go of its connection and lock after staging, so removing its staged release
+    # takes a connection of its own
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1", "--parallel", "1",
+                             "--json", "--inventory", str(deployment.path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
         deadline = time.monotonic() + 60
