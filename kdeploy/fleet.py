@@ -125,7 +125,7 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
         for step in steps.values():
             step.skip("not restarted: interrupted", "interrupted")
     finally:
-        run_parallel([(results[n], steps[n].close) for n in names], parallel, threading.Event())  # skipped hosts
+        run_parallel([(results[n], steps[n].close) for n in names], parallel, threading.Event())
         close_routers(routers)
     return Report("push", [results[n] for n in names])
 
