@@ -310,7 +310,7 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
         "find . -mindepth 1 -type d -empty -delete",
         f"rm -f {META}/found",
         # Durable before it is visible: only what this upload wrote (one link: not shared with `current`) and
-        # the directories. `sync -f` (the whole filesystem, everyone's dirty data) took seconds on a busy disk.
+        # the directories; `sync -f` (syncfs) waited for every dirty page of the whole filesystem, anyone's.
         "find . \\( -type d -o -type f -links 1 \\) -exec sync -- {} +",
         f"mv -T {staging} {d}/releases/{shlex.quote(release)}",
         "trap - EXIT",
