@@ -233,8 +233,7 @@ class TarStream:
     """The files to ship (with their normalised modes) plus the release metadata, as one uncompressed tar
     stream, produced in chunks of at most ``CHUNK`` bytes as the upload asks for them: memory stays bounded
     whatever the payload's size. The service reads the payload; the metadata is kdeploy's own, for root only
-    (0700/0600). A file that shrank since the scan raises OSError; one that grew is cut at its scanned size
-    (the host's sha256 check then refuses it)."""
+    (0700/0600). A file whose size changed since the scan raises OSError (its content is checked on the host)."""
 
     def __init__(self, payload: Payload, upload: list[str], meta: dict[str, str]) -> None:
         self.payload, self.upload, self.meta = payload, upload, meta
@@ -259,6 +258,8 @@ class TarStream:
                         raise OSError(f"{src}: file shrank while it was read")
                     left -= len(chunk)
                     yield chunk
+                if fh.read(1):
+                    raise OSError(f"{src}: file grew while it was read")
             yield _padding(size)
         meta_dir = _tar_info(META, 0, 0o700)
         meta_dir.type = tarfile.DIRTYPE

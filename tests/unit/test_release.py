@@ -578,7 +578,7 @@ def test_activate_refuses_missing_release_or_tampered_unit(tmp_path, fake_system
     assert not log.exists()                                     # and systemctl never called
 
 
-def test_tar_stream_is_produced_in_bounded_chunks_and_refuses_a_shrunk_file(tmp_path, monkeypatch):
+def test_tar_stream_is_produced_in_bounded_chunks_and_refuses_a_resized_file(tmp_path, monkeypatch):
     monkeypatch.setattr(release_module, "CHUNK", 1000)
     root = make_tree(tmp_path / "p", {"big.bin": "x" * 4500, "small.py": "s\n"})
     payload = scan_payload(root)
@@ -589,4 +589,7 @@ def test_tar_stream_is_produced_in_bounded_chunks_and_refuses_a_shrunk_file(tmp_
         assert tar.extractfile("big.bin").read() == b"x" * 4500
     (root / "big.bin").write_text("x" * 10)  # shrank after the scan
     with pytest.raises(OSError, match="shrank"):
+        list(TarStream(payload, ["big.bin"], {}))
+    (root / "big.bin").write_text("x" * 4501)  # grew after the scan
+    with pytest.raises(OSError, match="grew"):
         list(TarStream(payload, ["big.bin"], {}))
