@@ -78,5 +78,11 @@ bench-rollout: venv
 	@$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/pip install -q matplotlib
 	flock /tmp/sandbox-heavy.lock $(BIN)/python bench/rollout.py
 
+# Upload throughput (issue 16; docs/benchmarks.md "Upload"): kdeploy's stage phase against scp and rsync of the
+# same 1/50/200 MB payload to 1 and 8 sandbox hosts; prints a table, writes bench/results/upload.json; ~3 min.
+.PHONY: bench-upload
+bench-upload: venv
+	flock /tmp/sandbox-heavy.lock $(BIN)/python bench/upload.py --where | tee bench/results/upload.txt
+
 clean:
 	rm -rf $(VENV) .sandbox .tools

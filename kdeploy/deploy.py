@@ -21,10 +21,11 @@ from kdeploy import secrets as secret
 from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused, RemoteTimeout, Unreachable
 from kdeploy.gatespec import GateSpec, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
-from kdeploy.remote import Remote
+from kdeploy.remote import InputFailed, Remote
 from kdeploy.render import service_dir, unit_filename
 from kdeploy.report import Cancelled, HostResult, PhaseFailed, Result
 from kdeploy.state import (
+    Decision,
     HostState,
     decide,
     drift,
@@ -69,10 +70,14 @@ def recorded_command(opts: Options, verb: str) -> str:
     return opts.command or f"kdeploy {verb} (library)"
 
 
+def open_remote(inventory: Inventory, host: HostConfig, opts: Options) -> Remote:
+    return Remote.connect(host, sshconfig.target_for(inventory, host, opts.ssh_config),
+                          accept_new_host_keys=opts.accept_new_host_keys)
+
+
 def connect(inventory: Inventory, host: HostConfig, result: HostResult, opts: Options) -> Remote:
     with result.phase("connect") as phase:
-        remote = Remote.connect(host, sshconfig.target_for(inventory, host, opts.ssh_config),
-                                accept_new_host_keys=opts.accept_new_host_keys)
+        remote = open_remote(inventory, host, opts)
         phase.detail = remote.describe()
     return remote
 
@@ -185,20 +190,30 @@ def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Option
 
 
 class HostPush:
-    """One host's push in three steps, so a fleet can stage everywhere before the first restart.
+    """One host's push in two passes, so a fleet can stage everywhere before the first restart, while a host
+    holds a connection only while one of its passes runs (bounded by ``--parallel``, not by the fleet).
 
-    ``prepare`` connects, takes the lock, reads the state and stages; ``activate`` switches, restarts and
-    gates (rolling back on failure); ``close`` records history, drops a staged-but-never-activated release,
-    releases the lock and disconnects. Between the steps the host holds its lock and connection.
+    ``prepare`` (the stage pass) connects, takes the lock, reads the state, runs the preflight and stages,
+    then lets go of lock and connection: a host that is done (no-op, refused, failed) records its history
+    first; a staged host leaves its release on disk, not yet current. ``activate`` (its batch's turn)
+    connects again, retakes the lock, re-reads the state and checks nothing moved meanwhile (else decides
+    again, and stages again if needed), then switches, restarts and gates (rolling back on failure), records
+    and lets go. ``close`` lets go of whatever is still held; a host that never got its turn (skipped,
+    interrupted) gets its staged release removed, over a connection of its own.
+
+    ``hold``: a staged host keeps its connection and lock between the passes (no reconnect), for a rollout
+    whose hosts all fit in ``--parallel``: it holds no more connections at once than that either way.
     """
 
     def __init__(self, inventory: Inventory, host: HostConfig, local: Local, opts: Options,
-                 result: HostResult, cancel: threading.Event, router: RouterClient | None = None) -> None:
+                 result: HostResult, cancel: threading.Event, router: RouterClient | None = None,
+                 hold: bool = False) -> None:
         """``cancel``: Ctrl-C; checked before each change and during the upload. ``router``: the host's
         router, which ``activate`` drains it from and admits it to again."""
         self.inventory, self.host, self.local, self.opts, self.result = inventory, host, local, opts, result
         self.cancel = cancel
         self.router = router
+        self.hold = hold
         self.remote: Remote | None = None
         self.held: lock.HeldLock | None = None
         self.state: HostState | None = None
@@ -206,6 +221,7 @@ class HostPush:
         self.install_unit = False
         self.ship_secrets = False
         self.staged: str | None = None
+        self.leftover: str | None = None  # staged by this push, then superseded: removed when it ends
         self.switch: provisional.Pending | None = None  # armed by activate()
         self.started = time.monotonic()
 
@@ -215,40 +231,89 @@ class HostPush:
         return self.target is not None and not self.result.done
 
     def prepare(self) -> None:
+        """The stage pass; ends holding nothing."""
         host, local, result = self.host, self.local, self.result
         try:
             self.remote = connect(self.inventory, host, result, self.opts)
             with result.phase("preflight") as phase:
                 self.held, state = lock_and_read(self.remote, host, self.opts.lock_wait,
                                                  command=recorded_command(self.opts, "push"))
-                self.state = state
-                decision = decide(local.payload.identity, local.unit_text, state,
-                                  force_restart=self.opts.force_restart, secrets=local.secrets)
-                self.install_unit = decision.install_unit
-                self.ship_secrets = decision.secrets_changed
-                no_op = decision.no_op
+                decision = self._decide(state)
                 phase.detail = f"lock taken; current {state.current or 'none'}; {state.unit.summary}"
                 if decision.reasons:
                     phase.detail += "; " + "; ".join(decision.reasons)
                 if self.held.stale:
                     phase.detail += f"; took over STALE lock left by {self.held.stale.describe()} (holder gone)"
                 # The checks start the service's python, nvidia-smi and journalctl: only worth it before a change.
-                if not no_op and not self.opts.skip_preflight:
+                if not decision.no_op and not self.opts.skip_preflight:
                     upload = sum(local.payload.files[p].size for p in decision.delta.upload)
                     out = self.remote.run(preflight_command(host), timeout=120)
                     phase.detail += "; " + preflight_verdict(host, out.stdout, upload)
             _check(self.cancel)
-            if no_op:
-                with result.phase("stage") as phase:
-                    phase.detail = "nothing changed: no upload, no restart"
-                result.release = state.current
-                result.finish("unchanged")
-                return
-            self.target = state.current
-            if decision.stage:
-                self._stage(decision.delta)
+            self._stage_if_needed(decision)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
             result.fail(exc)
+        finally:
+            if result.done:
+                self.close()
+            elif not self.hold:
+                self._let_go()
+
+    def _decide(self, state: HostState) -> Decision:
+        self.state = state
+        decision = decide(self.local.payload.identity, self.local.unit_text, state,
+                          force_restart=self.opts.force_restart, secrets=self.local.secrets)
+        self.install_unit = decision.install_unit
+        self.ship_secrets = decision.secrets_changed
+        return decision
+
+    def _stage_if_needed(self, decision: Decision) -> None:
+        """Finish a no-op host; else stage what the decision asks for (nothing for a restart alone)."""
+        assert self.state is not None
+        if decision.no_op:
+            with self.result.phase("stage") as phase:
+                phase.detail = "nothing changed: no upload, no restart"
+            self.result.release = self.state.current
+            self.result.finish("unchanged")
+            return
+        self.target = self.state.current
+        if decision.stage:
+            self._stage(decision.delta)
+
+    def _let_go(self) -> None:
+        """Between the passes: release the lock (nothing to record yet) and disconnect. The staged release
+        stays in ``releases/``, not current; ``activate`` checks it is still there."""
+        if self.held is not None:
+            self.held.release()
+            self.held = None
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
+
+    def _resume(self) -> None:
+        """Connect again, retake the lock, re-read the state (one round trip) and check that nothing moved
+        since the stage pass (another push or a rollback may have run meanwhile). If something did, decide
+        again: a host now in sync is ``unchanged``; else the staged release is used if it is still intact
+        (it holds every file, whatever is current), or a new one is staged."""
+        before, staged = self.state, self.staged
+        assert before is not None
+        with self.result.phase("resume") as phase:
+            self.remote = open_remote(self.inventory, self.host, self.opts)
+            self.held, state = lock_and_read(self.remote, self.host, self.opts.lock_wait,
+                                             command=recorded_command(self.opts, "push"))
+            moved = _moved(before, state, staged)
+            phase.detail = f"lock taken again; {moved + ', decided again' if moved else 'nothing moved since staging'}"
+        if not moved:
+            self.state = state
+            return
+        decision = self._decide(state)
+        intact = staged is not None and staged in state.releases
+        if decision.stage and intact:
+            self.target = staged
+            return
+        self.target = self.staged = None
+        self.leftover = staged if intact else None
+        self._stage_if_needed(decision)
 
     def _stage(self, delta: release.Delta) -> None:
         """Stage the new release. A failure leaves the host unchanged (the staging dir is removed) and is no
@@ -262,12 +327,12 @@ class HostPush:
                                         unit_filename(host.service), local.spec.to_json())
             self.result.attempted = target
             try:
-                tarball = release.build_tarball(local.payload, delta.upload, meta)
+                tarball = release.TarStream(local.payload, delta.upload, meta)
                 out = self.remote.run(release.stage_script(service_dir(host.service), target,
                                                            state.current is not None, delta),
                                       stdin=tarball, timeout=600, cancel=self.cancel)
                 error = "" if out.ok and "STAGED" in out.stdout else out.last_error()
-            except OSError as exc:  # a payload file vanished or shrank while the tar read it
+            except InputFailed as exc:  # a payload file vanished or shrank while the tar read it
                 error = f"cannot read the payload: {exc}"
             if error:
                 changed = release.changed_since_scan(local.payload, delta.upload)
@@ -279,14 +344,20 @@ class HostPush:
                     raise PreflightRefused(f"disk full on the host, host unchanged: {error}")
                 raise PreflightRefused(f"staging failed, host unchanged: {error}")
             self.target = self.staged = target
-            phase.detail = (f"{target}: {delta.describe()} files, {len(tarball)} bytes sent"
+            phase.detail = (f"{target}: {delta.describe()} files, {tarball.sent} bytes sent"
                             f"{', unit changed' if self.install_unit else ''}")
 
     def activate(self) -> None:
-        assert self.remote is not None and self.state is not None and self.target is not None
-        self.result.release = self.target
+        """The batch pass; ends holding nothing."""
         try:
+            if self.remote is None:
+                _check(self.cancel)
+                self._resume()
+                if self.result.done:
+                    return
             _check(self.cancel)
+            assert self.remote is not None and self.state is not None and self.target is not None
+            self.result.release = self.target
             previous = self.state.confirmed
             remote, target = self.remote, self.target
 
@@ -303,6 +374,8 @@ class HostPush:
             self._reconnect_and_roll_back(exc)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
             self.result.fail(exc)
+        finally:
+            self.close()
 
     def _spec_of(self, release_id: str | None) -> GateSpec:
         """How ``release_id`` was gated when it was deployed; this push's spec for releases kdeploy staged
@@ -357,17 +430,31 @@ class HostPush:
             self.result.finish(result, why)
 
     def close(self) -> None:
-        """Record and clean up through the lock holder (no extra round trip), then let go of the host."""
+        """Record and clean up through the lock holder (no extra round trip), then let go of the host. A host
+        that never got its turn holds nothing by now: its staged release is removed over a new connection."""
         try:
-            if self.held is not None and self.remote is not None:
+            if self.held is None and self.staged and self.result.result in ("skipped", "interrupted"):
+                self._remove_staged()
+            elif self.held is not None and self.remote is not None:
                 finish = self._finish_command()
                 if not self.held.release(finish) and finish:  # the holder's link died (we reconnected)
                     self.remote.run(finish, timeout=60)
         except KdeployError as exc:
             self.result.log.append(f"could not record history or clean up after the push: {exc}")
         finally:
+            self.held = None
             if self.remote is not None:
                 self.remote.close()
+                self.remote = None
+
+    def _remove_staged(self) -> None:
+        """Connect and take the lock again (never waiting) to remove the release this push staged and never
+        activated; if someone made it current or pending meanwhile, it is theirs now and stays."""
+        self.remote = open_remote(self.inventory, self.host, self.opts)
+        held, state = lock_and_read(self.remote, self.host, 0, command=recorded_command(self.opts, "push"))
+        theirs = self.staged in (state.current, state.pending.target if state.pending else None)
+        held.release("" if theirs else release.prune_command(service_dir(self.host.service), [str(self.staged)]))
+        self.result.release = state.current
 
     def _finish_command(self) -> str:
         sdir = service_dir(self.host.service)
@@ -378,9 +465,25 @@ class HostPush:
             return ""
         state = self.state
         keep = {state.current, state.confirmed} if state else set()
-        return finish_command(self.host, self.result, self.started, state.releases if state else [], self.local,
-                              keep, command=recorded_command(self.opts, "push"),
-                              secrets="changed" if self.ship_secrets else None)
+        drop = release.prune_command(sdir, [self.leftover] if self.leftover not in (None, *keep) else [])
+        return "\n".join(c for c in (finish_command(self.host, self.result, self.started,
+                                                     state.releases if state else [], self.local, keep,
+                                                     command=recorded_command(self.opts, "push"),
+                                                      secrets="changed" if self.ship_secrets else None),
+                                       drop) if c)
+
+
+def _moved(before: HostState, now: HostState, staged: str | None) -> str:
+    """What changed on a host between the stage pass and its batch (empty: nothing), in words."""
+    if now.current != before.current:
+        return f"current moved from {before.current or 'none'} to {now.current or 'none'}"
+    if (now.pending and now.pending.token) != (before.pending and before.pending.token):
+        return "the host's pending switch changed"
+    if now.unit_text != before.unit_text or now.manifest != before.manifest:
+        return "the installed unit or the current release changed"
+    if staged and staged not in now.releases:
+        return f"staged release {staged} was removed"
+    return ""
 
 
 def preflight_command(host: HostConfig) -> str:

@@ -102,7 +102,10 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
     """Stage on every host in parallel, then restart canary and batches in turn, each gated before the next.
 
     A failing canary stops the rollout; more than ``max_fail`` failures stop new batches. Hosts that are
-    not started end ``skipped`` with their staged release removed, so they are left as they were.
+    not started end ``skipped`` with their staged release removed, so they are left as they were. A host
+    holds its connection and lock only while one of its passes runs (``deploy.HostPush``), so at most
+    ``parallel`` hosts are connected at once, however many there are (when all fit in ``parallel``, they
+    keep them between the passes).
     """
     cancel = cancel or threading.Event()
     results = {name: HostResult(name, listener=listener) for name in names}
@@ -112,8 +115,9 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
         for result in results.values():
             result.fail(exc)
         return Report("push", [results[n] for n in names])
+    hold = len(names) <= parallel  # every host fits in --parallel: no need to let go between the passes
     steps = {name: deploy.HostPush(inventory, inventory.hosts[name], local[name], opts, results[name], cancel,
-                                   router=routers.get(name))
+                                   router=routers.get(name), hold=hold)
              for name in names}
     try:
         _rollout(names, steps, results, opts, parallel, cancel)
@@ -178,7 +182,7 @@ def _rollout(names: list[str], steps: dict[str, deploy.HostPush], results: dict[
             for name in batch:
                 steps[name].skip(f"not restarted: max-fail exceeded ({failed} failed > {max_fail})")
             continue
-        run_parallel([(results[n], steps[n].activate) for n in batch], len(batch), cancel)
+        run_parallel([(results[n], steps[n].activate) for n in batch], min(len(batch), parallel), cancel)
         batch_failed = sum(1 for n in batch if not results[n].ok)
         failed += batch_failed
         if index == 0 and opts.canary and batch_failed:

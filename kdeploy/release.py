@@ -14,11 +14,11 @@ Each script is one round trip and leaves the host unchanged when it fails half w
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import shlex
 import stat
 import tarfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -110,9 +110,8 @@ def scan_payload(root: Path) -> Payload:
         if mode & (stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH):
             raise InvalidInput(f"{path}: mode {stat.S_IMODE(mode):04o}: setuid, setgid and world-writable files "
                                "are refused in the payload (chmod it)")
-        data = path.read_bytes()
-        files[name] = LocalFile(name, hashlib.sha256(data).hexdigest(), len(data),
-                                0o755 if mode & stat.S_IXUSR else 0o644, path)
+        sha, size = _sha256_file(path)
+        files[name] = LocalFile(name, sha, size, 0o755 if mode & stat.S_IXUSR else 0o644, path)
     if not files:
         raise InvalidInput(f"{root}: payload directory is empty")
     return Payload(root, files)
@@ -124,11 +123,11 @@ def changed_since_scan(payload: Payload, names: list[str]) -> list[str]:
     changed = []
     for name in names:
         try:
-            data = payload.files[name].source.read_bytes()
+            sha, _ = _sha256_file(payload.files[name].source)
         except OSError:
             changed.append(name)
             continue
-        if hashlib.sha256(data).hexdigest() != payload.files[name].sha256:
+        if sha != payload.files[name].sha256:
             changed.append(name)
     return changed
 
@@ -217,29 +216,70 @@ def release_id(manifest: dict[str, str], unit_text: str, now: datetime | None = 
     return f"{now:%Y%m%dT%H%M%S}.{now.microsecond // 1000:03d}Z-{digest}"
 
 
-def build_tarball(payload: Payload, upload: list[str], meta: dict[str, str]) -> bytes:
+CHUNK = 1024 * 1024  # what hashing and the tar stream hold of a file at a time
+
+
+def _sha256_file(path: Path) -> tuple[str, int]:
+    """The file's sha256 and size, read in chunks (payloads carry objects of hundreds of MB)."""
+    digest, size = hashlib.sha256(), 0
+    with path.open("rb") as fh:
+        while chunk := fh.read(CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+class TarStream:
     """The files to ship (with their normalised modes) plus the release metadata, as one uncompressed tar
-    stream. The service reads the payload; the metadata is kdeploy's own, for root only (0700/0600)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT, dereference=True) as tar:
-        for name in upload:
-            src = payload.files[name].source
-            info = tar.gettarinfo(str(src), arcname=name)
-            info.mode = payload.files[name].mode
-            info.uid = info.gid = 0
-            info.uname = info.gname = "root"
+    stream, produced in chunks of at most ``CHUNK`` bytes as the upload asks for them: memory stays bounded
+    whatever the payload's size. The service reads the payload; the metadata is kdeploy's own, for root only
+    (0700/0600). A file whose size changed since the scan raises OSError (its content is checked on the host)."""
+
+    def __init__(self, payload: Payload, upload: list[str], meta: dict[str, str]) -> None:
+        self.payload, self.upload, self.meta = payload, upload, meta
+        self.sent = 0  # bytes handed out so far
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._blocks():
+            self.sent += len(chunk)
+            yield chunk
+
+    def _blocks(self) -> Iterator[bytes]:
+        for name in self.upload:
+            src, size = self.payload.files[name].source, self.payload.files[name].size
             with src.open("rb") as fh:
-                tar.addfile(info, fh)
-        meta_dir = tarfile.TarInfo(META)
-        meta_dir.type, meta_dir.mode = tarfile.DIRTYPE, 0o700
-        tar.addfile(meta_dir)
-        for name, text in meta.items():
+                info = _tar_info(name, size, self.payload.files[name].mode)
+                info.mtime = int(os.fstat(fh.fileno()).st_mtime)
+                yield info.tobuf(tarfile.PAX_FORMAT)
+                left = size
+                while left:
+                    chunk = fh.read(min(CHUNK, left))
+                    if not chunk:
+                        raise OSError(f"{src}: file shrank while it was read")
+                    left -= len(chunk)
+                    yield chunk
+                if fh.read(1):
+                    raise OSError(f"{src}: file grew while it was read")
+            yield _padding(size)
+        meta_dir = _tar_info(META, 0, 0o700)
+        meta_dir.type = tarfile.DIRTYPE
+        yield meta_dir.tobuf(tarfile.PAX_FORMAT)
+        for name, text in self.meta.items():
             data = text.encode()
-            info = tarfile.TarInfo(f"{META}/{name}")
-            info.size = len(data)
-            info.mode = 0o600
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+            yield _tar_info(f"{META}/{name}", len(data), 0o600).tobuf(tarfile.PAX_FORMAT) + data + _padding(len(data))
+        yield bytes(2 * tarfile.BLOCKSIZE)  # end of archive
+
+
+def _tar_info(name: str, size: int, mode: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = size, mode
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    return info
+
+
+def _padding(size: int) -> bytes:
+    return bytes(-size % tarfile.BLOCKSIZE)
 
 
 def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta) -> str:
@@ -270,7 +310,9 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
         "|| { echo 'staged file modes differ from the manifest' >&2; exit 1; }",
         "find . -mindepth 1 -type d -empty -delete",
         f"rm -f {META}/found",
-        "sync -f . 2>/dev/null || sync",
+        # Durable before it is visible: only what this upload wrote (one link: not shared with `current`) and
+        # the directories; `sync -f` (syncfs) waited for every dirty page of the whole filesystem, anyone's.
+        "find . \\( -type d -o -type f -links 1 \\) -exec sync -- {} +",
         f"mv -T {staging} {d}/releases/{shlex.quote(release)}",
         "trap - EXIT",
         "echo STAGED",

@@ -16,7 +16,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -191,7 +191,7 @@ def _identities(hop: Hop, agent: _Agent | None) -> tuple[list[paramiko.PKey], li
             if public in in_agent:
                 continue
         try:
-            files.append(paramiko.PKey.from_path(path))
+            files.append(_private_key(path))
         except (paramiko.PasswordRequiredException, TypeError) as exc:  # never prompt: a deploy is unattended
             # (cryptography raises TypeError for an OpenSSH-format key that needs a passphrase)
             if isinstance(exc, TypeError) and "password" not in str(exc):
@@ -204,6 +204,18 @@ def _identities(hop: Hop, agent: _Agent | None) -> tuple[list[paramiko.PKey], li
     if hop.identities_only:
         agent_keys = [k for k in agent_keys if k.asbytes() in wanted]
     return agent_keys + files, skipped
+
+
+_KEYS: dict[tuple, paramiko.PKey] = {}
+
+
+def _private_key(path: Path) -> paramiko.PKey:
+    """An identity file, read once per run (again only when it changed), not once per connection."""
+    st = path.stat()
+    stamp = (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
+    if stamp not in _KEYS:
+        _KEYS[stamp] = paramiko.PKey.from_path(path)
+    return _KEYS[stamp]
 
 
 def _public_blob(path: Path) -> bytes | None:
@@ -238,11 +250,11 @@ def _handshake(hop: Hop, open_sock: Callable[[], socket.socket | _Tunnel],
                accept_new: bool) -> tuple[paramiko.Transport, str | None, list[str]]:
     """Connect (retrying transient failures), verify the host key, authenticate: (transport, newly recorded
     key, failed attempts). Unreachable names the hop."""
+    name = hop.host_key_alias or knownhosts.lookup_name(hop.hostname, hop.port)
     try:
-        entries, _ = knownhosts.load([*hop.user_known_hosts, *hop.global_known_hosts])
+        entries = knownhosts.table([*hop.user_known_hosts, *hop.global_known_hosts]).matching([name])
     except OSError as exc:
         raise Unreachable(f"{hop.label}: {exc}") from None
-    name = hop.host_key_alias or knownhosts.lookup_name(hop.hostname, hop.port)
 
     def attempt() -> tuple[paramiko.Transport, str | None]:
         sock = open_sock()
@@ -490,22 +502,24 @@ class Remote:
             raise Unreachable(f"{self.host.name}: connection lost")
         return self._transport
 
-    def run(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 120.0,
+    def run(self, command: str, *, stdin: bytes | Iterable[bytes] | None = None, timeout: float | None = 120.0,
             cancel: threading.Event | None = None) -> RunResult:
-        """Run one shell command; ``stdin`` is streamed and closed. One round trip.
+        """Run one shell command; ``stdin`` (bytes, or chunks produced as they are sent) is streamed and
+        closed. One round trip.
 
         ``cancel`` is checked between chunks of ``stdin``: when it is set the channel is closed (the command
-        sees its input end early and cleans up) and :class:`Cancelled` is raised within a chunk's time.
+        sees its input end early and cleans up) and :class:`Cancelled` is raised within a chunk's time. A
+        chunk source that fails (OSError) closes the channel the same way and raises :class:`InputFailed`.
         """
         try:
             channel = self.transport.open_session(timeout=timeout)
             channel.settimeout(timeout)
             channel.exec_command(command)
-            for start in range(0, len(stdin or b""), SEND_CHUNK):
+            for chunk in _chunks(channel, stdin):
                 if cancel is not None and cancel.is_set():
                     channel.close()
                     raise Cancelled("interrupted while uploading: nothing was switched")
-                channel.sendall(stdin[start:start + SEND_CHUNK])
+                channel.sendall(chunk)
             channel.shutdown_write()
             stdout, stderr = _drain(channel)
             rc = channel.recv_exit_status()
@@ -541,6 +555,27 @@ class Remote:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class InputFailed(Exception):
+    """Reading what ``Remote.run`` streams to a command's stdin failed (a local file vanished or shrank)."""
+
+
+def _chunks(channel: paramiko.Channel, stdin: bytes | Iterable[bytes] | None) -> Iterator[bytes]:
+    """``stdin`` in pieces of at most ``SEND_CHUNK`` bytes; a failing source closes ``channel``."""
+    if stdin is None:
+        return
+    pieces = iter([stdin]) if isinstance(stdin, bytes) else iter(stdin)
+    while True:
+        try:
+            piece = next(pieces, None)
+        except OSError as exc:
+            channel.close()
+            raise InputFailed(str(exc)) from None
+        if piece is None:
+            return
+        for start in range(0, len(piece), SEND_CHUNK):
+            yield piece[start:start + SEND_CHUNK]
 
 
 def _drain(channel: paramiko.Channel) -> tuple[bytes, bytes]:

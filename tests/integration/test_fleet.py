@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -173,8 +176,11 @@ def test_ctrl_c_mid_rollout_finishes_the_running_batch_and_leaves_the_rest_uncha
     _bump(deployment, "2")
     h1_before = deployment.show("h1", "InvocationID")
     h2_before = _state(deployment, "h2")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1", "--json",
-                             "--inventory", str(deployment.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    # --parallel 1: h2 lets go of its connection and lock after staging, so removing its staged release
+    # takes a connection of its own
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1", "--parallel", "1",
+                             "--json", "--inventory", str(deployment.path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
         deadline = time.monotonic() + 60
@@ -194,3 +200,62 @@ def test_ctrl_c_mid_rollout_finishes_the_running_batch_and_leaves_the_rest_uncha
     assert _state(deployment, "h2") == h2_before           # no restart, its staged release removed
     assert deployment.sh("h2", f"ls {deployment.service_dir}/lock.json 2>&1", check=False).endswith(
         "No such file or directory\n")                      # and its lock let go
+
+
+def _ssh_sockets() -> int:
+    """This process's TCP connections to an sshd (port 22), established: /proc/self/fd against /proc/net/tcp."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as fh:
+            for line in fh.readlines()[1:]:
+                fields = line.split()
+                if fields[2].endswith(":0016") and fields[3] == "01" and fields[9] in inodes:
+                    found += 1
+    return found
+
+
+@pytest.mark.hosts(8)
+def test_parallel_four_on_twelve_hosts_never_holds_more_than_four_connections(deployment: Deployment) -> None:
+    """Issue 16: connections are bounded by --parallel, not by the fleet: a host that is done or not yet
+    started holds none. Twelve hosts: the eight sandbox hosts, and four of them a second time with a service
+    of their own (own unit, port and directory), each its own connection."""
+    extra = {f"{h}x": h for h in ALL[:4]}
+
+    def twelve(doc: dict) -> None:
+        for name, base in extra.items():
+            doc["hosts"][name] = {**doc["hosts"][base], "service": {
+                "name": f"{deployment.service}x", "sglang": {"port": deployment.port + 1000}}}
+        doc["groups"]["test"]["hosts"] = [*ALL, *extra]
+
+    deployment.edit(twelve)
+    peak, samples, done = 0, 0, threading.Event()
+
+    def sample() -> None:
+        nonlocal peak, samples
+        while not done.is_set():
+            peak, samples = max(peak, _ssh_sockets()), samples + 1
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        report = fleet.push(deployment.load(), "test", Options(verify=False), parallel=4)
+        assert report.exit_code == 0, [(h.host, h.result, h.error) for h in report.hosts]
+        assert len(report.hosts) == 12 and {h.result for h in report.hosts} == {"deployed"}
+        resumed = [p.detail for h in report.hosts for p in h.phases if p.name == "resume"]
+        assert resumed == ["lock taken again; nothing moved since staging"] * 12  # let go after staging
+        assert _ssh_sockets() == 0  # nothing held once the push returned
+    finally:
+        done.set()
+        sampler.join()
+        for base in extra.values():
+            deployment.sh(base, f"systemctl disable --now {deployment.service}x 2>/dev/null; "
+                                f"rm -rf /etc/systemd/system/{deployment.service}x.service "
+                                f"/srv/kdeploy/{deployment.service}x; systemctl daemon-reload", check=False)
+    assert samples > 50 and 2 <= peak <= 4 + 1, (peak, samples)

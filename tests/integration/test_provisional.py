@@ -146,10 +146,10 @@ def test_switched_but_never_restarted_is_a_change_and_reverts(quick: Deployment,
     result = HostResult("h1")
     step = deploy.HostPush(inv, host, local, Options(), result, threading.Event())
     step.prepare()
-    assert step.staged and not result.done, result
+    assert step.staged and not result.done and step.remote is None, result  # staged, holding nothing
     pending = provisional.new_pending(step.state.confirmed, step.staged, REVERT_AFTER)
-    deploy._activate(step.remote, host, result, step.staged, step.install_unit, pending)
-    step.remote.close()  # the controller is gone: no restart, no gate, no confirmation
+    with deploy.connect(inv, host, result, Options()) as remote:  # then the controller is gone: no restart,
+        deploy._activate(remote, host, result, step.staged, step.install_unit, pending)  # gate, confirmation
     new = step.staged
     assert _current(quick) == new and quick.show("h1", "InvocationID") == invocation
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -297,13 +298,12 @@ def test_payload_file_changed_during_the_push_is_invalid_input(deployment: Deplo
     before = _snapshot(deployment)
     edited = deployment.payload / "kdeploy_testplugin" / "__init__.py"
     edited.write_text(edited.read_text() + "# v2\n")
-    build = release.build_tarball
+    class EditThenStream(release.TarStream):
+        def __iter__(self) -> Iterator[bytes]:
+            edited.write_text(edited.read_text() + "# saved by an editor during the push\n")
+            return super().__iter__()
 
-    def edit_then_build(payload: release.Payload, upload: list[str], meta: dict[str, str]) -> bytes:
-        edited.write_text(edited.read_text() + "# saved by an editor during the push\n")
-        return build(payload, upload, meta)
-
-    monkeypatch.setattr(release, "build_tarball", edit_then_build)
+    monkeypatch.setattr(release, "TarStream", EditThenStream)
     code, doc = deployment.json(capsys, "push", "test")
     host = doc["hosts"][0]
     assert code == 2 and host["result"] == "invalid", doc
@@ -319,12 +319,11 @@ def test_other_staging_failures_refuse_the_host_unchanged(deployment: Deployment
     assert deployment.kdeploy("push", "test") == 0
     before = _snapshot(deployment)
     (deployment.payload / "new.py").write_text("VALUE = 'original'\n")
-    build = release.build_tarball
+    class Corrupting(release.TarStream):
+        def __iter__(self) -> Iterator[bytes]:
+            return (chunk.replace(b"'original'", b"'corruptd'") for chunk in super().__iter__())
 
-    def corrupt(payload: release.Payload, upload: list[str], meta: dict[str, str]) -> bytes:
-        return build(payload, upload, meta).replace(b"'original'", b"'corruptd'")
-
-    monkeypatch.setattr(release, "build_tarball", corrupt)
+    monkeypatch.setattr(release, "TarStream", Corrupting)
     code, doc = deployment.json(capsys, "push", "test")
     host = doc["hosts"][0]
     assert code == 7 and host["result"] == "preflight_refused", doc

@@ -156,3 +156,15 @@ def test_unknown_markers_and_garbage_lines_are_skipped_with_a_warning(keys: dict
     parsed, warnings = knownhosts.parse("@foo * ssh-ed25519 AAAA\nonly two\n# comment\n"
                                         + line("", "h", keys["host"]), "kh")
     assert len(parsed) == 1 and [w.split(":")[1] for w in warnings] == ["1", "2"]
+
+
+def test_table_is_parsed_once_and_again_when_the_file_changes(tmp_path: Path) -> None:
+    path = tmp_path / "known_hosts"
+    key = b"\x00\x00\x00\x0bssh-ed25519" + bytes(36)
+    path.write_text(knownhosts.entry_line("a", "ssh-ed25519", key, True))
+    first = knownhosts.table([path])
+    assert knownhosts.table([path]) is first and len(first.matching(["a"])) == 1 and first.matching(["b"]) == []
+    with path.open("a") as fh:  # a key recorded on first use
+        fh.write(knownhosts.entry_line("b", "ssh-ed25519", key, True))
+    again = knownhosts.table([path])
+    assert again is not first and len(again.matching(["b"])) == 1

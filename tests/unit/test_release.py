@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from kdeploy import release as release_module
 from kdeploy.errors import InvalidInput
 from kdeploy.release import (
     META,
     Delta,
+    TarStream,
     activate_script,
-    build_tarball,
     changed_since_scan,
     diff,
     manifest_text,
@@ -246,10 +247,10 @@ def test_release_meta():
     assert parse_manifest(meta["manifest.sha256"]) == {"b.py": SHA_B, "a.py": SHA_A, "B.py": SHA_A}
 
 
-def test_build_tarball_contents(tmp_path):
+def test_tar_stream_contents(tmp_path):
     root = make_tree(tmp_path / "p", {"a.py": "a\n", "d/b.py": "b\n", "skip.py": "s\n"})
     payload = scan_payload(root)
-    data = build_tarball(payload, ["a.py", "d/b.py"], {"x": "meta\n"})
+    data = b"".join(TarStream(payload, ["a.py", "d/b.py"], {"x": "meta\n"}))
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         members = {m.name: m for m in tar.getmembers()}
         assert list(members) == ["a.py", "d/b.py", META, f"{META}/x"]
@@ -287,7 +288,7 @@ def stage(sdir: Path, payload_root: Path, *, unit_text: str = "[Unit]\nDescripti
     remote = remote_identity(sdir)
     delta = diff(payload.identity, remote or {})
     rid = release_id(payload.manifest, unit_text, when)
-    tarball = build_tarball(payload, delta.upload, release_meta(payload.manifest, payload.modes, unit_text, UNIT))
+    tarball = b"".join(TarStream(payload, delta.upload, release_meta(payload.manifest, payload.modes, unit_text, UNIT)))
     return Staged(rid, delta, run_script(stage_script(str(sdir), rid, remote is not None, delta), tarball), tarball)
 
 
@@ -425,7 +426,7 @@ def test_failed_stage_leaves_nothing(tmp_path, case):
         upload.remove("pkg/removed.py")
     elif case == "mode-mismatch":
         meta["modes"] = meta["modes"].replace("0644 ./pkg/changed.py", "0755 ./pkg/changed.py")
-    tarball = build_tarball(payload, upload, meta)
+    tarball = b"".join(TarStream(payload, upload, meta))
     if case == "truncated":
         tarball = tarball[:1500]
     elif case == "garbage":
@@ -498,7 +499,7 @@ def test_stage_in_a_dir_with_spaces_never_touches_a_sibling(tmp_path):
     payload_root = make_tree(tmp_path / "payload", {"a.py": "a\n"})
     payload = scan_payload(payload_root)
     rid = release_id(payload.manifest, "u", T0)
-    tarball = build_tarball(payload, ["a.py"], release_meta(payload.manifest, payload.modes, "u", UNIT))
+    tarball = b"".join(TarStream(payload, ["a.py"], release_meta(payload.manifest, payload.modes, "u", UNIT)))
     failed = run_script(stage_script(str(sdir), rid, False, diff(payload.manifest, {})), tarball[:700])
     assert failed.returncode != 0
     assert (sibling / "precious").read_text() == "keep me\n"
@@ -575,3 +576,20 @@ def test_activate_refuses_missing_release_or_tampered_unit(tmp_path, fake_system
     assert sorted(p.name for p in units.iterdir()) == [UNIT]    # and its temp copy is gone
     assert not (sdir / "current").exists()                      # nor current switched
     assert not log.exists()                                     # and systemctl never called
+
+
+def test_tar_stream_is_produced_in_bounded_chunks_and_refuses_a_resized_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(release_module, "CHUNK", 1000)
+    root = make_tree(tmp_path / "p", {"big.bin": "x" * 4500, "small.py": "s\n"})
+    payload = scan_payload(root)
+    stream = TarStream(payload, ["big.bin", "small.py"], {"x": "meta\n"})
+    chunks = list(stream)
+    assert max(len(c) for c in chunks) <= 1536 and stream.sent == sum(map(len, chunks))  # 1000 + a header
+    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
+        assert tar.extractfile("big.bin").read() == b"x" * 4500
+    (root / "big.bin").write_text("x" * 10)  # shrank after the scan
+    with pytest.raises(OSError, match="shrank"):
+        list(TarStream(payload, ["big.bin"], {}))
+    (root / "big.bin").write_text("x" * 4501)  # grew after the scan
+    with pytest.raises(OSError, match="grew"):
+        list(TarStream(payload, ["big.bin"], {}))

@@ -87,3 +87,17 @@ def test_arm_and_confirm_scripts_quote_and_name_the_unit():
     assert "systemctl stop kdeploy-revert-x-at-y.timer kdeploy-revert-x-at-y.service" in arm
     confirm = provisional.confirm_command("/srv/kd/x", "kdeploy-revert-x", "tok")
     assert "CONFIRMED" in confirm and "LOST" in confirm and "rm -f /srv/kd/x/pending" in confirm
+
+
+def test_what_moved_between_the_stage_pass_and_the_batch(pending_state):
+    """HostPush's resume check: a host staged in the first pass, then changed by someone else meanwhile."""
+    from kdeploy.deploy import _moved
+
+    staged = "20991231T000000.000Z-abcdef12"
+    before = dataclasses.replace(pending_state, releases=[*pending_state.releases, staged])
+    assert _moved(before, before, staged) == ""
+    assert _moved(before, dataclasses.replace(before, current="other"), staged).startswith("current moved from")
+    assert _moved(before, dataclasses.replace(before, pending=None), staged) == "the host's pending switch changed"
+    assert _moved(before, dataclasses.replace(before, unit_text="[Unit]\n"), staged).startswith("the installed unit")
+    assert _moved(before, pending_state, staged) == f"staged release {staged} was removed"  # pruned meanwhile
+    assert _moved(before, pending_state, None) == ""  # a restart alone stages nothing

@@ -149,10 +149,10 @@ def capture_state(box: Sandbox) -> None:
     step = deploy.HostPush(inv, host, fleet.prepare(inv, [HOST])[HOST], deploy.Options(), HostResult(HOST),
                            threading.Event())
     step.prepare()
-    assert step.state is not None and step.remote is not None and step.staged
+    assert step.state is not None and step.staged
     pending = provisional.new_pending(step.state.confirmed, step.staged, 3600)
-    deploy._activate(step.remote, host, step.result, step.staged, step.install_unit, pending)
-    step.remote.close()
+    with deploy.connect(inv, host, step.result, deploy.Options()) as remote:
+        deploy._activate(remote, host, step.result, step.staged, step.install_unit, pending)
     out = box.exec(HOST, ["sh", "-c", state.state_script(host, with_history=True)]).stdout
     (HERE / "state_pending.txt").write_text(out)
     print(f"wrote state_pending.txt ({len(out)} chars)")
