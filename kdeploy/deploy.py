@@ -360,7 +360,8 @@ class HostPush:
 
     def _finish_command(self) -> str:
         sdir = service_dir(self.host.service)
-        if self.result.result in ("skipped", "interrupted") and self.staged:
+        # A pre_host hook refuses a host after its staging: it too is left as it was.
+        if self.result.result in ("skipped", "interrupted", "preflight_refused") and self.staged:
             self.result.release = self.state.current if self.state else None
             return release.prune_command(sdir, [self.staged])
         if self.result.result == "preflight_refused":  # a refused host is left exactly as it was
@@ -630,9 +631,11 @@ def finish_command(host: HostConfig, result: HostResult, started: float, release
 
 
 def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult,
-                  router: RouterClient | None = None) -> None:
+                  router: RouterClient | None = None,
+                  before_change: Callable[[str, str | None], bool] | None = None) -> None:
     """Re-activate an older release (and its unit), restart and gate it as it was deployed; drained from
-    ``router`` meanwhile."""
+    ``router`` meanwhile. ``before_change(target, current)``: the pre_host hook, under the lock; False ends
+    the host (its result set) untouched."""
     started = time.monotonic()
     with connect(inventory, host, result, opts) as remote:
         held = None
@@ -650,6 +653,8 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
                 phase.detail = f"{state.current} -> {target}"
                 if state.pending:
                     phase.detail += f" ({state.pending.describe()})"
+            if before_change is not None and not before_change(target, state.current):
+                return
             result.release = target
             fallback = inventory_spec(inventory, host, opts)
             previous = state.confirmed
