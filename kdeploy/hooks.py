@@ -24,7 +24,7 @@ from typing import IO
 
 from kdeploy.errors import PreflightRefused
 from kdeploy.inventory import HostConfig, Inventory
-from kdeploy.report import Cancelled, HostResult, Phase, PhaseFailed, Report
+from kdeploy.report import Cancelled, HostResult, Phase, Report
 
 KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL of a hook's process group
 DETAIL_MAX = 300
@@ -189,20 +189,16 @@ class Runner:
             return True
         env = host_env(self.inventory, host, hook="pre_host", command=self.command, release=release,
                        previous=previous, batch=batch)
-        try:
-            with result.phase("pre_host") as phase:
-                out = self._run("pre_host", host, env, self.cancel)
-                phase.detail = out.detail
-                self.seen[host.name]["pre_host"] = "ok" if out.ok else "failed"
-                if out.interrupted:
-                    raise Cancelled(f"pre_host hook {out.detail}; host untouched")
-                if not out.ok:
-                    raise PreflightRefused(f"pre_host hook refused the host ({out.detail}); host untouched")
-        except (Cancelled, PreflightRefused) as exc:
-            result.release = previous
-            result.fail(exc)
-            return False
-        return True
+        with result.phase("pre_host") as phase:
+            out = self._run("pre_host", host, env, self.cancel)
+            phase.ok, phase.detail = out.ok, out.detail
+        self.seen[host.name]["pre_host"] = "ok" if out.ok else "failed"
+        if out.ok:
+            return True
+        result.release = previous
+        result.fail(Cancelled(f"pre_host hook {out.detail}; host untouched") if out.interrupted else
+                    PreflightRefused(f"pre_host hook refused the host ({out.detail}); host untouched"))
+        return False
 
     def post_host(self, host: HostConfig, result: HostResult, previous: str | None = None) -> None:
         """Run ``post_host`` once for ``host`` with its outcome; a failure is a failed phase, nothing more."""
@@ -215,14 +211,9 @@ class Runner:
         seen = self.seen.get(host.name, {"previous": previous})
         env = host_env(self.inventory, host, hook="post_host", command=self.command, result=result,
                        previous=seen["previous"], batch=seen.get("batch"), pre_host=seen.get("pre_host", ""))
-        try:
-            with result.phase("post_host") as phase:
-                out = self._run("post_host", host, env, self.stop)
-                phase.detail = out.detail
-                if not out.ok:
-                    raise PhaseFailed(out.detail)
-        except PhaseFailed:
-            pass  # reported as the failed phase; the host's result stands
+        with result.phase("post_host") as phase:  # a failure is only this phase's: the host's result stands
+            out = self._run("post_host", host, env, self.stop)
+            phase.ok, phase.detail = out.ok, out.detail
 
 
 def post_rollout(inventory: Inventory, report: Report, echo: Echo = to_stderr,
