@@ -133,7 +133,7 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
     finally:
         run_parallel([(results[n], steps[n].close) for n in names], parallel, threading.Event())
         close_routers(routers)
-        run_parallel([(results[n], partial(runner.post_host, s.host, results[n], s.state and s.state.current))
+        run_parallel([(results[n], partial(runner.post_host, s.host, results[n], s.state.current if s.state else None))
                       for n, s in steps.items()], parallel, runner.stop)
     return Report(command, [results[n] for n in names])
 
@@ -258,8 +258,11 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
     runner = hooks.Runner(inventory, "rollback", cancel)
 
     def one(host: HostConfig, result: HostResult) -> None:
-        deploy.rollback_host(inventory, host, opts, result, router=routers.get(host.name),
-                             before_change=partial(runner.pre_host, host, result))
+        try:
+            deploy.rollback_host(inventory, host, opts, result, router=routers.get(host.name),
+                                 before_change=partial(runner.pre_host, host, result))
+        except (KdeployError, PhaseFailed, Cancelled) as exc:  # ended here, so that post_host sees the result
+            result.fail(exc)
         runner.post_host(host, result)
 
     try:

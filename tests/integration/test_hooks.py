@@ -27,7 +27,7 @@ def _state(dep: Deployment, host: str) -> tuple[str, str, str]:
 def test_a_refusing_pre_host_skips_its_host_and_post_hooks_see_every_result(
         deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     assert deployment.kdeploy("push", "test", "--no-verify") == 0
-    old = _state(deployment, "h1")[0]
+    old = {h: _state(deployment, h)[0] for h in deployment.hosts}  # release ids differ per host (their time)
     h2_before = _state(deployment, "h2")
     seen = deployment.path.parent / "seen"  # hooks run in the inventory's directory
     seen.mkdir()
@@ -44,23 +44,30 @@ def test_a_refusing_pre_host_skips_its_host_and_post_hooks_see_every_result(
     assert code == 7 and doc["exit_code"] == 7
     assert {h: r["result"] for h, r in hosts.items()} == {"h1": "deployed", "h2": "preflight_refused",
                                                            "h3": "deployed"}
-    new = hosts["h1"]["release"]
-    assert new != old and hosts["h3"]["release"] == new
+    new = {h: hosts[h]["release"] for h in ("h1", "h3")}
+    assert new["h1"] != old["h1"] and new["h3"] != old["h3"]
     refused = hosts["h2"]
-    assert "h2 is in maintenance" in refused["error"] and "exit 3" in refused["error"]
-    assert refused["release"] == old
+    assert refused["error"] == "pre_host hook refused the host (exit 3: h2 is in maintenance); host untouched"
+    assert refused["release"] == old["h2"]
     pre = next(p for p in refused["phases"] if p["name"] == "pre_host")
-    assert not pre["ok"] and "h2 is in maintenance" in pre["detail"]
+    assert (pre["ok"], pre["detail"]) == (False, "exit 3: h2 is in maintenance")
     assert not any(p["name"] in ("activate", "restart") for p in refused["phases"])
     assert _state(deployment, "h2") == h2_before  # same release, staged one removed, same run
 
     names = [p["name"] for p in hosts["h1"]["phases"]]
     assert names.index("pre_host") < names.index("activate") < names.index("post_host")
-    assert (seen / "h1").read_text() == f"push deployed pre=ok release={new} previous={old}\n"
-    assert (seen / "h2").read_text() == f"push preflight_refused pre=failed release={old} previous={old}\n"
-    assert (seen / "h3").read_text() == f"push deployed pre=ok release={new} previous={old}\n"
+    for h in ("h1", "h3"):
+        assert (seen / h).read_text() == f"push deployed pre=ok release={new[h]} previous={old[h]}\n"
+    assert (seen / "h2").read_text() == f"push preflight_refused pre=failed release={old['h2']} previous={old['h2']}\n"
     assert (seen / "rollout").read_text() == "7|h2|h1=deployed h2=preflight_refused h3=deployed\n"
     assert [(r["name"], r["ok"]) for r in doc["post_rollout"]] == [("post_rollout", True)]
     # Hook output went to stderr, labelled by host and hook; batches numbered from 1 (--batch 1).
     assert "h1 pre_host: pre_host h1 batch 1" in err and "h3 pre_host: pre_host h3 batch 3" in err
     assert "h2 pre_host: h2 is in maintenance" in err
+
+    # rollback runs the same hooks: h1 goes back, its pre_host told the target before the switch.
+    assert deployment.kdeploy("rollback", "h1") == 0
+    assert _state(deployment, "h1")[0] == old["h1"]
+    assert (seen / "h1").read_text() == f"rollback restored pre=ok release={old['h1']} previous={new['h1']}\n"
+    assert (seen / "rollout").read_text().splitlines()[1] == "0||h1=restored"
+    assert "h1 pre_host: pre_host h1 batch\n" in capsys.readouterr().err  # no batches in a rollback
