@@ -172,7 +172,7 @@ class Runner:
         self.inventory, self.command, self.cancel, self.echo = inventory, command, cancel, echo
         self.stop = threading.Event()
         self.env = base_env(os.environ if environ is None else environ, inventory)
-        self.seen: dict[str, dict] = {}  # host -> what its pre_host was told, and how it ended
+        self.seen: dict[str, dict] = {}  # host -> its previous release, batch, and how pre_host ended
         self.posted: set[str] = set()
         self.lock = threading.Lock()
 
@@ -184,7 +184,7 @@ class Runner:
     def pre_host(self, host: HostConfig, result: HostResult, release: str | None, previous: str | None,
                  batch: int | None = None) -> bool:
         """Run ``pre_host`` before ``host`` is changed; False: it failed and the host ended (left untouched)."""
-        self.seen[host.name] = {"release": release, "previous": previous, "batch": batch, "pre_host": ""}
+        self.seen[host.name] = {"previous": previous, "batch": batch, "pre_host": ""}
         if host.hooks.pre_host is None:
             return True
         env = host_env(self.inventory, host, hook="pre_host", command=self.command, release=release,
