@@ -168,3 +168,15 @@ def test_post_rollout_runs_once_per_distinct_command(tmp_path: Path) -> None:
         ("post_rollout", False, "exit 1: own a"), ("post_rollout", True, "exit 0")]
     assert lines == ["post_rollout: own a", "kdeploy: post_rollout hook failed: exit 1: own a"]
     assert report.exit_code == 0
+
+
+def test_ctrl_c_during_pre_host_ends_the_host_interrupted_and_post_host_still_runs(tmp_path: Path) -> None:
+    inv = _inventory(tmp_path, defaults={"hooks": {"pre_host": "sleep 30", "post_host": "echo $KDEPLOY_RESULT > post"}})
+    cancel = threading.Event()
+    runner = hooks.Runner(inv, "push", cancel, echo=lambda line: None, environ=os.environ)
+    result = HostResult("a")
+    threading.Timer(0.2, cancel.set).start()
+    assert not runner.pre_host(inv.hosts["a"], result, "r2", "r1", 1)
+    assert (result.result, result.exit_code) == ("interrupted", 130)
+    runner.post_host(inv.hosts["a"], result)
+    assert (tmp_path / "post").read_text() == "interrupted\n"
