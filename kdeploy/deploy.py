@@ -433,7 +433,8 @@ class HostPush:
         """Record and clean up through the lock holder (no extra round trip), then let go of the host. A host
         that never got its turn holds nothing by now: its staged release is removed over a new connection."""
         try:
-            if self.held is None and self.staged and self.result.result in ("skipped", "interrupted"):
+            if self.held is None and self.staged and self.result.result in ("skipped", "interrupted",
+                                                                             "preflight_refused"):
                 self._remove_staged()
             elif self.held is not None and self.remote is not None:
                 finish = self._finish_command()
@@ -458,7 +459,8 @@ class HostPush:
 
     def _finish_command(self) -> str:
         sdir = service_dir(self.host.service)
-        if self.result.result in ("skipped", "interrupted") and self.staged:
+        # A pre_host hook refuses a host after its staging: it too is left as it was.
+        if self.result.result in ("skipped", "interrupted", "preflight_refused") and self.staged:
             self.result.release = self.state.current if self.state else None
             return release.prune_command(sdir, [self.staged])
         if self.result.result == "preflight_refused":  # a refused host is left exactly as it was
@@ -469,8 +471,8 @@ class HostPush:
         return "\n".join(c for c in (finish_command(self.host, self.result, self.started,
                                                      state.releases if state else [], self.local, keep,
                                                      command=recorded_command(self.opts, "push"),
-                                                      secrets="changed" if self.ship_secrets else None),
-                                       drop) if c)
+                                                     secrets="changed" if self.ship_secrets else None),
+                                      drop) if c)
 
 
 def _moved(before: HostState, now: HostState, staged: str | None) -> str:
@@ -762,9 +764,11 @@ def finish_command(host: HostConfig, result: HostResult, started: float, release
 
 
 def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult,
-                  router: RouterClient | None = None) -> None:
+                  router: RouterClient | None = None,
+                  before_change: Callable[[str, str | None], bool] | None = None) -> None:
     """Re-activate an older release (and its unit), restart and gate it as it was deployed; drained from
-    ``router`` meanwhile."""
+    ``router`` meanwhile. ``before_change(target, current)``: the pre_host hook, under the lock; False ends
+    the host (its result set) untouched."""
     started = time.monotonic()
     with connect(inventory, host, result, opts) as remote:
         held = None
@@ -782,6 +786,8 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
                 phase.detail = f"{state.current} -> {target}"
                 if state.pending:
                     phase.detail += f" ({state.pending.describe()})"
+            if before_change is not None and not before_change(target, state.current):
+                return
             result.release = target
             fallback = inventory_spec(inventory, host, opts)
             previous = state.confirmed

@@ -16,7 +16,7 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from kdeploy import deploy, settings
+from kdeploy import deploy, hooks, settings
 from kdeploy import secrets as secret
 from kdeploy.deploy import Local, Options
 from kdeploy.errors import InvalidInput, KdeployError, PreflightRefused
@@ -98,14 +98,16 @@ def plan_batches(names: list[str], canary: int, batch: int) -> list[list[str]]:
 
 
 def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opts: Options, *, parallel: int,
-            listener: Listener | None = None, cancel: threading.Event | None = None) -> Report:
+            listener: Listener | None = None, cancel: threading.Event | None = None,
+            command: str = "push") -> Report:
     """Stage on every host in parallel, then restart canary and batches in turn, each gated before the next.
 
     A failing canary stops the rollout; more than ``max_fail`` failures stop new batches. Hosts that are
     not started end ``skipped`` with their staged release removed, so they are left as they were. A host
     holds its connection and lock only while one of its passes runs (``deploy.HostPush``), so at most
     ``parallel`` hosts are connected at once, however many there are (when all fit in ``parallel``, they
-    keep them between the passes).
+    keep them between the passes). The inventory's ``pre_host`` hook runs right before a host's turn,
+    ``post_host`` once its outcome is known.
     """
     cancel = cancel or threading.Event()
     results = {name: HostResult(name, listener=listener) for name in names}
@@ -114,13 +116,21 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
     except KdeployError as exc:  # refused or unreachable router: no host was touched
         for result in results.values():
             result.fail(exc)
-        return Report("push", [results[n] for n in names])
+        return Report(command, [results[n] for n in names])
     hold = len(names) <= parallel  # every host fits in --parallel: no need to let go between the passes
     steps = {name: deploy.HostPush(inventory, inventory.hosts[name], local[name], opts, results[name], cancel,
                                    router=routers.get(name), hold=hold)
              for name in names}
+    runner = hooks.Runner(inventory, command, cancel)
+
+    def activate(name: str, batch: int) -> None:
+        step = steps[name]
+        if runner.pre_host(step.host, step.result, step.target, step.state.current if step.state else None, batch):
+            step.activate()
+        runner.post_host(step.host, step.result)
+
     try:
-        _rollout(names, steps, results, opts, parallel, cancel)
+        _rollout(names, steps, results, opts, parallel, cancel, activate)
     except KeyboardInterrupt:  # between batches: what has not started is skipped, the report still prints
         cancel.set()
         for step in steps.values():
@@ -128,7 +138,9 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
     finally:
         run_parallel([(results[n], steps[n].close) for n in names], parallel, threading.Event())
         close_routers(routers)
-    return Report("push", [results[n] for n in names])
+        run_parallel([(results[n], partial(runner.post_host, s.host, results[n], s.state.current if s.state else None))
+                      for n, s in steps.items()], parallel, runner.stop)
+    return Report(command, [results[n] for n in names])
 
 
 def open_routers(inventory: Inventory, names: list[str], opts: Options, batch: int) -> dict:
@@ -167,7 +179,8 @@ def close_routers(clients: dict) -> None:
 
 
 def _rollout(names: list[str], steps: dict[str, deploy.HostPush], results: dict[str, HostResult], opts: Options,
-             parallel: int, cancel: threading.Event) -> None:
+             parallel: int, cancel: threading.Event, activate: Callable[[str, int], None]) -> None:
+    """``activate(name, batch)``: one host's turn in its batch (numbered from 1, the canary's first)."""
     run_parallel([(results[n], steps[n].prepare) for n in names], parallel, cancel)
     failed = sum(1 for r in results.values() if r.done and not r.ok)
     max_fail = count(opts.max_fail, len(names), len(names))
@@ -182,7 +195,8 @@ def _rollout(names: list[str], steps: dict[str, deploy.HostPush], results: dict[
             for name in batch:
                 steps[name].skip(f"not restarted: max-fail exceeded ({failed} failed > {max_fail})")
             continue
-        run_parallel([(results[n], steps[n].activate) for n in batch], min(len(batch), parallel), cancel)
+        run_parallel([(results[n], partial(activate, n, index + 1)) for n in batch], min(len(batch), parallel),
+                     cancel)
         batch_failed = sum(1 for n in batch if not results[n].ok)
         failed += batch_failed
         if index == 0 and opts.canary and batch_failed:
@@ -222,7 +236,9 @@ def push(inventory: Inventory, target: str | None, opts: Options | None = None, 
                        parallel=parallel, listener=listener, cancel=cancel)
     for spec in (opts.batch, opts.max_fail):
         count(spec, 1, 1)  # bad syntax fails before any host is touched
-    return rollout(inventory, names, local, opts, parallel=parallel, listener=listener, cancel=cancel)
+    report = rollout(inventory, names, local, opts, parallel=parallel, listener=listener, cancel=cancel)
+    hooks.post_rollout(inventory, report)
+    return report
 
 
 def _each(inventory: Inventory, target: str | None, command: str, step: Callable, opts: Options | None,
@@ -240,17 +256,29 @@ def verify(inventory: Inventory, target: str | None, opts: Options | None = None
 
 def rollback(inventory: Inventory, target: str | None, opts: Options | None = None, *,
              parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
-    """Behind a router, one host at a time (each drained, restarted, gated, admitted), after its preflight."""
+    """Behind a router, one host at a time (each drained, restarted, gated, admitted), after its preflight.
+    The inventory's hooks run as for a push: ``pre_host`` once the target is known, before the host changes."""
     opts = opts or Options()
     names = inventory.resolve(target)
     routers = open_routers(inventory, names, opts, 1)
+    cancel = threading.Event()
+    runner = hooks.Runner(inventory, "rollback", cancel)
+
+    def one(host: HostConfig, result: HostResult) -> None:
+        try:
+            deploy.rollback_host(inventory, host, opts, result, router=routers.get(host.name),
+                                 before_change=partial(runner.pre_host, host, result))
+        except (KdeployError, PhaseFailed, Cancelled) as exc:  # ended here, so that post_host sees the result
+            result.fail(exc)
+        runner.post_host(host, result)
+
     try:
-        return fan_out(inventory, names, "rollback",
-                       lambda host, result: deploy.rollback_host(inventory, host, opts, result,
-                                                                 router=routers.get(host.name)),
-                       parallel=1 if routers else parallel, listener=listener)
+        report = fan_out(inventory, names, "rollback", one, parallel=1 if routers else parallel, listener=listener,
+                         cancel=cancel)
     finally:
         close_routers(routers)
+    hooks.post_rollout(inventory, report)
+    return report
 
 
 def probe(inventory: Inventory, target: str | None, opts: Options | None = None, *,
@@ -347,10 +375,18 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
     if opts.batch is None and any(edit.new.hosts[n].router for n in names):
         opts = replace(opts, batch="1")  # no --batch here: behind a router one host at a time, as rollback
     report = rollout(edit.new, names, local, opts, parallel=parallel, listener=listener,
-                     cancel=cancel or threading.Event())
-    report.command, report.extra = command, facts
-    if report.ok:
-        return report
+                     cancel=cancel or threading.Event(), command=command)
+    report.extra = facts
+    if not report.ok:
+        _revert(edit, report, opts, parallel, listener)
+    hooks.post_rollout(edit.new, report)
+    return report
+
+
+def _revert(edit: settings.Edit, report: Report, opts: Options, parallel: int, listener: Listener | None) -> None:
+    """A failed edit's way back: the file, then the hosts that took the new config, in a rollout of their own
+    (its hooks run with the command ``<command> revert``; the post_rollout hook runs once, after it)."""
+    facts = report.extra
     try:
         conflicts = settings.revert(edit)
     except (KdeployError, OSError) as exc:  # the file was made unreadable, is being written, the disk is full
@@ -363,8 +399,9 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
         # does). No canary or max-fail either: every host that moved goes back.
         back_opts = replace(opts, canary=0, max_fail=None)
         try:
-            back = push(edit.old, ",".join(moved), back_opts, parallel=parallel, listener=listener,
-                        cancel=threading.Event()).hosts
+            names = edit.old.resolve(",".join(moved))
+            back = rollout(edit.old, names, prepare(edit.old, names, back_opts), back_opts, parallel=parallel,
+                           listener=listener, cancel=threading.Event(), command=f"{report.command} revert").hosts
         except KdeployError as exc:  # the old payload or template is gone or unreadable by now
             back = [HostResult(name).finish("failed", str(exc)) for name in moved]
         facts["inventory"]["restored_hosts"] = {h.host: h.result for h in back}
@@ -373,4 +410,3 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
             match.restored = restored.result
             if not restored.ok:
                 match.finish("rollback_failed", f"put back to the old config failed: {restored.error}")
-    return report

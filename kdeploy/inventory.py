@@ -335,6 +335,34 @@ class Router(_Strict):
         "`Authorization: Bearer`); the key itself never goes in the inventory", None)
 
 
+def _hook_command(value: str) -> str:
+    if not value.strip():
+        raise ValueError("is empty: leave the hook out, or set it to null to turn off one set at a wider level")
+    if "\x00" in value:
+        raise ValueError("contains a NUL character")
+    return value
+
+
+HookCommand = Annotated[str, AfterValidator(_hook_command)]
+
+
+class Hooks(_Strict):
+    """Local commands the controller runs around a rollout (docs/hooks.md): each is run with `/bin/sh -c` in
+    the inventory file's directory, with `KDEPLOY_*` variables saying what is happening."""
+
+    pre_host: HookCommand | None = _doc(
+        "push, rollback, set-env/set: runs right before kdeploy changes the host (before its drain and switch); "
+        "a non-zero exit or the timeout leaves the host untouched, `preflight_refused` (exit 7)", None)
+    post_host: HookCommand | None = _doc(
+        "runs once for every host of those commands when its outcome is known (`KDEPLOY_RESULT`); a failure "
+        "is reported as a failed `post_host` phase and changes nothing else", None)
+    post_rollout: HookCommand | None = _doc(
+        "runs once after all hosts ended (`KDEPLOY_HOSTS`, `KDEPLOY_FAILED`, `KDEPLOY_EXIT_CODE`); hosts that "
+        "share the same command share one run", None)
+    timeout: float = _doc("seconds each hook may run before its whole process group is killed (a timed-out "
+                          "`pre_host` refuses the host)", 60, gt=0, le=3600)
+
+
 class HostConfig(_Strict):
     """One host with every layer merged in: what kdeploy acts on."""
 
@@ -356,6 +384,8 @@ class HostConfig(_Strict):
                             "`service.sglang.model_path` must be set at some level)")
     router: Router | None = _doc("the SGLang router in front of this host's server: drained before its "
                                  "restart, re-admitted after its gate (docs/router.md)", None)
+    hooks: Hooks = _doc("local commands run on the controller before and after each host and after the "
+                        "rollout, below (docs/hooks.md)", Hooks(), shown="none")
 
     @property
     def worker_url(self) -> str | None:

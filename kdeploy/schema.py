@@ -30,7 +30,8 @@ class _Doc(BaseModel):
 
 class PhaseDoc(_Doc):
     name: str = Field(description="Phase name (connect, preflight, stage, activate, restart, unit, ready, "
-                                  "completion, workers, confirm, rollback, 'rollback <phase>', relock, ...).")
+                                  "completion, workers, confirm, rollback, 'rollback <phase>', relock, "
+                                  "pre_host, post_host, ...).")
     ok: bool = Field(description="Whether the phase passed.")
     seconds: float = Field(description="Wall time of the phase.")
     detail: str = Field(description="What the phase found, or why it failed (one line).")
@@ -119,6 +120,8 @@ class ReportDoc(_Doc):
     hosts: list[HostDoc] = Field(description="One entry per host, in inventory order.")
     summary: dict[str, int] = Field(description="'hosts': the number of hosts, then the count of each result.")
     inventory: InventoryEditDoc | None = Field(default=None, description="set-env/set: the inventory edit.")
+    post_rollout: list[PhaseDoc] | None = Field(default=None, description="push, rollback, set-env/set: each run "
+                                                "of an inventory's post_rollout hook (docs/hooks.md).")
 
 
 def report_schema() -> dict[str, Any]:
@@ -174,6 +177,7 @@ _TABLES: list[tuple[str, type[BaseModel], tuple[str, ...]]] = [
     ("service.gate", inventory.Gate, ()),
     ("service.unit", inventory.UnitSettings, ()),
     ("router", inventory.Router, ()),
+    ("hooks", inventory.Hooks, ()),
 ]
 _BEGIN = re.compile(r"<!-- BEGIN generated: (\S+) .*?-->\n.*?<!-- END generated -->", re.DOTALL)
 

@@ -1,0 +1,78 @@
+"""The inventory's hooks around a real push on three sandbox hosts: a refusing pre_host leaves its host
+untouched, post_host sees every host's result, post_rollout runs once with the summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kdeploy import cli
+from tests.conftest import Deployment
+
+PRE_HOST = ('echo "pre_host $KDEPLOY_HOST batch $KDEPLOY_BATCH"; '
+            'if [ "$KDEPLOY_HOST" = h2 ]; then echo "h2 is in maintenance" >&2; exit 3; fi')
+POST_HOST = ('echo "$KDEPLOY_COMMAND $KDEPLOY_RESULT pre=$KDEPLOY_PRE_HOST release=$KDEPLOY_RELEASE '
+             'previous=$KDEPLOY_PREVIOUS_RELEASE" > "seen/$KDEPLOY_HOST"')
+POST_ROLLOUT = 'echo "$KDEPLOY_EXIT_CODE|$KDEPLOY_FAILED|$KDEPLOY_RESULTS" >> seen/rollout'
+
+
+def _state(dep: Deployment, host: str) -> tuple[str, str, str]:
+    d = dep.service_dir
+    return (dep.sh(host, f"readlink {d}/current").strip(), dep.sh(host, f"ls {d}/releases").strip(),
+            dep.show(host, "InvocationID"))
+
+
+def _release(dep: Deployment, host: str) -> str:
+    return Path(_state(dep, host)[0]).name
+
+
+@pytest.mark.hosts(3)
+def test_a_refusing_pre_host_skips_its_host_and_post_hooks_see_every_result(
+        deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    assert deployment.kdeploy("push", "test", "--no-verify") == 0
+    old = {h: _release(deployment, h) for h in deployment.hosts}  # release ids differ per host (their time)
+    h2_before = _state(deployment, "h2")
+    seen = deployment.path.parent / "seen"  # hooks run in the inventory's directory
+    seen.mkdir()
+    deployment.edit(lambda doc: doc["defaults"].update(
+        hooks={"pre_host": PRE_HOST, "post_host": POST_HOST, "post_rollout": POST_ROLLOUT, "timeout": 20}))
+    (deployment.payload / "rev.txt").write_text("2")
+
+    capsys.readouterr()
+    code = cli.main(["push", "test", "--no-verify", "--batch", "1", "--inventory", str(deployment.path), "--json"])
+    out, err = capsys.readouterr()
+    doc = json.loads(out)  # hook output never reaches stdout
+
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    assert code == 7 and doc["exit_code"] == 7
+    assert {h: r["result"] for h, r in hosts.items()} == {"h1": "deployed", "h2": "preflight_refused",
+                                                           "h3": "deployed"}
+    new = {h: hosts[h]["release"] for h in ("h1", "h3")}
+    assert new["h1"] != old["h1"] and new["h3"] != old["h3"]
+    refused = hosts["h2"]
+    assert refused["error"] == "pre_host hook refused the host (exit 3: h2 is in maintenance); host untouched"
+    assert refused["release"] == old["h2"]
+    pre = next(p for p in refused["phases"] if p["name"] == "pre_host")
+    assert (pre["ok"], pre["detail"]) == (False, "exit 3: h2 is in maintenance")
+    assert not any(p["name"] in ("activate", "restart") for p in refused["phases"])
+    assert _state(deployment, "h2") == h2_before  # same release, staged one removed, same run
+
+    names = [p["name"] for p in hosts["h1"]["phases"]]
+    assert names.index("pre_host") < names.index("activate") < names.index("post_host")
+    for h in ("h1", "h3"):
+        assert (seen / h).read_text() == f"push deployed pre=ok release={new[h]} previous={old[h]}\n"
+    assert (seen / "h2").read_text() == f"push preflight_refused pre=failed release={old['h2']} previous={old['h2']}\n"
+    assert (seen / "rollout").read_text() == "7|h2|h1=deployed h2=preflight_refused h3=deployed\n"
+    assert [(r["name"], r["ok"]) for r in doc["post_rollout"]] == [("post_rollout", True)]
+    # Hook output went to stderr, labelled by host and hook; batches numbered from 1 (--batch 1).
+    assert "h1 pre_host: pre_host h1 batch 1" in err and "h3 pre_host: pre_host h3 batch 3" in err
+    assert "h2 pre_host: h2 is in maintenance" in err
+
+    # rollback runs the same hooks: h1 goes back, its pre_host told the target before the switch.
+    assert deployment.kdeploy("rollback", "h1") == 0
+    assert _release(deployment, "h1") == old["h1"]
+    assert (seen / "h1").read_text() == f"rollback restored pre=ok release={old['h1']} previous={new['h1']}\n"
+    assert (seen / "rollout").read_text().splitlines()[1] == "0||h1=restored"
+    assert "h1 pre_host: pre_host h1 batch\n" in capsys.readouterr().err  # no batches in a rollback
