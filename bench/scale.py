@@ -402,15 +402,25 @@ def plot(report: dict, stem: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return _plot_svg(series, panels, stem.with_suffix(".svg"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
-    for ax, (metric, label) in zip(axes, panels, strict=True):
+    top = max(r["hosts"] for r in report["runs"].values())
+    by_p = {kind: sorted((r["parallel"], r["wall"]) for r in report["runs"].values()
+                         if r["kind"] == kind and r["hosts"] == top) for kind in KINDS}
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for ax, (metric, label) in zip(axes.flat, panels, strict=False):
         for kind, pts in series.items():
             if pts:
                 ax.plot([n for n, _ in pts], [r[metric] for _, r in pts], marker="o", label=kind)
         ax.set_xlabel("hosts")
         ax.set_title(label)
         ax.grid(alpha=0.3)
-    axes[0].legend()
+    ax = axes.flat[len(panels)]
+    for kind, pts in by_p.items():
+        if pts:
+            ax.plot([p for p, _ in pts], [w for _, w in pts], marker="o", label=kind)
+    ax.set_xlabel("--parallel")
+    ax.set_title(f"wall (s) at {top} hosts by --parallel")
+    ax.grid(alpha=0.3)
+    axes.flat[0].legend()
     fig.suptitle(f"kdeploy at scale, --parallel {DEFAULT_PARALLEL} ({report['meta']['commit']})")
     fig.tight_layout()
     path = stem.with_suffix(".png")
