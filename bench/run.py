@@ -57,9 +57,9 @@ RESULTS = BENCH / "results"
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))
 
-from kdeploy import fleet, inventory, markers  # noqa: E402
+from kdeploy import fleet, inventory  # noqa: E402
 from kdeploy.lab import floor  # noqa: E402
-from kdeploy.lab.demo import demo_service, project_dir  # noqa: E402
+from kdeploy.lab.demo import PLUGIN_LOADED, demo_service, project_dir  # noqa: E402
 from kdeploy.lab.sandbox import HOST_VENV, Sandbox  # noqa: E402
 from kdeploy.render import render_unit  # noqa: E402
 
@@ -67,7 +67,7 @@ SERVICE = "sglang-demo"           # kdeploy's service (the demo service, referen
 ANS_SERVICE, ANS_PORT, ANS_ROOT = "sglang-ans", 30001, "/srv/kdeploy-ans"
 HAND_SERVICE, HAND_PORT, HAND_ROOT = "sglang-hand", 30002, "/srv/kdeploy-hand"
 MODEL = "kimi-k2.6"
-MARKER = markers.PLUGIN_LOADED    # what the demo gate counts per worker
+MARKER = PLUGIN_LOADED            # what the demo gate counts per worker
 WORKERS = 8
 READY_LINE = "The server is fired up and ready to roll!"
 TOOLS = ("kdeploy-full", "kdeploy-noop", "kdeploy-verify", "ansible", "hand")

@@ -124,15 +124,6 @@ def limits() -> dict[str, Any]:
             "nofile_soft": resource.getrlimit(resource.RLIMIT_NOFILE)[0]}
 
 
-def sandbox_mem_mb(box: Sandbox) -> float | None:
-    """memory.current of the instance's cgroup (every host's processes and page cache), if cgroup v2."""
-    for base in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")):
-        path = base / box.cgroup_name / "memory.current"
-        with contextlib.suppress(OSError, ValueError):
-            return int(path.read_text()) / 2**20
-    return None
-
-
 def boot(box: Sandbox, n: int) -> dict[str, Any]:
     """Boot n hosts; seconds and memory per host (MemAvailable before/after)."""
     if box.hosts() or box.leftovers():
@@ -144,10 +135,9 @@ def boot(box: Sandbox, n: int) -> dict[str, Any]:
     seconds = time.monotonic() - t0
     time.sleep(2)   # let the last hosts' boot jobs settle before reading memory
     used = before - mem_available_mb()
-    cg = sandbox_mem_mb(box)
     entry = {"hosts": n, "boot_s": round(seconds, 1), "mem_available_before_mb": round(before),
              "mem_used_mb": round(used), "mem_per_host_mb": round(used / n, 1),
-             "cgroup_mb": round(cg) if cg is not None else None, "load1": round(os.getloadavg()[0], 2)}
+             "load1": round(os.getloadavg()[0], 2)}
     log(f"N={n}: up in {seconds:.1f}s, {used:.0f} MB used ({used / n:.1f} MB/host)")
     return entry
 
