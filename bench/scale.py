@@ -142,8 +142,8 @@ def boot(box: Sandbox, n: int) -> dict[str, Any]:
     return entry
 
 
-def run_kdeploy(argv: list[str], log_to: Path, timeout: float = 1800) -> tuple[dict[str, Any], dict | None]:
-    """Run kdeploy as a child; wall, user+sys (wait4) and its /proc peaks; its JSON document."""
+def run_watched(argv: list[str], log_to: Path, timeout: float = 1800) -> tuple[dict[str, Any], dict | None]:
+    """Run kdeploy (or a snippet) as a child: wall, user+sys (wait4), its /proc peaks; its JSON document."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
@@ -180,12 +180,13 @@ def run_kdeploy(argv: list[str], log_to: Path, timeout: float = 1800) -> tuple[d
 class Fleet:
     """The booted sandbox, a copy of the payload and inventories for the first N hosts."""
 
-    def __init__(self, box: Sandbox, work: Path, payload_src: Path) -> None:
-        self.box, self.work = box, work
+    def __init__(self, box: Sandbox, work: Path, payload_src: Path, logs: Path) -> None:
+        self.box, self.work, self.logs = box, work, logs
         self.payload = work / "payload"
         shutil.copytree(payload_src, self.payload)
-        self.full_inv = work / "inventory-all.yaml"
-        self.logs = work / "logs"
+        full_inv = work / "inventory-all.yaml"
+        box.write_inventory(full_inv, light_service(project_dir(), payload=str(self.payload)))
+        self.full_inv = full_inv.read_text()
 
     def stamp(self, text: str) -> None:
         """A new release: one file of the payload changes (kdeploy ships what changed)."""
@@ -193,9 +194,8 @@ class Fleet:
 
     def inventory(self, n: int) -> Path:
         """The sandbox's inventory cut to hosts h1..hN."""
-        self.box.write_inventory(self.full_inv, light_service(project_dir(), payload=str(self.payload)))
         yaml = YAML()
-        doc = yaml.load(self.full_inv.read_text())
+        doc = yaml.load(self.full_inv)
         names = [f"h{i}" for i in range(1, n + 1)]
         doc["groups"]["sandbox"]["hosts"][:] = names
         for name in list(doc["hosts"]):
@@ -213,7 +213,7 @@ class Fleet:
         else:
             argv = [sys.executable, "-c", ASYNCSSH_CONNS, str(self.box.key_path), str(self.box.known_hosts_path),
                     *(h.address for h in self.box.hosts()[:n])]
-        sample, _doc = run_kdeploy(argv, self.logs / f"conns-{lib}-N{n}.log")
+        sample, _doc = run_watched(argv, self.logs / f"conns-{lib}-N{n}.log")
         sample["ok"] = sample["rc"] == 0
         if sample["ok"]:
             sample.pop("error", None)   # no JSON document is expected from the snippets
@@ -227,7 +227,7 @@ class Fleet:
             self.stamp(tag)
         argv = [str(BIN / "kdeploy"), *command, "all", "--inventory", str(self.inventory(n)), "--json",
                 "--parallel", str(parallel)]
-        sample, doc = run_kdeploy(argv, self.logs / f"{tag}.log")
+        sample, doc = run_watched(argv, self.logs / f"{tag}.log")
         want = {"full": "deployed", "noop": "unchanged", "verify": "healthy"}[kind]
         results = sorted({h["result"] for h in doc["hosts"]}) if doc else []
         sample["ok"] = bool(doc and doc["ok"] and results == [want] and len(doc["hosts"]) == n)
@@ -251,8 +251,7 @@ def bench(args: argparse.Namespace, report: dict) -> None:
     work = Path(tempfile.mkdtemp(prefix="kdeploy-scale-"))
     try:
         report["boot"] = [boot(box, top)]
-        f = Fleet(box, work, args.payload)
-        f.logs = args.logs
+        f = Fleet(box, work, args.payload, args.logs)
         log(f"first install on {top} hosts (untimed; every timed push replaces a running release)")
         first = f.kdeploy("full", top, DEFAULT_PARALLEL, f"first-N{top}")
         report["first_install"] = first
