@@ -1214,7 +1214,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("bench: needs root (sandbox hosts)", file=sys.stderr)
         return 2
-    for tool in ("ansible-playbook", "kdeploy"):
+    for tool in ("kdeploy",) if args.skip_ansible else ("ansible-playbook", "kdeploy"):
         if not (BIN / tool).exists():
             print(f"bench: {BIN / tool} missing: {BIN}/pip install -r bench/requirements.txt", file=sys.stderr)
             return 2
@@ -1231,7 +1231,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     work_root = Path(tempfile.mkdtemp(prefix="kdeploy-bench-"))
     ansible_version = subprocess.run([str(BIN / "ansible-playbook"), "--version"], capture_output=True, text=True,
-                                     check=False).stdout.splitlines()[:1]
+                                     check=False).stdout.splitlines()[:1] if not args.skip_ansible else []
     git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          check=False).stdout.strip()
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "kdeploy"], capture_output=True,
