@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 SANDBOX_INVENTORY ?= .sandbox/inventory.yaml
 
-.PHONY: system-deps venv ci-tools lint test demo demo-down bench bench-rollout clean
+.PHONY: system-deps venv ci-tools lint test demo demo-down bench bench-rollout bench-scale clean
 
 # Installs only what is missing: systemd-nspawn, sshd/ssh, ip/tc, nsenter/flock, Debian's python3 + venv,
 # rsync and npm (gitlab-ci-local runs the CI example).
@@ -83,6 +83,14 @@ bench-rollout: venv
 .PHONY: bench-upload
 bench-upload: venv
 	flock /tmp/sandbox-heavy.lock $(BIN)/python bench/upload.py --where | tee bench/results/upload.txt
+
+# kdeploy at 16/32/64/128 light sandbox hosts (issue 16, docs/benchmarks.md "Scale"): full/no-op push and verify,
+# wall, controller CPU, peak RSS/threads/fds; --parallel 16/64/128 at 128 hosts. Writes bench/results/scale.json
+# and scale.png (asyncssh: paramiko vs asyncssh, 128 concurrent connections); ~10 min on 2 cores.
+# SCALE_ARGS="--sizes 16,32 --parallel 16" for a quick run, SCALE_ARGS="--boot-sizes 16,32,64,128" for boots only.
+bench-scale: venv
+	@$(BIN)/python -c 'import matplotlib, asyncssh' 2>/dev/null || $(BIN)/pip install -q matplotlib asyncssh || true
+	flock /tmp/sandbox-heavy.lock $(BIN)/python bench/scale.py $(SCALE_ARGS)
 
 clean:
 	rm -rf $(VENV) .sandbox .tools

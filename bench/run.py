@@ -57,8 +57,9 @@ RESULTS = BENCH / "results"
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))
 
-from kdeploy import fleet, inventory, markers  # noqa: E402
-from kdeploy.lab.demo import demo_service, project_dir  # noqa: E402
+from kdeploy import fleet, inventory  # noqa: E402
+from kdeploy.lab import floor  # noqa: E402
+from kdeploy.lab.demo import PLUGIN_LOADED, demo_service, project_dir  # noqa: E402
 from kdeploy.lab.sandbox import HOST_VENV, Sandbox  # noqa: E402
 from kdeploy.render import render_unit  # noqa: E402
 
@@ -66,7 +67,7 @@ SERVICE = "sglang-demo"           # kdeploy's service (the demo service, referen
 ANS_SERVICE, ANS_PORT, ANS_ROOT = "sglang-ans", 30001, "/srv/kdeploy-ans"
 HAND_SERVICE, HAND_PORT, HAND_ROOT = "sglang-hand", 30002, "/srv/kdeploy-hand"
 MODEL = "kimi-k2.6"
-MARKER = markers.PLUGIN_LOADED    # what the demo gate counts per worker
+MARKER = PLUGIN_LOADED            # what the demo gate counts per worker
 WORKERS = 8
 READY_LINE = "The server is fired up and ready to roll!"
 TOOLS = ("kdeploy-full", "kdeploy-noop", "kdeploy-verify", "ansible", "hand")
@@ -346,15 +347,18 @@ def bench_kdeploy(f: Fleet, runs: int, out: dict) -> None:
     for r in range(1, runs + 1):
         f.stamp(f"full-{r}")
         f.write_inventory(f.inv, str(r))
+        since = time.time()
         sample, doc = f.kdeploy("push", "all", tag=f"kdeploy-full-{r}")
         results = _results(doc)
         sample.extra.update(ok=doc["ok"] and all(v == "deployed" for v in results.values()),
                             results=sorted(set(results.values())), bytes_sent=_bytes_sent(doc),
-                            phases=_phase_times(doc))
+                            phases=_phase_times(doc), **restart_floor(f, since, sample.wall))
         if not sample.extra["ok"]:
             sample.extra["errors"] = sorted({str(h.get("error")) for h in doc["hosts"] if not h["ok"]})[:3]
+        ratio = sample.extra.get("floor_ratio")
         log(f"  N={f.n} kdeploy push full #{r}: {sample.wall:.2f}s wall, {sample.cpu:.2f}s CPU, "
-            f"{sorted(set(results.values()))}")
+            f"{sorted(set(results.values()))}, floor {sample.extra.get('floor_s')}s"
+            + (f" -> {ratio:.2f}x the floor" if ratio else ""))
         samples.append(sample)
     out["kdeploy-full"] = samples
 
@@ -386,6 +390,19 @@ def bench_kdeploy(f: Fleet, runs: int, out: dict) -> None:
         log(f"  N={f.n} kdeploy verify #{r}: {sample.wall:.2f}s wall, {sample.cpu:.2f}s CPU")
         samples.append(sample)
     out["kdeploy-verify"] = samples
+
+
+def restart_floor(f: Fleet, since: float, wall: float) -> dict:
+    """The floor of the push that just ran, from the hosts' journals (kdeploy.lab.floor): per host from
+    systemd's "Stopping" entry to the ready line; the slowest host; and the push's wall over it."""
+    texts = f.on_all(lambda h: f.ssh(h, f"journalctl -u {SERVICE} -o json --output-fields=MESSAGE "
+                                        f"--since=@{int(since) - 1}", check=False))
+    windows = {h: floor.restart_window(t, since) for h, t in zip(f.names, texts, strict=True)}
+    found = floor.fleet_floor(windows)
+    if found is None:
+        return {"floor_error": f"no complete restart in the journal of {[h for h, w in windows.items() if not w]}"}
+    seconds, host = found
+    return {"floor_s": round(seconds, 3), "floor_host": host, "floor_ratio": round(wall / seconds, 3)}
 
 
 def bench_gate_latency(f: Fleet, runs: int) -> dict:
@@ -896,6 +913,10 @@ def bench_size(n: int, args: argparse.Namespace, payload_src: Path, report: dict
                 "host_cpu": stats([s.host_cpu for s in ss]),
                 "samples": [s.as_json() for s in ss],
             }
+            if any("floor_s" in s.extra for s in ss):
+                entry["tools"][tool]["floor"] = stats([s.extra["floor_s"] for s in ss if "floor_s" in s.extra])
+                entry["tools"][tool]["floor_ratio"] = stats([s.extra["floor_ratio"] for s in ss
+                                                             if "floor_ratio" in s.extra])
 
 
 # ------------------------------------------------------------------------------------------ summary
@@ -970,6 +991,11 @@ def evaluate_targets(report: dict) -> list[dict]:
         r = ans["cpu"]["median"] / full["cpu"]["median"]
         add(f"full push, {n8} hosts: controller CPU vs Ansible", ">= 10x less",
             f"{full['cpu']['median']:.2f}s vs {ans['cpu']['median']:.2f}s = {r:.1f}x", r >= 10)
+    if full and full.get("floor_ratio", {}).get("median"):
+        fr, fl = full["floor_ratio"], full["floor"]
+        add(f"full push, {n8} hosts: wall over the floor (slowest host's Stopping -> ready, its journal)",
+            "<= 1.15x", f"{fr['median']:.2f}x (runs {fr['min']:.2f}-{fr['max']:.2f}x; push "
+            f"{full['wall']['median']:.2f}s, floor {fl['median']:.2f}s)", fr["median"] <= 1.15)
     noop = _tool(report, n8, "kdeploy-noop")
     if noop:
         zero = all(s.get("bytes_sent", 0) == 0 and s.get("restart_phases", 0) == 0 and s.get("invocations_unchanged")
@@ -1044,6 +1070,10 @@ def print_tables(report: dict) -> str:
                     if hc is not None and t["wall"]["median"] else "-")
             lines.append(f"  {LABELS[tool]:<28} {t['runs']:>4} {fmt(t['wall']):>22} {fmt(t['cpu']):>22} "
                          f"{(f'{hc:.1f}' if hc is not None else '-'):>11} {busy:>5} {ratio_w:>7} {ratio_c:>7}{flag}")
+        if base and base.get("floor_ratio", {}).get("median"):
+            lines.append(f"  {'floor (perfect tool)':<28} {base['floor']['n']:>4} {fmt(base['floor']):>22}   "
+                         f"slowest host, systemd's \"Stopping\" -> ready line; kdeploy full push = "
+                         f"{fmt(base['floor_ratio'])}x the floor")
         for note in entry.get("notes", []):
             lines.append(f"  * {note}")
     lines.append("")
@@ -1184,7 +1214,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("bench: needs root (sandbox hosts)", file=sys.stderr)
         return 2
-    for tool in ("ansible-playbook", "kdeploy"):
+    for tool in ("kdeploy",) if args.skip_ansible else ("ansible-playbook", "kdeploy"):
         if not (BIN / tool).exists():
             print(f"bench: {BIN / tool} missing: {BIN}/pip install -r bench/requirements.txt", file=sys.stderr)
             return 2
@@ -1201,7 +1231,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     work_root = Path(tempfile.mkdtemp(prefix="kdeploy-bench-"))
     ansible_version = subprocess.run([str(BIN / "ansible-playbook"), "--version"], capture_output=True, text=True,
-                                     check=False).stdout.splitlines()[:1]
+                                     check=False).stdout.splitlines()[:1] if not args.skip_ansible else []
     git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          check=False).stdout.strip()
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "kdeploy"], capture_output=True,

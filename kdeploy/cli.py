@@ -627,11 +627,15 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
                host_certs: Annotated[bool, typer.Option("--host-certs", help="Sign every host key with a "
                                                         "sandbox CA; known_hosts trusts only the CA.")] = False,
                router: Annotated[bool, typer.Option("--router", help="Also run the real SGLang router on one "
-                                                    "extra host (docs/router.md).")] = False) -> None:
+                                                    "extra host (docs/router.md).")] = False,
+               light: Annotated[bool, typer.Option("--light", help="Scale runs: no SGLang venv in the hosts; the "
+                                                   "inventory's service is the reference server at tp=1.")]
+               = False) -> None:
     """Boot local hosts (systemd-nspawn) and write an inventory for them."""
     from kdeploy.lab import demo, sandbox, sandbox_router
 
-    box = sandbox.Sandbox(instance=instance)
+    box = sandbox.Sandbox(instance=instance, sglang=False if light else None)
+    service = demo.light_service() if light else demo.demo_service()
     box.check_requirements()
     started = time.monotonic()
     if router and bastion:
@@ -642,13 +646,13 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
     if router:
         try:
             url = sandbox_router.install(box, booted[-1])
-            sandbox_router.write_inventory(box, inventory_out, demo.demo_service(), booted[-1], url)
+            sandbox_router.write_inventory(box, inventory_out, service, booted[-1], url)
         except BaseException:
             box.down()
             raise
         err.print(f"router on {booted[-1].name}: {url} (first push: --router-add-missing)")
     else:
-        box.write_inventory(inventory_out, demo.demo_service())
+        box.write_inventory(inventory_out, service)
     err.print(f"{len(booted)} hosts up in {time.monotonic() - started:.1f}s: "
               + ", ".join(f"{h.name}={h.address}" for h in booted))
     err.print(f"inventory: {inventory_out}   ssh: ssh -F {box.ssh_config_path} {booted[0].name}")

@@ -49,3 +49,14 @@ def demo_service(project: Path | None = None, *, sglang: bool | None = None, **o
     }
     service.update(overrides)
     return service
+
+
+def light_service(project: Path | None = None, **overrides: object) -> dict:
+    """The demo service made light for fleets of a hundred sandbox hosts on a small machine: the reference
+    server at tp=1 from the small host venv (no SGLang or torch import, one worker process), gated on its
+    one worker's "plugin loaded" line. Same unit template, payload and gate phases as :func:`demo_service`."""
+    service = demo_service(project, sglang=False)
+    service["sglang"] = {**service["sglang"], "tp": 1}
+    service["gate"] = {**service["gate"], "workers": 1}
+    service.update(overrides)
+    return service

@@ -1,0 +1,42 @@
+"""The floor of a deploy: what a perfect tool could reach, read from the hosts' own journals.
+
+A deploy that restarts a service cannot be faster than the service's own restart. Per host that is the
+time from systemd's "Stopping <unit>" entry to the service's ready line; for a fleet pushed at once it is
+the slowest host's. The bench reports a tool's wall time as a ratio over this floor.
+"""
+
+from __future__ import annotations
+
+import json
+
+READY_LINE = "The server is fired up and ready to roll!"
+
+
+def restart_window(journal_json: str, since: float = 0.0,
+                   ready_line: str = READY_LINE) -> tuple[float, float] | None:
+    """(first "Stopping" entry at or after ``since``, first ready line after it), in epoch seconds, from
+    ``journalctl -u UNIT -o json`` output; None when the journal shows no complete restart."""
+    stop = None
+    for line in journal_json.splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        msg = rec.get("MESSAGE")
+        if not isinstance(msg, str) or "__REALTIME_TIMESTAMP" not in rec:
+            continue
+        t = int(rec["__REALTIME_TIMESTAMP"]) / 1e6
+        if stop is None and msg.startswith("Stopping") and t >= since:
+            stop = t
+        elif stop is not None and ready_line in msg:
+            return stop, t
+    return None
+
+
+def fleet_floor(windows: dict[str, tuple[float, float] | None]) -> tuple[float, str] | None:
+    """(seconds, host) of the slowest host's restart; None unless every host has a window."""
+    if not windows or any(w is None for w in windows.values()):
+        return None
+    host = max(windows, key=lambda h: windows[h][1] - windows[h][0])  # type: ignore[index]
+    stop, ready = windows[host]  # type: ignore[misc]
+    return ready - stop, host
