@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 from kdeploy import fleet, inventory  # noqa: E402
 from kdeploy.lab import floor  # noqa: E402
 from kdeploy.lab.demo import PLUGIN_LOADED, demo_service, project_dir  # noqa: E402
+from kdeploy.lab.procwatch import slope  # noqa: E402
 from kdeploy.lab.sandbox import HOST_VENV, Sandbox  # noqa: E402
 from kdeploy.render import render_unit  # noqa: E402
 
@@ -204,18 +205,6 @@ def stats(values: list[float]) -> dict:
         return {"median": None, "min": None, "max": None, "n": 0}
     return {"median": round(statistics.median(vals), 3), "min": round(min(vals), 3),
             "max": round(max(vals), 3), "n": len(vals)}
-
-
-def slope(points: list[tuple[float, float]]) -> float | None:
-    """Least-squares slope of y over x."""
-    if len(points) < 2:
-        return None
-    xs, ys = zip(*points, strict=True)
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
-        return None
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
 
 
 # ------------------------------------------------------------------------------------------ the fleet
