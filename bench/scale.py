@@ -251,6 +251,9 @@ def bench(args: argparse.Namespace, report: dict) -> None:
     work = Path(tempfile.mkdtemp(prefix="kdeploy-scale-"))
     try:
         report["boot"] = [boot(box, top)]
+        if args.linger:  # root's systemd user manager stays up between logins instead of starting per login
+            for host in box.hosts():
+                box.exec(host.name, ["loginctl", "enable-linger", "root"])
         f = Fleet(box, work, args.payload, args.logs)
         log(f"first install on {top} hosts (untimed; every timed push replaces a running release)")
         first = f.kdeploy("full", top, DEFAULT_PARALLEL, f"first-N{top}")
@@ -462,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip the concurrent-connections comparison, paramiko vs asyncssh (needs asyncssh)")
     p.add_argument("--boot-sizes", type=_ints, default=None,
                    help="only boot the sandbox at each of these sizes and measure boot time and memory")
+    p.add_argument("--linger", action="store_true",
+                   help="`loginctl enable-linger root` on every host first (no user manager start per SSH login)")
     p.add_argument("--instance", type=int, default=6, help="sandbox instance (default 6)")
     p.add_argument("--payload", type=Path, default=ROOT / "kernels" / "kdtree")
     p.add_argument("--out", type=Path, default=RESULTS / "scale.json")
@@ -482,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
                  "cpus": os.cpu_count(), "mem_total_mb": round(os.sysconf("SC_PHYS_PAGES")
                                                                 * os.sysconf("SC_PAGE_SIZE") / 2**20),
                  "kernel": platform.release(), "python": platform.python_version(), "limits": limits(),
-                 "sizes": args.sizes, "parallel": args.parallel, "runs": args.runs,
+                 "sizes": args.sizes, "parallel": args.parallel, "runs": args.runs, "linger": args.linger,
                  "service": "reference server tp=1 (light_service), gate on 1 worker"},
         "boot": [], "runs": {}, "connections": {}}
     rc = 0

@@ -114,18 +114,24 @@ def _socket(address: str, port: int, timeout: float, user_timeout: float) -> soc
 def _retrying(attempt: Callable[[], _T], *, window: float = RETRY_WINDOW,
               sleep: Callable[[float], None] = time.sleep) -> tuple[_T, list[str]]:
     """``attempt()`` until it does not raise :class:`_Transient` or the window is spent; the result and
-    the reasons of the failed attempts (the connect phase shows them)."""
+    the reasons of the failed attempts (the connect phase shows them). A backoff pause that would run past
+    the window is cut short so the last attempt comes at the window's end: a host back a little later than
+    the previous attempt is still reached."""
     started = time.monotonic()
     failures: list[str] = []
     delay = RETRY_FIRST_DELAY
+    last = False
     while True:
         try:
             return attempt(), failures
         except _Transient as exc:
             failures.append(str(exc))
+            elapsed = time.monotonic() - started
+            if last or elapsed >= window:
+                raise _Transient(f"{exc} ({len(failures)} attempts in {elapsed:.1f}s)") from None
             pause = delay * random.uniform(0.75, 1.25)
-            if time.monotonic() - started + pause > window:
-                raise _Transient(f"{exc} ({len(failures)} attempts in {time.monotonic() - started:.1f}s)") from None
+            if elapsed + pause >= window:
+                pause, last = window - elapsed, True
             sleep(pause)
             delay *= 2
 

@@ -141,6 +141,24 @@ def test_retries_back_off_with_jitter_within_the_window() -> None:
                          sleep=pauses.append)
 
 
+def test_the_last_attempt_comes_at_the_end_of_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(remote.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(remote.random, "uniform", lambda low, high: 1.0)  # no jitter: pauses 0.5, 1, 2, 4
+    attempts: list[float] = []
+
+    def attempt() -> str:
+        attempts.append(clock[0] - 100.0)
+        raise remote._Transient("refused")
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    with pytest.raises(remote._Transient, match=r"refused \(5 attempts in 6\.0s\)"):
+        remote._retrying(attempt, window=6.0, sleep=sleep)
+    assert attempts == pytest.approx([0, 0.5, 1.5, 3.5, 6.0])  # the 4 s pause cut to 2.5 s: one more try
+
+
 def test_jump_tunnel_never_sends_after_its_close() -> None:
     """A send racing close() must not reach the jump host after the CLOSE (OpenSSH drops the connection)."""
     class Channel:
