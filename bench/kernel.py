@@ -328,28 +328,21 @@ def tune(shapes, device, dtype) -> tuple[dict, list]:
         geo = math.exp(sum(math.log(v) for v in times.values()) / len(times))
         return geo, times
 
-    best_tile, best = None, math.inf
-    for cfg in TILE_CONFIGS:
-        geo, times = score(cfg)
-        rows.append({"phase": "tile", "config": cfg, "geomean_us": round(geo, 1), "us": times})
-        log(f"tune tile {cfg}: geomean {geo:.1f} us {times}")
-        if geo < best:
-            best_tile, best = cfg, geo
-    best_all = dict(best_tile)
-    for rule in SPLIT_RULES:
-        cfg = {**best_tile, **rule}
-        geo, times = score(cfg)
-        rows.append({"phase": "split", "config": cfg, "geomean_us": round(geo, 1), "us": times})
-        log(f"tune split {rule}: geomean {geo:.1f} us {times}")
-        if geo < best:
-            best_all, best = cfg, geo
-    for comb in COMBINE_CONFIGS:
-        cfg = {**best_all, **comb}
-        geo, times = score(cfg)
-        rows.append({"phase": "combine", "config": cfg, "geomean_us": round(geo, 1), "us": times})
-        log(f"tune combine {comb}: geomean {geo:.1f} us {times}")
-        if geo < best:
-            best_all, best = cfg, geo
+    def sweep(phase: str, start: dict, variants: list, best_cfg: dict | None,
+              best: float) -> tuple[dict | None, float]:
+        """Each variant on top of ``start``; the fastest config seen so far (``best_cfg`` at ``best`` to beat)."""
+        for variant in variants:
+            cfg = {**start, **variant}
+            geo, times = score(cfg)
+            rows.append({"phase": phase, "config": cfg, "geomean_us": round(geo, 1), "us": times})
+            log(f"tune {phase} {variant}: geomean {geo:.1f} us {times}")
+            if geo < best:
+                best_cfg, best = cfg, geo
+        return best_cfg, best
+
+    best_tile, best = sweep("tile", {}, TILE_CONFIGS, None, math.inf)
+    best_all, best = sweep("split", best_tile, SPLIT_RULES, dict(best_tile), best)
+    best_all, best = sweep("combine", best_all, COMBINE_CONFIGS, best_all, best)
     probs.clear()
     return best_all, rows
 
