@@ -189,6 +189,11 @@ def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Option
         result.finish("planned")
 
 
+# Results of a host that staged but never switched (not its turn, Ctrl-C, a refusing pre_host hook): its
+# staged release is removed when it ends, so it is left as it was.
+NEVER_SWITCHED = ("skipped", "interrupted", "preflight_refused")
+
+
 class HostPush:
     """One host's push in two passes, so a fleet can stage everywhere before the first restart, while a host
     holds a connection only while one of its passes runs (bounded by ``--parallel``, not by the fleet).
@@ -433,8 +438,7 @@ class HostPush:
         """Record and clean up through the lock holder (no extra round trip), then let go of the host. A host
         that never got its turn holds nothing by now: its staged release is removed over a new connection."""
         try:
-            if self.held is None and self.staged and self.result.result in ("skipped", "interrupted",
-                                                                             "preflight_refused"):
+            if self.held is None and self.staged and self.result.result in NEVER_SWITCHED:
                 self._remove_staged()
             elif self.held is not None and self.remote is not None:
                 finish = self._finish_command()
@@ -459,8 +463,7 @@ class HostPush:
 
     def _finish_command(self) -> str:
         sdir = service_dir(self.host.service)
-        # A pre_host hook refuses a host after its staging: it too is left as it was.
-        if self.result.result in ("skipped", "interrupted", "preflight_refused") and self.staged:
+        if self.result.result in NEVER_SWITCHED and self.staged:
             self.result.release = self.state.current if self.state else None
             return release.prune_command(sdir, [self.staged])
         if self.result.result == "preflight_refused":  # a refused host is left exactly as it was
