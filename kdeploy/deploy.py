@@ -494,7 +494,8 @@ def _moved(before: HostState, now: HostState, staged: str | None) -> str:
 def preflight_command(host: HostConfig) -> str:
     sv = host.service
     return probe.preflight_command(python=sv.python, unit=unit_filename(sv), port=sv.sglang.port,
-                                   remote_root=sv.remote_root, environment_file=sv.environment_file)
+                                   remote_root=sv.remote_root, environment_file=sv.environment_file,
+                                   probe_cache=f"{service_dir(sv)}/{probe.CACHE}")
 
 
 def preflight_checks(host: HostConfig, output: str, upload_bytes: int) -> list[probe.Check]:

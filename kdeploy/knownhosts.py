@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kdeploy import hostcert
+from kdeploy.filecache import FileCache
 
 
 @dataclass(frozen=True)
@@ -112,23 +113,12 @@ class Table:
         return self._matching[key]
 
 
-_TABLES: dict[tuple[str, ...], tuple[tuple, Table]] = {}
+_TABLES: FileCache[Table] = FileCache()
 
 
 def table(paths: list[Path]) -> Table:
-    """:func:`load`, parsed again only when a file changed (size, mtime, inode: recording a key changes them)."""
-    stamp = []
-    for path in paths:
-        try:
-            st = path.stat()
-            stamp.append((st.st_mtime_ns, st.st_size, st.st_ino))
-        except OSError:
-            stamp.append(None)
-    key = tuple(str(p) for p in paths)
-    cached = _TABLES.get(key)
-    if cached is None or cached[0] != tuple(stamp):
-        cached = _TABLES[key] = (tuple(stamp), Table(*load(paths)))
-    return cached[1]
+    """:func:`load`, parsed again only when a file changed (recording a key changes it)."""
+    return _TABLES.get(paths, lambda: Table(*load(paths)))
 
 
 @dataclass(frozen=True)

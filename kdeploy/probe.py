@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 PROBE_PREFIX = "KDEPLOY_PROBE "
+CACHE = ".probe.json"   # in the service directory: see probe_command
 SECTION = "@@kdeploy "
 GIB = 1024**3
 GB = 1e9
@@ -44,6 +45,50 @@ def strings(tree):
     if not tree:
         return set()
     return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+def stamp(parts):
+    try:
+        st = os.stat(os.path.join(root, *parts))
+        return [st.st_mtime_ns, st.st_size, st.st_ino]
+    except OSError:
+        return None
+def inspect(allocator_files):
+    found = {}
+    try:
+        from importlib.metadata import version
+        found["version"] = version("sglang")
+    except Exception:
+        tree = src("version.py")
+        found["version"] = next(iter(sorted(s for s in strings(tree) if s[:1].isdigit())), None)
+    plugins = src("srt", "plugins", "__init__.py")
+    found["plugin_loader"] = ("load_plugins" in names(plugins, ast.FunctionDef)
+                              and "sglang.srt.plugins" in strings(plugins))
+    hooks = src("srt", "plugins", "hook_registry.py")
+    found["hook_registry"] = "HookRegistry" in names(hooks, ast.ClassDef) and "around" in strings(hooks)
+    allocators = []
+    for parts in allocator_files:
+        tree = src(*parts)
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)) if tree else ():
+            for fn in cls.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+                    args = fn.args.args + fn.args.kwonlyargs
+                    if any(a.arg == "need_sort" for a in args) and cls.name not in allocators:
+                        allocators.append(cls.name)
+    found["allocators"] = allocators
+    reg = src("srt", "layers", "attention", "attention_registry.py")
+    found["attention_registry"] = "register_attention_backend" in names(reg, ast.FunctionDef)
+    found["triton_backend"] = found["attention_registry"] and "triton" in strings(reg)
+    found["backend_choices"] = None
+    for parts in CHOICES:
+        tree = src(*parts)
+        assigned = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
+                    if isinstance(t, ast.Name)} if tree else set()
+        if "add_attention_backend_choices" in assigned | names(tree, ast.FunctionDef):
+            found["backend_choices"] = "sglang." + ".".join(parts)[:-3].replace(os.sep, ".")
+            break
+    return found
+CHOICES = (("srt", "arg_groups", "choices.py"), ("srt", "server_args.py"))
+READ = [(), ("version.py",), ("srt", "plugins", "__init__.py"), ("srt", "plugins", "hook_registry.py"),
+        ("srt", "layers", "attention", "attention_registry.py"), ("srt", "mem_cache", "allocator")] + list(CHOICES)
 try:
     import importlib.util
     spec = importlib.util.find_spec("sglang")
@@ -54,51 +99,42 @@ if spec is not None and spec.submodule_search_locations:
     root = list(spec.submodule_search_locations)[0]
     out["installed"] = True
     out["path"] = root
-    try:
-        from importlib.metadata import version
-        out["version"] = version("sglang")
-    except Exception:
-        tree = src("version.py")
-        out["version"] = next(iter(sorted(s for s in strings(tree) if s[:1].isdigit())), None)
-    plugins = src("srt", "plugins", "__init__.py")
-    out["plugin_loader"] = ("load_plugins" in names(plugins, ast.FunctionDef)
-                            and "sglang.srt.plugins" in strings(plugins))
-    hooks = src("srt", "plugins", "hook_registry.py")
-    out["hook_registry"] = "HookRegistry" in names(hooks, ast.ClassDef) and "around" in strings(hooks)
     files = []
     adir = os.path.join(root, "srt", "mem_cache", "allocator")
     if os.path.isdir(adir):
         files = [("srt", "mem_cache", "allocator", f) for f in sorted(os.listdir(adir)) if f.endswith(".py")]
     files += [("srt", "mem_cache", "allocator.py"), ("srt", "mem_cache", "memory_pool.py")]
-    allocators = []
-    for parts in files:
-        tree = src(*parts)
-        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)) if tree else ():
-            for fn in cls.body:
-                if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
-                    args = fn.args.args + fn.args.kwonlyargs
-                    if any(a.arg == "need_sort" for a in args) and cls.name not in allocators:
-                        allocators.append(cls.name)
-    out["allocators"] = allocators
-    reg = src("srt", "layers", "attention", "attention_registry.py")
-    out["attention_registry"] = "register_attention_backend" in names(reg, ast.FunctionDef)
-    out["triton_backend"] = out["attention_registry"] and "triton" in strings(reg)
-    out["backend_choices"] = None
-    for parts in (("srt", "arg_groups", "choices.py"), ("srt", "server_args.py")):
-        tree = src(*parts)
-        assigned = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
-                    if isinstance(t, ast.Name)} if tree else set()
-        if "add_attention_backend_choices" in assigned | names(tree, ast.FunctionDef):
-            out["backend_choices"] = "sglang." + ".".join(parts)[:-3].replace(os.sep, ".")
-            break
+    # What the last run found, while none of the files it read changed (a reinstall changes them all): parsing
+    # SGLang's sources is most of the probe's ~0.15 s of CPU, paid again by every push of every host otherwise.
+    cache = sys.argv[1] if len(sys.argv) > 1 else ""
+    key = [sys.executable, sys.version, root] + [stamp(parts) for parts in READ + files]
+    try:
+        with open(cache) as f:
+            saved = json.load(f)
+        found = saved["found"] if saved["key"] == key else None
+    except (OSError, ValueError, KeyError, TypeError):
+        found = None
+    if found is None:
+        found = inspect(files)
+        if cache and os.path.isdir(os.path.dirname(cache)):
+            try:
+                with open("%s.%d" % (cache, os.getpid()), "w") as f:
+                    json.dump({"key": key, "found": found}, f)
+                os.replace("%s.%d" % (cache, os.getpid()), cache)
+            except OSError:
+                pass
+    out.update(found)
 print("KDEPLOY_PROBE " + json.dumps(out))
 '''
 
 
-def probe_command(python: str) -> str:
+def probe_command(python: str, cache: str | None = None) -> str:
     """One remote shell command: the service's python runs the probe (no PYTHONPATH: the payload's
-    sitecustomize must not run). Output: one ``KDEPLOY_PROBE {json}`` line."""
-    return f"env -u PYTHONPATH {shlex.quote(python)} -I -c {shlex.quote(PROBE_CODE)}"
+    sitecustomize must not run). Output: one ``KDEPLOY_PROBE {json}`` line. ``cache``: a file where the probe
+    keeps what it read from SGLang's sources, for as long as they do not change (written only where its
+    directory exists)."""
+    return (f"env -u PYTHONPATH {shlex.quote(python)} -I -c {shlex.quote(PROBE_CODE)}"
+            + (f" {shlex.quote(cache)}" if cache else ""))
 
 
 @dataclass(frozen=True)
@@ -335,13 +371,13 @@ def check_environment_file(path: str | None, stat_line: str | None, written: boo
 # ----------------------------------------------------------------------------------------------- one round trip
 
 def preflight_command(*, python: str, unit: str, port: int, remote_root: str,
-                      environment_file: str | None = None) -> str:
+                      environment_file: str | None = None, probe_cache: str | None = None) -> str:
     """ONE shell command for every preflight check (and the probe): sections ``@@kdeploy NAME`` each
     followed by its output and ``@@kdeploy rc N``. Parse with :func:`parse_preflight`."""
     q = shlex.quote
     unit_q = q(unit if unit.endswith(".service") else f"{unit}.service")
     parts = [
-        f"echo '{SECTION}probe'; {probe_command(python)} 2>&1; echo \"{SECTION}rc $?\"",
+        f"echo '{SECTION}probe'; {probe_command(python, probe_cache)} 2>&1; echo \"{SECTION}rc $?\"",
         f"echo '{SECTION}df'; d={q(remote_root)}; while [ ! -e \"$d\" ]; do d=$(dirname \"$d\"); done; "
         f"df -PB1 \"$d\" 2>&1; echo \"{SECTION}rc $?\"",
         f"echo '{SECTION}nvidia-smi'; if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>&1; "

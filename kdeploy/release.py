@@ -282,6 +282,53 @@ def _padding(size: int) -> bytes:
     return bytes(-size % tarfile.BLOCKSIZE)
 
 
+# Run by the host's python3 in the staging directory: check every file against the manifest and make what the
+# upload wrote durable (files with one link, i.e. not shared with `current`, and the directories), on a thread per
+# core with the fsyncs beside the hashing. hashlib is OpenSSL's SHA-256 (SHA extensions where the CPU has them:
+# 0.16 s for 200 MB where coreutils' sha256sum took 0.68 s here). Python >= 3.6.
+_VERIFY_CODE = r'''
+import hashlib, os, sys
+from concurrent.futures import ThreadPoolExecutor
+def digest(path):
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb", buffering=0) as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError:
+        return None
+    return h.hexdigest()
+def size(entry):
+    try:
+        return -os.path.getsize(entry[0])
+    except OSError:
+        return 0
+def sync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+expected = []
+with open(sys.argv[1]) as f:
+    for line in f:
+        sha, _, path = line.rstrip("\n").partition("  ")
+        expected.append((path, sha))
+expected.sort(key=size)
+durable = []
+for top, dirs, files in os.walk("."):
+    durable.append(top)
+    durable += [p for p in (os.path.join(top, n) for n in files) if os.lstat(p).st_nlink == 1]
+with ThreadPoolExecutor(max(2, min(16, os.cpu_count() or 1))) as pool:
+    synced = [pool.submit(sync, p) for p in durable]
+    bad = [path for (path, sha), got in zip(expected, pool.map(digest, [p for p, _ in expected])) if got != sha]
+    for s in synced:
+        s.result()
+if bad:
+    sys.exit("%d staged file(s) differ from the manifest (sha256): %s" % (len(bad), " ".join(sorted(bad)[:5])))
+'''
+
+
 def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta) -> str:
     """Build releases/<release> from hard links to ``current`` plus the tar on stdin, then verify it."""
     d = shlex.quote(service_dir)
@@ -302,7 +349,6 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
         lines.append("rm -f -- " + " ".join(shlex.quote(p) for p in drop))
     lines += [
         "tar -x --no-same-owner -f -",
-        f"sha256sum -c --quiet --strict {META}/manifest.sha256",
         f"sha256sum -c --quiet --strict {META}/unit.sha256",
         f"find . -type f ! -path './{META}/*' | LC_ALL=C sort > {META}/found",
         f"cmp -s {META}/files {META}/found || {{ echo 'staged files differ from the manifest' >&2; exit 1; }}",
@@ -310,9 +356,15 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
         "|| { echo 'staged file modes differ from the manifest' >&2; exit 1; }",
         "find . -mindepth 1 -type d -empty -delete",
         f"rm -f {META}/found",
-        # Durable before it is visible: only what this upload wrote (one link: not shared with `current`) and
-        # the directories; `sync -f` (syncfs) waited for every dirty page of the whole filesystem, anyone's.
-        "find . \\( -type d -o -type f -links 1 \\) -exec sync -- {} +",
+        # Verified and durable before it is visible: only what this upload wrote (one link: not shared with
+        # `current`) and the directories are synced; `sync -f` (syncfs) waited for every dirty page of the whole
+        # filesystem, anyone's. Hosts without python3 get coreutils, one file after the other.
+        "if command -v python3 >/dev/null 2>&1; then",
+        f"  python3 -I -c {shlex.quote(_VERIFY_CODE)} {META}/manifest.sha256",
+        "else",
+        f"  sha256sum -c --quiet --strict {META}/manifest.sha256",
+        "  find . \\( -type d -o -type f -links 1 \\) -exec sync -- {} +",
+        "fi",
         f"mv -T {staging} {d}/releases/{shlex.quote(release)}",
         "trap - EXIT",
         "echo STAGED",
@@ -362,10 +414,18 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
         f"ln -sfn releases/{shlex.quote(release)} {d}/.current.tmp",
         f"mv -T {d}/.current.tmp {d}/current",
     ]
-    if install_unit:
-        lines.append("systemctl daemon-reload")
-    lines += [f"systemctl enable --quiet {shlex.quote(unit_file)}", "echo ACTIVATED"]
+    lines += [_enable_command(unit_file, reload=not install_unit),
+              *(["systemctl daemon-reload"] if install_unit else []), "echo ACTIVATED"]
     return "\n".join(lines) + "\n"
+
+
+def _enable_command(unit_file: str, *, reload: bool) -> str:
+    """Enable only a unit that is not enabled yet: `systemctl enable` rescans every unit file and reloads the
+    manager even when nothing changes (0.2-0.3 s on an idle host, where `is-enabled` takes 6 ms). Without
+    ``reload`` the caller's own daemon-reload follows."""
+    u = shlex.quote(unit_file)
+    return (f'[ "$(systemctl is-enabled {u} 2>/dev/null)" = enabled ] || '
+            f"systemctl enable --quiet{'' if reload else ' --no-reload'} {u}")
 
 
 def releases_to_prune(releases: list[str], keep: int, protect: set[str]) -> list[str]:

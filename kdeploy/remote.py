@@ -25,6 +25,7 @@ import paramiko
 
 from kdeploy import knownhosts
 from kdeploy.errors import RemoteTimeout, Unreachable
+from kdeploy.filecache import FileCache
 from kdeploy.inventory import HostConfig
 from kdeploy.report import Cancelled
 from kdeploy.sshconfig import Hop, Target
@@ -212,16 +213,12 @@ def _identities(hop: Hop, agent: _Agent | None) -> tuple[list[paramiko.PKey], li
     return agent_keys + files, skipped
 
 
-_KEYS: dict[tuple, paramiko.PKey] = {}
+_KEYS: FileCache[paramiko.PKey] = FileCache()
 
 
 def _private_key(path: Path) -> paramiko.PKey:
     """An identity file, read once per run (again only when it changed), not once per connection."""
-    st = path.stat()
-    stamp = (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
-    if stamp not in _KEYS:
-        _KEYS[stamp] = paramiko.PKey.from_path(path)
-    return _KEYS[stamp]
+    return _KEYS.get([path], lambda: paramiko.PKey.from_path(path))
 
 
 def _public_blob(path: Path) -> bytes | None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import paramiko
 
 from kdeploy.errors import InvalidInput
+from kdeploy.filecache import FileCache
 from kdeploy.inventory import HostConfig, Inventory
 
 USER_CONFIG = Path("~/.ssh/config")
@@ -86,7 +87,7 @@ def config_paths(inventory_value: str | bool | None, cli_value: str | None,
     return [USER_CONFIG.expanduser(), SYSTEM_CONFIG]
 
 
-_CACHE: dict[tuple, paramiko.SSHConfig] = {}
+_CONFIGS: FileCache[paramiko.SSHConfig] = FileCache()
 _SAID: set[str] = set()
 _LOCK = threading.Lock()
 
@@ -96,11 +97,7 @@ def target_for(inventory: Inventory, host: HostConfig, cli_value: str | None = N
     setting kdeploy overrides (StrictHostKeyChecking no) is said once per process, on stderr."""
     paths = config_paths(host.ssh_config, cli_value)
     required = paths != [USER_CONFIG.expanduser(), SYSTEM_CONFIG]
-    stamp = tuple((p, p.stat().st_mtime_ns if p.exists() else None) for p in paths)
-    with _LOCK:
-        config = _CACHE.get(stamp)
-        if config is None:
-            config = _CACHE[stamp] = load(paths, required=required)
+    config = _CONFIGS.get(paths, lambda: load(paths, required=required))
     target = resolve(host, config, base_dir=inventory.base_dir)
     for note in target.notes:
         with _LOCK:

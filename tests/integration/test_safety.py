@@ -327,7 +327,8 @@ def test_other_staging_failures_refuse_the_host_unchanged(deployment: Deployment
     code, doc = deployment.json(capsys, "push", "test")
     host = doc["hosts"][0]
     assert code == 7 and host["result"] == "preflight_refused", doc
-    assert host["error"].startswith("staging failed, host unchanged: sha256sum: WARNING: 1 computed checksum")
+    assert host["error"] == ("staging failed, host unchanged: 1 staged file(s) differ from the manifest (sha256): "
+                             "./new.py")
     assert _after_failed_staging(deployment, _snapshot(deployment)) == _after_failed_staging(deployment, before)
     assert deployment.sh("h1", f"wc -l < {deployment.service_dir}/history.jsonl").strip() == "1"  # refused: none
 

@@ -299,12 +299,15 @@ def run_script(script: str, stdin: bytes = b"", env: dict[str, str] | None = Non
 
 @pytest.fixture
 def fake_systemctl(tmp_path):
-    """A `systemctl` that appends its arguments to a log: (env for the script, log path)."""
+    """A `systemctl` that appends its arguments to a log and remembers `enable` for `is-enabled`: (env for the
+    script, log path)."""
     bindir = tmp_path / "fakebin"
     bindir.mkdir()
     log = tmp_path / "systemctl.log"
+    enabled = tmp_path / "enabled"
     tool = bindir / "systemctl"
-    tool.write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    tool.write_text(f'#!/bin/sh\necho "$*" >> {log}\n'
+                    f'case "$1" in enable) touch {enabled};; is-enabled) test -e {enabled} && echo enabled;; esac\n')
     tool.chmod(0o755)
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
     return env, log
@@ -509,6 +512,43 @@ def test_stage_in_a_dir_with_spaces_never_touches_a_sibling(tmp_path):
     assert (sdir / "releases" / rid / "a.py").read_text() == "a\n"
 
 
+@pytest.fixture(params=["python3", "coreutils"])
+def verifier(request, tmp_path) -> tuple[str, dict[str, str] | None]:
+    """The stage script's two verifiers: the host's python3, or sha256sum + sync on a PATH without python."""
+    if request.param == "python3":
+        return request.param, None
+    bindir = tmp_path / "nopython"
+    bindir.mkdir()
+    for d in filter(os.path.isdir, os.environ["PATH"].split(os.pathsep)):
+        for tool in Path(d).iterdir():
+            if not tool.name.startswith("python") and not (bindir / tool.name).exists():
+                (bindir / tool.name).symlink_to(tool)
+    return request.param, {**os.environ, "PATH": str(bindir)}
+
+
+def test_stage_checks_every_byte_before_the_release_appears(tmp_path, verifier):
+    kind, env = verifier
+    big = os.urandom(3 << 20)
+    payload = scan_payload(make_tree(tmp_path / "payload", {"a.py": "a\n", "d/big.bin": big}))
+    rid = release_id(payload.manifest, "u", T0)
+    delta = diff(payload.identity, {})
+    tarball = b"".join(TarStream(payload, delta.upload, release_meta(payload.manifest, payload.modes, "u", UNIT)))
+    at = tarball.index(big[:64]) + len(big) // 2
+    corrupted = tarball[:at] + bytes([tarball[at] ^ 1]) + tarball[at + 1:]
+    script = stage_script(str(tmp_path / "svc"), rid, False, delta)
+    failed = run_script(script, corrupted, env)
+    assert failed.returncode != 0
+    if kind == "python3":
+        assert failed.stderr.decode().splitlines()[-1] == ("1 staged file(s) differ from the manifest (sha256): "
+                                                           "./d/big.bin")
+    else:
+        assert "./d/big.bin: FAILED" in failed.stdout.decode()
+    assert list((tmp_path / "svc" / "releases").iterdir()) == []
+    ok = run_script(script, tarball, env)
+    assert ok.returncode == 0 and ok.stdout.decode().split() == ["STAGED"], ok.stderr.decode()
+    assert (tmp_path / "svc" / "releases" / rid / "d" / "big.bin").read_bytes() == big
+
+
 def test_stage_ships_symlinked_files_as_files(tmp_path):
     outside = make_tree(tmp_path / "elsewhere", {"real.py": "real\n", "lib/deep.py": "deep\n"})
     payload_root = make_tree(tmp_path / "payload", {"a.py": "a\n"})
@@ -539,7 +579,11 @@ def test_activate_installs_unit_and_switches_current(tmp_path, fake_systemctl):
     assert (units / UNIT).stat().st_mode & 0o777 == 0o644                      # the release's copy is 0600
     assert sorted(p.name for p in units.iterdir()) == [UNIT]                   # no temp file left
     assert not (sdir / ".current.tmp").exists()
-    assert log.read_text().splitlines() == ["daemon-reload", f"enable --quiet {UNIT}"]
+    assert log.read_text().splitlines() == [f"is-enabled {UNIT}", f"enable --quiet --no-reload {UNIT}",
+                                            "daemon-reload"]
+    log.unlink()
+    assert activate(sdir, staged.release, units, env, install_unit=True).returncode == 0
+    assert log.read_text().splitlines() == [f"is-enabled {UNIT}", "daemon-reload"]   # enabled already
 
 
 def test_activate_without_unit_does_not_reload(tmp_path, fake_systemctl):
@@ -557,7 +601,7 @@ def test_activate_without_unit_does_not_reload(tmp_path, fake_systemctl):
     assert os.readlink(sdir / "current") == f"releases/{second.release}"
     assert (sdir / "current" / "a.py").read_text() == "b\n"
     assert (units / UNIT).read_text() == "live unit\n"
-    assert log.read_text().splitlines() == [f"enable --quiet {UNIT}"] * 2
+    assert log.read_text().splitlines() == [f"is-enabled {UNIT}", f"enable --quiet {UNIT}", f"is-enabled {UNIT}"]
 
 
 def test_activate_refuses_missing_release_or_tampered_unit(tmp_path, fake_systemctl):
