@@ -144,30 +144,13 @@ def _reap_orphans(names: set[str]) -> tuple[float, float, int]:
     return user, system, len(pids)
 
 
-class HostCpu:
-    """CPU seconds used inside the sandbox's hosts (cgroup v2 cpu.stat of the instance's cgroup)."""
-
-    def __init__(self, box: Sandbox) -> None:
-        candidates = [Path("/sys/fs/cgroup/unified") / box.cgroup_name / "cpu.stat",
-                      Path("/sys/fs/cgroup") / box.cgroup_name / "cpu.stat"]
-        self.path = next((p for p in candidates if p.exists()), None)
-
-    def read(self) -> float:
-        if self.path is None:
-            return float("nan")
-        for line in self.path.read_text().splitlines():
-            if line.startswith("usage_usec "):
-                return int(line.split()[1]) / 1e6
-        return float("nan")
-
-
-def measure(argv: list[str], *, hostcpu: HostCpu, env: dict | None = None, cwd: Path | None = None,
+def measure(argv: list[str], *, box: Sandbox, env: dict | None = None, cwd: Path | None = None,
             log_to: Path | None = None, orphans: set[str] | None = None,
             timeout: float = 1800) -> tuple[Sample, str, str]:
     """Run one tool as a child process; wall time, and its process tree's CPU from os.wait4."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         load = os.getloadavg()[0]
-        h0 = hostcpu.read()
+        h0 = box.cpu_seconds()
         t0 = time.perf_counter()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=cwd,
                                 start_new_session=True)
@@ -179,7 +162,7 @@ def measure(argv: list[str], *, hostcpu: HostCpu, env: dict | None = None, cwd: 
             timer.cancel()
         wall = time.perf_counter() - t0
         proc.returncode = os.waitstatus_to_exitcode(status)
-        h1 = hostcpu.read()
+        h1 = box.cpu_seconds()
         user, system = ru.ru_utime, ru.ru_stime
         extra: dict = {}
         if orphans:
@@ -240,7 +223,6 @@ class Fleet:
 
     def __init__(self, box: Sandbox, n: int, work: Path, payload_src: Path, keep_logs: Path) -> None:
         self.box, self.n, self.work = box, n, work
-        self.hostcpu = HostCpu(box)
         self.names = [h.name for h in box.hosts()]
         self.logs = keep_logs
         self.payload = work / "payload"
@@ -288,7 +270,7 @@ class Fleet:
 
     def kdeploy(self, *args: str, tag: str) -> tuple[Sample, dict]:
         argv = [str(BIN / "kdeploy"), *args, "--inventory", str(self.inv), "--json"]
-        sample, out, err = measure(argv, hostcpu=self.hostcpu, log_to=self.logs / f"N{self.n}-{tag}.log")
+        sample, out, err = measure(argv, box=self.box, log_to=self.logs / f"N{self.n}-{tag}.log")
         try:
             doc = json.loads(out)
         except json.JSONDecodeError:
@@ -543,7 +525,7 @@ def bench_ansible(f: Fleet, runs: int, out: dict) -> None:
             argv = [str(BIN / "ansible-playbook"), "-i", str(adir / "inventory.ini"),
                     str(BENCH / "ansible" / "deploy.yml")]
             sample, stdout, stderr = measure(
-                argv, hostcpu=f.hostcpu, env=env, cwd=adir, log_to=f.logs / f"N{f.n}-{tag}.log", orphans={"ssh"})
+                argv, box=f.box, env=env, cwd=adir, log_to=f.logs / f"N{f.n}-{tag}.log", orphans={"ssh"})
         finally:
             shutil.rmtree(cp, ignore_errors=True)
         return sample, stdout + stderr
@@ -584,7 +566,7 @@ def bench_hand(f: Fleet, runs: int, out: dict) -> None:
             env["HAND_POLL"] = poll
         argv = [str(BENCH / "hand.sh"), str(f.box.ssh_config_path), HAND_SERVICE, str(HAND_PORT), MODEL,
                 str(f.payload), dest, run, *f.names]
-        sample, _, _ = measure(argv, hostcpu=f.hostcpu, env=env, log_to=f.logs / f"N{f.n}-{tag}.log")
+        sample, _, _ = measure(argv, box=f.box, env=env, log_to=f.logs / f"N{f.n}-{tag}.log")
         return sample
 
     samples = []

@@ -8,9 +8,11 @@ Boots the largest fleet once (``Sandbox(sglang=False)``, the light service of ``
   full     ``kdeploy push all --json``: a new payload (one file changed) + restart + the whole gate
   noop     the same push again (asserted: every host ``unchanged``)
   verify   ``kdeploy verify all --json``
+  logins   OpenSSH ``ssh host true`` to the same N hosts, 16 at a time: what any SSH tool pays first
 
 at the default ``--parallel`` (16), and at the largest N every measurement again with each ``--parallel``
-of ``--parallel-values``. Per run: wall; controller CPU = user+sys of the kdeploy process (os.wait4);
+of ``--parallel-values``. Per run: wall; controller CPU = user+sys of the kdeploy process (os.wait4); host
+CPU = CPU used inside all sandbox hosts (their cgroup), which share the controller's cores;
 peak RSS, peak threads, peak open fds and peak sockets of the kdeploy process (/proc/PID sampled every
 20 ms, kdeploy.lab.procwatch). Per measurement: the least-squares slope per added host over the sizes.
 Also the boot: seconds and machine memory (MemAvailable) per host, idle and with the service running.
@@ -36,6 +38,7 @@ import tempfile
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -221,20 +224,37 @@ class Fleet:
             f"{sample['rss_mb']:.0f} MB, {sample['threads']} threads, {sample['fds']} fds, rc {sample['rc']}")
         return sample
 
+    def logins(self, n: int, parallel: int) -> dict[str, Any]:
+        """What any SSH tool pays before it runs anything: OpenSSH ``ssh host true`` to hosts h1..hN,
+        ``parallel`` at a time (sshd, PAM and the session on each host, on the cores the controller shares)."""
+        def login(i: int) -> int:
+            return subprocess.run(["ssh", "-F", str(self.box.ssh_config_path), "-o", "BatchMode=yes", f"h{i}", "true"],
+                                  stdin=subprocess.DEVNULL, capture_output=True, timeout=120, check=False).returncode
+        host0, t0 = self.box.cpu_seconds(), time.perf_counter()
+        with ThreadPoolExecutor(parallel) as pool:
+            codes = list(pool.map(login, range(1, n + 1)))
+        sample = {"hosts": n, "parallel": parallel, "wall": round(time.perf_counter() - t0, 3),
+                  "host_cpu": round(self.box.cpu_seconds() - host0, 3), "ok": not any(codes)}
+        log(f"  logins-N{n}: {sample['wall']:.2f}s wall, {sample['host_cpu']:.2f}s host CPU, ok {sample['ok']}")
+        return sample
+
     def kdeploy(self, kind: str, n: int, parallel: int, tag: str) -> dict[str, Any]:
         command = ["verify"] if kind == "verify" else ["push"]
         if kind == "full":
             self.stamp(tag)
         argv = [str(BIN / "kdeploy"), *command, "all", "--inventory", str(self.inventory(n)), "--json",
                 "--parallel", str(parallel)]
+        host0 = self.box.cpu_seconds()
         sample, doc = run_watched(argv, self.logs / f"{tag}.log")
+        sample["host_cpu"] = round(self.box.cpu_seconds() - host0, 3)
         want = {"full": "deployed", "noop": "unchanged", "verify": "healthy"}[kind]
         results = sorted({h["result"] for h in doc["hosts"]}) if doc else []
         sample["ok"] = bool(doc and doc["ok"] and results == [want] and len(doc["hosts"]) == n)
         sample["results"] = results
         if doc and not sample["ok"]:
             sample["errors"] = sorted({str(h.get("error")) for h in doc["hosts"] if not h["ok"]})[:3]
-        log(f"  {tag}: {sample['wall']:.2f}s wall, {sample['cpu']:.2f}s CPU, {sample['rss_mb']:.0f} MB, "
+        log(f"  {tag}: {sample['wall']:.2f}s wall, {sample['cpu']:.2f}s CPU, {sample['host_cpu']:.2f}s host CPU, "
+            f"{sample['rss_mb']:.0f} MB, "
             f"{sample['threads']} threads, {sample['fds']} fds ({sample['sockets']} sockets) {results}")
         return sample
 
@@ -264,6 +284,7 @@ def bench(args: argparse.Namespace, report: dict) -> None:
         report["boot"][0]["mem_running_per_host_mb"] = round(running / top, 1)
         runs: dict[str, dict] = report["runs"]
         for n in args.sizes:
+            report["logins"][str(n)] = median_sample([f.logins(n, DEFAULT_PARALLEL) for _ in range(args.runs)])
             for kind in KINDS:
                 samples = [f.kdeploy(kind, n, DEFAULT_PARALLEL, f"{kind}-N{n}-p{DEFAULT_PARALLEL}-r{r}")
                            for r in range(1, args.runs + 1)]
@@ -327,6 +348,9 @@ def summarise(report: dict) -> None:
             run = runs.get(f"{kind}/{size}/{DEFAULT_PARALLEL}")
             value = run[metric] if run else None
             measured = f"{value:.2f}" if value is not None else None
+            floor = report["logins"].get(str(size))
+            if measured and metric == "wall" and floor:
+                measured += f" (bare `ssh host true` to the same {size} hosts: {floor['wall']:.2f})"
         targets.append({"target": what, "limit": limit, "measured": measured,
                         "met": None if value is None else value <= limit if metric != "wall" else value < limit})
     top = max((r["hosts"] for r in runs.values()), default=0)
@@ -356,13 +380,17 @@ def print_tables(report: dict) -> str:
     runs = report["runs"]
     if runs:
         lines.append("")
-        lines.append(f"{'kind':<7}{'hosts':>6}{'par':>5}{'wall s':>9}{'CPU s':>8}{'RSS MB':>8}{'threads':>8}"
-                     f"{'fds':>6}{'socks':>6}  ok")
+        lines.append(f"{'kind':<7}{'hosts':>6}{'par':>5}{'wall s':>9}{'CPU s':>8}{'host s':>8}{'RSS MB':>8}"
+                     f"{'threads':>8}{'fds':>6}{'socks':>6}  ok")
         for r in sorted(runs.values(), key=lambda r: (r["parallel"] != DEFAULT_PARALLEL, KINDS.index(r["kind"]),
                                                      r["hosts"], r["parallel"])):
             lines.append(f"{r['kind']:<7}{r['hosts']:>6}{r['parallel']:>5}{r['wall']:>9.2f}{r['cpu']:>8.2f}"
-                         f"{r['rss_mb']:>8.0f}{r['threads']:>8}{r['fds']:>6}{r['sockets']:>6}  "
+                         f"{r.get('host_cpu', float('nan')):>8.2f}{r['rss_mb']:>8.0f}{r['threads']:>8}"
+                         f"{r['fds']:>6}{r['sockets']:>6}  "
                          f"{'ok' if r['ok'] else 'FAILED ' + str(r.get('errors') or r.get('error'))}")
+    for n, g in report.get("logins", {}).items():
+        lines.append(f"logins {int(n):>5}{g['parallel']:>5}{g['wall']:>9.2f}{'':>8}{g['host_cpu']:>8.2f}"
+                     "  (OpenSSH `ssh host true` to every host: the SSH floor)")
     for kind, sl in report.get("slopes_per_host", {}).items():
         lines.append(f"slope per added host, {kind:<6}: " + ", ".join(
             f"{m} {v:+.4f}" for m, v in sl.items() if v is not None))
@@ -489,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                  "kernel": platform.release(), "python": platform.python_version(), "limits": limits(),
                  "sizes": args.sizes, "parallel": args.parallel, "runs": args.runs, "linger": args.linger,
                  "service": "reference server tp=1 (light_service), gate on 1 worker"},
-        "boot": [], "runs": {}, "connections": {}}
+        "boot": [], "runs": {}, "logins": {}, "connections": {}}
     rc = 0
     try:
         if args.boot_sizes:

@@ -402,6 +402,16 @@ class Sandbox:
         except OSError:
             return []
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds used so far inside all of this instance's hosts (the cgroup v2 ``cpu.stat`` its
+        containers run under): what the benches charge to the hosts. NaN without a v2 hierarchy."""
+        for path in (CGROUP_FS / "unified" / self.cgroup_name / "cpu.stat", CGROUP_FS / self.cgroup_name / "cpu.stat"):
+            with contextlib.suppress(OSError):
+                for line in path.read_text().splitlines():
+                    if line.startswith("usage_usec "):
+                        return int(line.split()[1]) / 1e6
+        return float("nan")
+
     def _cgroup_dirs(self) -> list[Path]:
         dirs = [CGROUP_FS / self.cgroup_name]
         with contextlib.suppress(OSError):
