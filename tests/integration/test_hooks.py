@@ -76,3 +76,35 @@ def test_a_refusing_pre_host_skips_its_host_and_post_hooks_see_every_result(
     assert (seen / "h1").read_text() == f"rollback restored pre=ok release={old['h1']} previous={new['h1']}\n"
     assert (seen / "rollout").read_text().splitlines()[1] == "0||h1=restored"
     assert "h1 pre_host: pre_host h1 batch\n" in capsys.readouterr().err  # no batches in a rollback
+
+
+@pytest.mark.hosts(2)
+def test_a_staged_release_removed_before_its_turn_is_staged_again(
+        deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """More hosts than --parallel: each lets go after staging and resumes at its turn. h1's pre_host removes
+    the release staged on h2 meanwhile (as a cleanup of someone's would): h2 sees it at its resume, decides
+    again and stages anew instead of switching to a release that is gone."""
+    assert deployment.kdeploy("push", "test", "--no-verify") == 0
+    d = deployment.service_dir
+    remove_h2_staged = (f'ssh -F {deployment.fleet.ssh_config_path} h2 "cd {d}/releases && r=\\$(ls | tail -n 1) && '
+                        f'[ \\"\\$r\\" != \\"\\$(basename \\$(readlink ../current))\\" ] && rm -rf -- \\"\\$r\\" && '
+                        f'echo removed \\$r"')
+    deployment.edit(lambda doc: doc["defaults"].update(
+        hooks={"pre_host": f'if [ "$KDEPLOY_HOST" = h1 ]; then {remove_h2_staged}; fi', "timeout": 20}))
+    (deployment.payload / "rev.txt").write_text("2")
+
+    code, doc = deployment.json(capsys, "push", "test", "--no-verify", "--parallel", "1")
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    assert code == 0 and [hosts[h]["result"] for h in ("h1", "h2")] == ["deployed", "deployed"], doc
+    phases = [(p["name"], p["detail"]) for p in hosts["h2"]["phases"]]
+    names = [n for n, _ in phases]
+    assert names.count("stage") == 2 and names.index("stage") < names.index("resume") < names.index("activate")
+    resume = dict(phases)["resume"]
+    removed = resume.split("staged release ")[1].split(" was removed")[0]
+    assert resume == f"lock taken again; staged release {removed} was removed, decided again", resume
+    restaged = hosts["h2"]["release"]
+    assert restaged != removed
+    assert Path(deployment.sh("h2", f"readlink {d}/current").strip()).name == restaged
+    assert removed not in deployment.sh("h2", f"ls {d}/releases").split()
+    assert deployment.sh("h2", f"cat {d}/current/rev.txt") == "2"
+    assert "resume" in [p["name"] for p in hosts["h1"]["phases"]]   # h1 let go after staging too
