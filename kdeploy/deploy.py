@@ -495,7 +495,9 @@ def preflight_command(host: HostConfig) -> str:
     sv = host.service
     return probe.preflight_command(python=sv.python, unit=unit_filename(sv), port=sv.sglang.port,
                                    remote_root=sv.remote_root, environment_file=sv.environment_file,
-                                   probe_cache=f"{service_dir(sv)}/{probe.CACHE}")
+                                   probe_cache=f"{service_dir(sv)}/{probe.CACHE}",
+                                   kv_from_journal=(sv.hicache.enabled and sv.hicache.size_gb is None
+                                                    and sv.hicache.device_kv_gb_per_rank is None))
 
 
 def preflight_checks(host: HostConfig, output: str, upload_bytes: int) -> list[probe.Check]:

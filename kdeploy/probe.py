@@ -371,9 +371,15 @@ def check_environment_file(path: str | None, stat_line: str | None, written: boo
 # ----------------------------------------------------------------------------------------------- one round trip
 
 def preflight_command(*, python: str, unit: str, port: int, remote_root: str,
-                      environment_file: str | None = None, probe_cache: str | None = None) -> str:
+                      environment_file: str | None = None, probe_cache: str | None = None,
+                      kv_from_journal: bool = True) -> str:
     """ONE shell command for every preflight check (and the probe): sections ``@@kdeploy NAME`` each
-    followed by its output and ``@@kdeploy rc N``. Parse with :func:`parse_preflight`."""
+    followed by its output and ``@@kdeploy rc N``. Parse with :func:`parse_preflight`.
+
+    ``kv_from_journal``: the HiCache check needs the device KV size from the service's journal. It is read
+    from the running invocation's first lines (the line comes at start-up), else backwards to the last run's
+    line: a GPU host's journal of the unit can hold months of request logs, which a full scan would read on
+    every push."""
     q = shlex.quote
     unit_q = q(unit if unit.endswith(".service") else f"{unit}.service")
     parts = [
@@ -388,9 +394,12 @@ def preflight_command(*, python: str, unit: str, port: int, remote_root: str,
         f"sort -u); do echo \"$p $(cat /proc/$p/comm 2>/dev/null || echo ?) "
         f"$(cut -d: -f3 /proc/$p/cgroup 2>/dev/null | tr '\\n' ' ')\"; done; echo \"{SECTION}rc 0\"; "
         f"else echo \"{SECTION}rc 127\"; fi",
-        f"echo '{SECTION}journal'; journalctl -u {unit_q} -o cat --no-pager 2>/dev/null | "
-        f"grep -F 'KV Cache is allocated' | tail -n 1; echo \"{SECTION}rc 0\"",
     ]
+    if kv_from_journal:
+        kv = "-o cat --no-pager 2>/dev/null | grep -m 1 -F 'KV Cache is allocated'"
+        parts.append(f"echo '{SECTION}journal'; inv=$(systemctl show -p InvocationID --value {unit_q} 2>/dev/null); "
+                     f"{{ [ -n \"$inv\" ] && journalctl _SYSTEMD_INVOCATION_ID=\"$inv\" {kv}; }} || "
+                     f"journalctl -u {unit_q} -r {kv}; echo \"{SECTION}rc 0\"")
     if environment_file:
         parts.append(f"echo '{SECTION}envfile'; stat -L -c '%u %a %F' {q(environment_file)} 2>/dev/null; "
                      f"echo \"{SECTION}rc 0\"")

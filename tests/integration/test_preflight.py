@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.conftest import Deployment
@@ -52,6 +54,19 @@ def test_hicache_that_does_not_fit_in_host_ram_is_refused(deployment: Deployment
     deployment.set_service(hicache={"enabled": True, "ratio": 4.0, "device_kv_gb_per_rank": 4096})
     error = _refused(deployment, capsys)
     assert "hicache: ratio 4.0 needs 8 x" in error and "GiB" in error
+
+
+def test_hicache_sizes_the_pool_from_the_running_service_journal(deployment: Deployment,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """No device KV size in the inventory: it comes from the running invocation's 'KV Cache is allocated'
+    line, read from the journal (not by scanning the unit's whole history)."""
+    assert deployment.kdeploy("push", "test") == 0
+    logged = deployment.sh("h1", f"journalctl -u {deployment.service} -o cat --no-pager | grep 'KV Cache is allocated'")
+    k, v = re.search(r"K size: ([0-9.]+) GB, V size: ([0-9.]+) GB", logged.splitlines()[-1]).groups()
+    deployment.set_service(hicache={"enabled": True, "ratio": 400.0})
+    error = _refused(deployment, capsys)
+    assert f"hicache: ratio 400.0 needs 8 x {400 * (float(k) + float(v)):.1f} GB" in error, error
+    assert f"(device KV {float(k) + float(v):g} GB per rank from the last run's journal)" in error, error
 
 
 def test_sglang_launcher_without_sglang_is_refused(deployment: Deployment,

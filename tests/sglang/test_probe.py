@@ -186,4 +186,7 @@ def test_preflight_command_is_one_command_with_every_section():
                                   remote_root="/srv/kdeploy/sglang-k26")
     for name in ("probe", "df", "nvidia-smi", "meminfo", "port", "journal"):
         assert f"@@kdeploy {name}" in cmd
-    assert "journalctl -u sglang-k26.service" in cmd and ":30000$" in cmd
+    assert "journalctl -u sglang-k26.service -r" in cmd and ":30000$" in cmd
+    lean = probe.preflight_command(python="/opt/v/bin/python", unit="sglang-k26", port=30000,
+                                   remote_root="/srv/kdeploy/sglang-k26", kv_from_journal=False)
+    assert "@@kdeploy journal" not in lean and "journalctl" not in lean
