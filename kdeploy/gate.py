@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 
 RANK_LINE = "Load weight end."
 JOURNAL_TAIL = 12
+# The markers come at start-up; a service that has run for weeks (verify, status) has millions of request log
+# records in the same invocation, and reading them all as JSON would take minutes. An SGLang TP8 start-up
+# logs a few thousand.
+STARTUP_RECORDS = 100_000
 MARKER_GRACE = 15.0  # seconds after readiness for late workers' markers
 # While /health is not 200 yet, the unit is read at once when its main process exits (a watcher on the
 # host says so) and otherwise at most this often: each read is a round trip and a process on the host,
@@ -212,7 +216,7 @@ def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str
             phase.detail = "no markers configured"
             return
         marker_deadline = min(deadline, time.monotonic() + MARKER_GRACE)
-        command = systemd.journal_command(invocation, grep=[*markers, RANK_LINE])
+        command = systemd.journal_command(invocation, grep=[*markers, RANK_LINE], first=STARTUP_RECORDS)
         while True:
             lines = systemd.parse_journal(remote.run(command, timeout=30).stdout)
             wrong = spec.config_line and config_verdict(lines, spec.config_line, spec.config, release)

@@ -111,16 +111,20 @@ def parse_show(text: str) -> UnitState:
     )
 
 
-def journal_command(invocation: str, *, grep: Iterable[str] = (), lines: int | None = None) -> str:
+def journal_command(invocation: str, *, grep: Iterable[str] = (), lines: int | None = None,
+                    first: int | None = None) -> str:
     """Journal records of ONE invocation as JSON, optionally only those containing a fixed string.
 
     The grep runs on journalctl's JSON, so it looks for each string as that JSON writes it: ``"`` and ``\\``
-    escaped, non-ASCII text as plain UTF-8 (never ``\\u`` escapes).
+    escaped, non-ASCII text as plain UTF-8 (never ``\\u`` escapes). ``lines``: the last N records; ``first``:
+    only the first N (what a start-up logs), so a run that has served for weeks is not read whole.
     """
     cmd = (f"journalctl --no-pager -o json --output-fields=MESSAGE,_PID "
            f"{shlex.quote('_SYSTEMD_INVOCATION_ID=' + invocation)}")
     if lines is not None:
         cmd += f" -n {int(lines)}"
+    if first is not None:
+        cmd += f" | head -n {int(first)}"
     patterns = [json.dumps(p, ensure_ascii=False)[1:-1] for p in grep]
     if patterns:
         cmd += " | grep -F " + " ".join(f"-e {shlex.quote(p)}" for p in patterns) + " || true"

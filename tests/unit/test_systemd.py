@@ -133,6 +133,9 @@ def test_journal_command():
     assert journal_command("abc", lines=12).endswith(" -n 12")
     cmd = journal_command("abc", grep=['[kdtree] say "hi"', "it's"])
     assert cmd.endswith(""" | grep -F -e '[kdtree] say \\"hi\\"' -e 'it'"'"'s' || true""")
+    first = journal_command("abc", grep=["m"], first=100)
+    assert first == ("journalctl --no-pager -o json --output-fields=MESSAGE,_PID _SYSTEMD_INVOCATION_ID=abc"
+                     " | head -n 100 | grep -F -e m || true")
 
 
 def test_journal_grep_finds_non_ascii_markers():
