@@ -285,7 +285,7 @@ def _padding(size: int) -> bytes:
 # Run by the host's python3 in the staging directory: check every file against the manifest and make what the
 # upload wrote durable (files with one link, i.e. not shared with `current`, and the directories), on a thread per
 # core with the fsyncs beside the hashing. hashlib is OpenSSL's SHA-256 (SHA extensions where the CPU has them:
-# 0.16 s for 200 MB where coreutils' sha256sum took 0.68 s here). Python >= 3.6.
+# 0.16 s for 200 MB where coreutils' sha256sum took 0.68 s here). Any python3 from 3.5 on.
 _VERIFY_CODE = r'''
 import hashlib, os, sys
 from concurrent.futures import ThreadPoolExecutor
