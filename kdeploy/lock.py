@@ -76,11 +76,11 @@ def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: st
     flock = f"flock -w {wait:g} 9" if wait > 0 else "flock -n 9"
     return "\n".join([
         "umask 022",
-        f"mkdir -p {d} || exit 70",
+        f"[ -d {d} ] || mkdir -p {d} || exit 70",
         "umask 077",
         f"exec 9>>{d}/.lock || exit 70",
         f"if ! {flock}; then echo @@held; cat {d}/lock.json 2>/dev/null; echo; exit {HELD_RC}; fi",
-        f"echo @@stale; cat {d}/lock.json 2>/dev/null; echo",
+        f"echo @@stale; [ ! -f {d}/lock.json ] || cat {d}/lock.json 2>/dev/null; echo",
         f"info=\"{record}\"",
         f"printf '%s\\n' \"$info\" > {d}/.lock.json.tmp && mv -f {d}/.lock.json.tmp {d}/lock.json",
         "echo @@holder; echo $$",

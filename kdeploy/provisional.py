@@ -154,7 +154,8 @@ def confirm_command(service_dir: str, timer: str, token: str) -> str:
 
 
 def read_command(service_dir: str) -> str:
-    return f"cat {shlex.quote(service_dir)}/{PENDING} 2>/dev/null"
+    path = shlex.quote(f"{service_dir}/{PENDING}")
+    return f"[ ! -f {path} ] || cat {path} 2>/dev/null"  # mostly absent: no process for it then
 
 
 def deadline_seconds(stop_timeout: float, gate_timeout: float) -> float:

@@ -51,12 +51,18 @@ class HostState:
         return older[-1] if older else None
 
 
+def _current(d: str) -> str:
+    """The release ``current`` points at (a shell builtin takes its last part: every process spawned for
+    a read costs each host of a fleet ~1.5 ms of CPU)."""
+    return f"echo @@current; r=$(readlink {d}/current 2>/dev/null) && echo \"${{r##*/}}\""
+
+
 def state_script(host: HostConfig, *, with_history: bool = False) -> str:
     """Read everything push, plan, rollback and status decide on, without changing anything."""
     d = shlex.quote(service_dir(host.service))
     unit = shlex.quote(f"{systemd.UNIT_DIR}/{unit_filename(host.service)}")
     lines = [
-        f"echo @@current; r=$(readlink {d}/current 2>/dev/null) && basename \"$r\"",
+        _current(d),
         f"echo @@manifest; cat {d}/current/{release.META}/manifest.sha256 2>/dev/null",
         f"echo @@modes; cat {d}/current/{release.META}/modes 2>/dev/null",
         f"if [ -f {unit} ]; then echo @@unit; cat {unit}; echo; fi",
@@ -207,7 +213,7 @@ def running_script(host: HostConfig) -> str:
     """What verify needs: the release that runs, an unconfirmed switch, and the gate it was deployed with."""
     d = shlex.quote(service_dir(host.service))
     return "\n".join([
-        f"echo @@current; r=$(readlink {d}/current 2>/dev/null) && basename \"$r\"",
+        _current(d),
         f"echo @@pending; {provisional.read_command(service_dir(host.service))}",
         f"echo @@gate; cat {d}/current/{release.META}/gate.json 2>/dev/null",
         "true",
