@@ -81,7 +81,8 @@ def test_float16_and_no_mask_chain():
     check(run_kernel(prob, SCALE, 64, out=poisoned(prob)), run_reference(prob, SCALE))
 
 
-@pytest.mark.parametrize("overrides", [{}, {"pdl": True}, {"pdl": False, "wave_sms": 0}, {"sm90": True}])
+@pytest.mark.parametrize("overrides", [{}, {"pdl": True}, {"pdl": False, "wave_sms": 0},
+                                       {"sm90": False}])
 def test_cuda_graph_capture_and_replay_give_identical_output(overrides):
     bs, heads, q_len, max_ctx, nsplit = 4, 16, 16, 65536, 64
     config = mv.with_config(mv.default_config(DEV), **overrides)
@@ -220,8 +221,7 @@ def test_sm90_gluon_split_kernel_matches_the_fp32_reference(bs, heads, q_len, pr
     check(out, run_reference(prob, SCALE))
 
 
-@pytest.mark.parametrize("overrides", [dict(tail_m=16), dict(tail_m=16, num_stages=3),
-                                       dict(tail_m=16, idx_ahead=True, block_n=32, num_stages=4)])
+@pytest.mark.parametrize("overrides", [dict(tail_m=16, sm90=False), dict(tail_m=16, sm90=False, num_stages=3)])
 @pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes"), [(3, 8, 9, [40000, 9, 3000]), (2, 16, 9, [65536, 700])])
 def test_short_tail_tiles(overrides, bs, heads, q_len, prefixes):
     """72 rows = 64 + an 8-row tail, 144 = 128 + 16: the last row block on a short tile (tail_m)."""
@@ -243,9 +243,10 @@ def test_short_tail_tiles(overrides, bs, heads, q_len, prefixes):
                                     dict(dv_split=2, block_m=128, block_n=32, num_warps=8, num_stages=2),
                                     dict(dv_split=2, block_m=64, block_n=32, num_warps=4, num_stages=4),
                                     dict(pdl=True), dict(wave_sms=0), dict(combine_wide_rows=0),
-                                    dict(combine_wide_rows=1, wave_min_chunk=0), dict(num_stages=3),
-                                    dict(idx_ahead=True), dict(idx_ahead=True, block_n=32, num_stages=4)])
+                                    dict(combine_wide_rows=1, wave_min_chunk=0), dict(num_stages=3)])
 def test_other_tile_configs(config):
+    """The Triton split kernel's other tiles and launch rules (sm90 off: on a Hopper GPU the default is Gluon's)."""
     prob = make_problem(3, 16, 16, [40000, 9, 3000], page_size=64, dtype=torch.bfloat16, device=DEV, seed=11)
-    out = run_kernel(prob, SCALE, 64, config=mv.with_config(mv.GPU_CONFIG, **config), out=poisoned(prob))
+    config = mv.with_config(mv.GPU_CONFIG, **{"sm90": False, **config})
+    out = run_kernel(prob, SCALE, 64, config=config, out=poisoned(prob))
     check(out, run_reference(prob, SCALE))

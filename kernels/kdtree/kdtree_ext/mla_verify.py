@@ -88,7 +88,6 @@ class KernelConfig:
     wave_min_chunk: int = 0
     combine_wide_rows: int = 0
     tail_m: int = 0
-    idx_ahead: bool = False
     sm90: bool = False
 
     def describe(self) -> str:
@@ -97,8 +96,7 @@ class KernelConfig:
                 f"max_ctas={self.max_ctas} wave_sms={self.wave_sms} "
                 f"pdl={int(self.pdl)} partials={self.partial_dtype} "
                 f"combine=s{self.combine_block_s}/d{self.combine_block_d}/w{self.combine_warps} "
-                f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} idx_ahead={int(self.idx_ahead)} "
-                f"sm90={int(self.sm90)}")
+                f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} sm90={int(self.sm90)}")
 
 
 # Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
@@ -110,11 +108,13 @@ class KernelConfig:
 # when the launch is one wave of programs (bs=1 at 4k: 24-33 us instead of 31-40 us; the same code path from 16k
 # up), and the combine of launches of >= 256 rows (bs x Q x H) in one 512-channel program of 8 warps per row
 # (bs=1 H=16 Q=16 0.4-13% faster, bs=8 Q=16 0.4-3%, bs=8 Q=9 -0.6..+2.6%).
-# Third pass (same day; bench/results/kernel-h200-sweep5..7.*): on Hopper the split kernel is the Gluon one of
-# mla_verify_sm90.py (sm90: the score tile split over the two warp groups; replay geomean over the 32 shapes
-# 134.6 -> 107.0 us); elsewhere the Triton kernel runs the last row block of 72 or 144 rows on a 16-row tile
-# (tail_m: 129.6 us on the H200 with the Triton kernel; not measured on other GPUs).
-GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256, tail_m=16, sm90=True)
+# Third pass (same day; bench/results/kernel-h200-sweep5..9.*): on Hopper the split kernel is the Gluon one of
+# mla_verify_sm90.py (sm90: the score tile split over the two warp groups, one cross-warp-group reduction per
+# tile; replay geomean over the 32 shapes 134.6 -> 103.4 us); elsewhere the Triton kernel runs the last row block
+# of 72 or 144 rows on a 16-row tile (tail_m: 129.6 us on the H200 with the Triton kernel; not measured on
+# other GPUs).
+GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256, tail_m=16, sm90=True,
+                          min_chunk=512, max_ctas=256)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -188,7 +188,7 @@ def _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, loc, n0, end, qk_sca
 def _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, b, split, kv_base, start, end, dv0, qk_scale,
                stride_qt, stride_qh, stride_kb, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
                H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               WARP_SPEC: tl.constexpr, DV_SPLIT: tl.constexpr, IDX_AHEAD: tl.constexpr):
+               WARP_SPEC: tl.constexpr, DV_SPLIT: tl.constexpr):
     """Rows [row0, row0 + BLOCK_M) of request b x prefix keys [start, end) -> partial output + log2-sum-exp."""
     BLOCK_DV: tl.constexpr = DL // DV_SPLIT
     offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -210,19 +210,10 @@ def _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, b, split, kv
     # no mask in the prefix; one load of [c_kv | k_rope] serves Q K^T and P V (values = c_kv).
     # Whole BLOCK_N tiles run unmasked; the partition's last partial tile (if any) runs masked.
     n_full = start + ((end - start) // BLOCK_N) * BLOCK_N
-    if IDX_AHEAD:
-        # the next tile's slots are loaded while this tile is computed: its gather need not wait for them
-        loc = _tile_slots(KvIdx, kv_base, start, n_full, BLOCK_N, True)
-        for n0 in tl.range(start, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
-            loc_next = _tile_slots(KvIdx, kv_base, n0 + BLOCK_N, n_full, BLOCK_N, True)
-            acc, m_i, l_i = _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, loc, n0, end, qk_scale,
-                                         stride_kb, dv0, DL, DR, BLOCK_N, DV_SPLIT, False)
-            loc = loc_next
-    else:
-        for n0 in tl.range(start, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
-            loc = _tile_slots(KvIdx, kv_base, n0, end, BLOCK_N, False)
-            acc, m_i, l_i = _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, loc, n0, end, qk_scale,
-                                         stride_kb, dv0, DL, DR, BLOCK_N, DV_SPLIT, False)
+    for n0 in tl.range(start, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
+        loc = _tile_slots(KvIdx, kv_base, n0, end, BLOCK_N, False)
+        acc, m_i, l_i = _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, loc, n0, end, qk_scale,
+                                     stride_kb, dv0, DL, DR, BLOCK_N, DV_SPLIT, False)
     if n_full < end:
         loc = _tile_slots(KvIdx, kv_base, n_full, end, BLOCK_N, True)
         acc, m_i, l_i = _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, loc, n_full, end,
@@ -246,7 +237,7 @@ def _split_kernel(
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_INDPTR: tl.constexpr, WARP_SPEC: tl.constexpr,
-    DV_SPLIT: tl.constexpr, PDL: tl.constexpr, TAIL_M: tl.constexpr, IDX_AHEAD: tl.constexpr,
+    DV_SPLIT: tl.constexpr, PDL: tl.constexpr, TAIL_M: tl.constexpr,
 ):
     """One prefix partition x BLOCK_M (token, head) rows of one request (x one half of the 512 value channels
     when DV_SPLIT == 2: neighbouring programs take the two halves of the same rows and keys, so the second
@@ -280,11 +271,11 @@ def _split_kernel(
         if rows - row0 <= TAIL_M:                  # the last few rows (e.g. 8 of 72): a short tile, not 64 rows
             _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, b, split, kv_base, start, end, dv0,
                        qk_scale, stride_qt, stride_qh, stride_kb, stride_pb, stride_ps, stride_pr, stride_lb,
-                       stride_ls, H, DL, DR, TAIL_M, BLOCK_N, WARP_SPEC, DV_SPLIT, IDX_AHEAD)
+                       stride_ls, H, DL, DR, TAIL_M, BLOCK_N, WARP_SPEC, DV_SPLIT)
             return
     _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, b, split, kv_base, start, end, dv0, qk_scale,
                stride_qt, stride_qh, stride_kb, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, H, DL, DR,
-               BLOCK_M, BLOCK_N, WARP_SPEC, DV_SPLIT, IDX_AHEAD)
+               BLOCK_M, BLOCK_N, WARP_SPEC, DV_SPLIT)
 
 
 @triton.jit
@@ -564,7 +555,7 @@ def mla_tree_verify(
         _split_kernel[grid](
             *split_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             KV_INDPTR=use_indptr, WARP_SPEC=config.warp_specialize, DV_SPLIT=config.dv_split, PDL=pdl,
-            TAIL_M=launch_tail_m(rows, config), IDX_AHEAD=config.idx_ahead, num_warps=config.num_warps,
+            TAIL_M=launch_tail_m(rows, config), num_warps=config.num_warps,
             num_stages=config.num_stages)
     wide = 0 < config.combine_wide_rows <= bs * rows
     block_d = D_LATENT if wide else config.combine_block_d

@@ -5,9 +5,11 @@ one program per 64 (token, head) rows of a request x one prefix partition -> a n
 output and its log2-sum-exp. What differs is who computes what: the two warp groups split the 64 keys of the
 score tile (each computes ``Q Kᵀ`` for 32 of them) and the 512 value channels of ``P V`` (256 each); the
 probabilities meet in shared memory (``p_smem``). Triton's ``tl.dot`` chain lays the score tile out so that
-both warp groups compute all of it (``Q Kᵀ`` twice). Key tiles are gathered with ``cp.async`` two deep (the
-next tile's copies are issued before this tile's scores), and the slots of the tile after that are loaded a
-tile ahead into registers.
+both warp groups compute all of it (``Q Kᵀ`` twice). Key tiles are gathered with ``cp.async`` into two
+buffers: the next tile's copies are issued right after the barrier that opens a tile (which also frees the
+buffer the previous tile's ``P V`` read), and the cache slots of the tile after that are loaded a tile ahead
+into registers. Each thread keeps its own share of the row sums (``l_part``), summed across the warp groups
+once at the end, so a tile has one cross-warp-group reduction (the row maximum), not two.
 
 Imported only on a CUDA device of compute capability 9.x with a Triton that has Gluon (``available()``);
 everywhere else, and under ``TRITON_INTERPRET=1``, ``mla_verify`` runs its Triton kernel.
@@ -113,21 +115,20 @@ def split_kernel_sm90(
     loc_r = _slots(KvIdx, kv_base, start + BN, end, BN, gl.SliceLayout(1, GL_ROPE))
 
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, S_L))
     acc = gl.zeros([BM, DL], gl.float32, layout=O_L)
     n_tiles = gl.cdiv(end - start, BN)
+    l_part = gl.zeros([BM, BN], gl.float32, layout=S_L)
     for i in range(n_tiles):
         n0 = start + i * BN
         buf = i % 2
-        # the next tile's copies (into the buffer the previous tile's P V has finished reading)
+        async_copy.wait_group(0)                   # tile i (and the query) has landed, own copies
+        fence_async_shared()
+        gl.thread_barrier()                        # everyone's copies; tile i - 1's buffer and p are free
         _issue_tile(k_lat.index(1 - buf), k_rope.index(1 - buf), KBuf, loc_l, loc_r, n0 + BN, end, stride_kb,
                     DL, DR, BN, GL_LAT, GL_ROPE)
         async_copy.commit_group()
         loc_l = _slots(KvIdx, kv_base, n0 + 2 * BN, end, BN, gl.SliceLayout(1, GL_LAT))
         loc_r = _slots(KvIdx, kv_base, n0 + 2 * BN, end, BN, gl.SliceLayout(1, GL_ROPE))
-        async_copy.wait_group(1)                   # this tile (and the query) has landed, own copies
-        fence_async_shared()
-        gl.thread_barrier()                        # everyone's copies
         kl = k_lat.index(buf)
         s = gl.zeros([BM, BN], gl.float32, layout=S_L)
         s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
@@ -138,7 +139,7 @@ def split_kernel_sm90(
         m_new = gl.maximum(m_i, gl.max(s, 1))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
+        l_part = l_part * alpha[:, None] + p
         m_i = m_new
         p_smem.store(p.to(dt))
         fence_async_shared()
@@ -146,7 +147,7 @@ def split_kernel_sm90(
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        gl.thread_barrier()                        # p and this buffer are free for the next tile
+    l_i = gl.sum(l_part, 1)
     async_copy.wait_group(0)
 
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
