@@ -31,6 +31,9 @@ How (two launches, no host sync, no allocation, grid from static maxima — CUDA
    ``q_len`` draft keys), merges that with the non-empty prefix partitions by their LSE and writes ``o``
    (``[tokens, H, 512]``, the input dtype). Partials are fp32 (``partial_dtype`` can make them bf16).
 
+On a Hopper GPU the split kernel is ``mla_verify_sm90.split_kernel_sm90`` (Gluon: same arguments, grid and
+output; the two warp groups split the score tile instead of both computing it), see ``KernelConfig.sm90``.
+
 ``mla_tree_verify`` launches both; ``reference_tree_verify`` is the fp32 PyTorch reference (gather, mask,
 softmax, weighted sum). Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors.
 """
@@ -108,11 +111,13 @@ class KernelConfig:
 # when the launch is one wave of programs (bs=1 at 4k: 24-33 us instead of 31-40 us; the same code path from 16k
 # up), and the combine of launches of >= 256 rows (bs x Q x H) in one 512-channel program of 8 warps per row
 # (bs=1 H=16 Q=16 0.4-13% faster, bs=8 Q=16 0.4-3%, bs=8 Q=9 -0.6..+2.6%).
-# Third pass (same day; bench/results/kernel-h200-sweep5..9.*): on Hopper the split kernel is the Gluon one of
-# mla_verify_sm90.py (sm90: the score tile split over the two warp groups, one cross-warp-group reduction per
-# tile; replay geomean over the 32 shapes 134.6 -> 103.4 us); elsewhere the Triton kernel runs the last row block
-# of 72 or 144 rows on a 16-row tile (tail_m: 129.6 us on the H200 with the Triton kernel; not measured on
-# other GPUs).
+# Third pass (same day; bench/results/kernel-h200-sweep5..11.*, kernel-h200-ab.txt): on Hopper the split kernel
+# is the Gluon one of mla_verify_sm90.py (sm90: the score tile split over the two warp groups, one
+# cross-warp-group reduction per tile; replay geomean over the 32 shapes 135.4 -> 103.4 us in one call), and
+# launches of more than one wave use partitions of >= 512 tokens and at most 256 programs (-> 101.1 us; bs=8
+# H=16 Q=9 4-8% slower, the other bs=8 shapes up to 14% faster); elsewhere the Triton kernel runs the last row
+# block of 72 or 144 rows on a 16-row tile (tail_m: 134.4 -> 129.4 us on the H200 with the Triton kernel; not
+# measured on other GPUs).
 GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256, tail_m=16, sm90=True,
                           min_chunk=512, max_ctas=256)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,

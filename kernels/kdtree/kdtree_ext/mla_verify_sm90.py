@@ -11,7 +11,7 @@ buffer the previous tile's ``P V`` read), and the cache slots of the tile after 
 into registers. Each thread keeps its own share of the row sums (``l_part``), summed across the warp groups
 once at the end, so a tile has one cross-warp-group reduction (the row maximum), not two.
 
-Imported only on a CUDA device of compute capability 9.x with a Triton that has Gluon (``available()``);
+Imported only on a CUDA device of compute capability 9.x with a Triton that has Gluon (``mla_verify._sm90_ok``);
 everywhere else, and under ``TRITON_INTERPRET=1``, ``mla_verify`` runs its Triton kernel.
 """
 
@@ -22,13 +22,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-BLOCK_M = 64
-BLOCK_N = 64
-NUM_WARPS = 8
-
 
 @gluon.jit
 def _slots(KvIdx, kv_base, n0, end, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Cache slots of prefix keys [n0, n0 + BLOCK_N) in ``layout`` (keys >= end: slot 0, never copied)."""
     offs = n0 + gl.arange(0, BLOCK_N, layout=layout)
     return gl.load(KvIdx + kv_base + offs, mask=offs < end, other=0).to(gl.int64)
 
@@ -56,6 +53,7 @@ def split_kernel_sm90(
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
     H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, KV_INDPTR: gl.constexpr, PDL: gl.constexpr,
 ):
+    """One prefix partition x 64 (token, head) rows of one request -> partial output + log2-sum-exp (8 warps)."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     # scores [64, 64]: each warp group 64 rows x 32 keys; output [64, 512]: each 64 rows x 256 channels
