@@ -59,7 +59,8 @@ CONTEXTS = (4096, 16384, 32768, 65536)
 SHAPES = [(bs, h, q, ctx) for ctx in CONTEXTS for bs in (1, 8) for h in (8, 16) for q in (9, 16)]
 TUNE_SHAPES = [(8, 16, 16, 65536), (8, 8, 9, 65536), (1, 8, 16, 16384), (1, 16, 9, 32768), (1, 8, 9, 4096),
                (8, 16, 9, 65536)]
-TILE_CONFIGS = [   # all compile without spills for sm_90 (checked offline: registers, shared memory, SASS)
+TILE_CONFIGS = [   # all compile without spills for sm_90 (checked offline: registers, shared memory, SASS); on a
+    # Hopper GPU the first is the Gluon split kernel (sm90 in the default config), the others the Triton one
     dict(block_m=64, block_n=64, num_warps=8, num_stages=2),
     dict(block_m=64, block_n=32, num_warps=8, num_stages=3),
     dict(block_m=64, block_n=32, num_warps=8, num_stages=2),
@@ -71,8 +72,11 @@ TILE_CONFIGS = [   # all compile without spills for sm_90 (checked offline: regi
 # except bs=8 H=8 Q=9 at 16k-64k, 5-8% faster), more partitions than NSPLIT to fill a wave, 1024 programs,
 # warp_specialize (no effect) and bf16 partials again (12% slower): none kept.
 # run 1 (2026-12-01) also tried block_n=16 (4 stages) and 16-row mma.sync tiles (slower), bf16 partials (slower)
+# the third pass (2026-12-01, bench/results/kernel-h200-sweep5..11.*) added the Gluon split kernel (sm90) and the
+# Triton kernel's 16-row tail tile (tail_m); it tried p through memory, a 32-row tail, slots a tile ahead, 3-4
+# stages, and in Gluon P V / Q K^T back to back and bf16 partials: none kept (docs/benchmarks.md "Kernel").
 # wave_sms=-1: the partition count that fills the last wave of programs best (the default since run 3); 0: off
-SPLIT_RULES = [dict(min_chunk=mc, max_ctas=cap, wave_sms=w) for mc in (128, 256) for cap in (384, 512, 768)
+SPLIT_RULES = [dict(min_chunk=mc, max_ctas=cap, wave_sms=w) for mc in (256, 512) for cap in (256, 512, 768)
                for w in (-1, 0)]
 COMBINE_CONFIGS = [dict(combine_block_s=bs, combine_block_d=bd, combine_warps=w)
                    for bs, bd, w in ((32, 256, 4), (16, 256, 4), (32, 512, 8), (64, 256, 8))]

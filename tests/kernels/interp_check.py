@@ -72,6 +72,15 @@ def cases() -> list[dict]:
     out.append(dict(bs=1, heads=2, q_len=9, prefix_lens=[0], page_size=1, tree=False, nsplit=2,
                     layout="req_to_token", seed=27, config=dict(dv_split=2, block_m=32, block_n=32, min_chunk=32),
                     dtype="float32"))
+    # a short tile for a row block's last few rows (tail_m): 36 rows = 32 + a 4-row tail; 52 = 32 + 20 rows
+    # (more than tail_m: no short tile)
+    out.append(dict(bs=2, heads=4, q_len=9, prefix_lens=[150, 33], page_size=1, tree=True, nsplit=4,
+                    layout="indptr", seed=33, config=dict(block_m=32, tail_m=16), dtype="float32"))
+    out.append(dict(bs=1, heads=4, q_len=13, prefix_lens=[70], page_size=64, tree=False, nsplit=2,
+                    layout="req_to_token", seed=34, config=dict(block_m=32, tail_m=16), dtype="float32"))
+    # the sm_90 Gluon split kernel asked for on CPU tensors: the Triton kernel runs instead
+    out.append(dict(bs=1, heads=2, q_len=4, prefix_lens=[40], page_size=1, tree=True, nsplit=2,
+                    layout="indptr", seed=37, config=dict(sm90=True), dtype="float32"))
     # half-precision partial outputs (the interpreter cannot do bf16: fp16 stands in) and other combine tiles
     out.append(dict(bs=2, heads=4, q_len=9, prefix_lens=[200, 77], page_size=64, tree=True, nsplit=8,
                     layout="indptr", seed=25, dtype="float32",

@@ -81,7 +81,8 @@ def test_float16_and_no_mask_chain():
     check(run_kernel(prob, SCALE, 64, out=poisoned(prob)), run_reference(prob, SCALE))
 
 
-@pytest.mark.parametrize("overrides", [{}, {"pdl": True}, {"pdl": False, "wave_sms": 0}])
+@pytest.mark.parametrize("overrides", [{}, {"pdl": True}, {"pdl": False, "wave_sms": 0},
+                                       {"sm90": False}])
 def test_cuda_graph_capture_and_replay_give_identical_output(overrides):
     bs, heads, q_len, max_ctx, nsplit = 4, 16, 16, 65536, 64
     config = mv.with_config(mv.default_config(DEV), **overrides)
@@ -204,6 +205,33 @@ def test_tree_matches_sglang_extend_attention():
     assert (ours.float() - o_ext.float()).abs().max().item() <= 3e-2 * ref.abs().max().item()
 
 
+SM90 = [c for c in FULL if c[5] != 128] + [(3, 8, 9, [40000, 9, 3000], 1, 64, "req_to_token", True, 2.0),
+                                         (2, 16, 9, [65536, 700], 64, 64, "indptr", False, 1.0)]
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon split kernel is sm_90 only")
+@pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes", "page", "nsplit", "layout", "tree", "q_scale"), SM90)
+def test_sm90_gluon_split_kernel_matches_the_fp32_reference(bs, heads, q_len, prefixes, page, nsplit, layout, tree,
+                                                            q_scale):
+    prob = make_problem(bs, heads, q_len, prefixes, page_size=page, tree=tree, dtype=torch.bfloat16, device=DEV,
+                        seed=bs * 100 + q_len + 7, layout=layout, q_scale=q_scale)
+    config = mv.with_config(mv.GPU_CONFIG, sm90=True)
+    assert mv._sm90_split_kernel(config, prob["q"], prob["kv_buffer"]) is not None
+    out = run_kernel(prob, SCALE, nsplit, config=config, out=poisoned(prob))
+    check(out, run_reference(prob, SCALE))
+
+
+@pytest.mark.parametrize("overrides", [dict(tail_m=16, sm90=False), dict(tail_m=16, sm90=False, num_stages=3)])
+@pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes"), [(3, 8, 9, [40000, 9, 3000]), (2, 16, 9, [65536, 700])])
+def test_short_tail_tiles(overrides, bs, heads, q_len, prefixes):
+    """72 rows = 64 + an 8-row tail, 144 = 128 + 16: the last row block on a short tile (tail_m)."""
+    config = mv.with_config(mv.GPU_CONFIG, **overrides)
+    assert mv.launch_tail_m(q_len * heads, config) == 16
+    prob = make_problem(bs, heads, q_len, prefixes, page_size=1, tree=True, dtype=torch.bfloat16, device=DEV,
+                        seed=bs + heads, mask_dtype=torch.uint8, q_scale=2.0)
+    check(run_kernel(prob, SCALE, 64, config=config, out=poisoned(prob)), run_reference(prob, SCALE))
+
+
 @pytest.mark.skipif(not os.environ.get("KDTREE_GPU_ALL_CONFIGS"), reason="set KDTREE_GPU_ALL_CONFIGS=1")
 @pytest.mark.parametrize("config", [dict(block_m=64, block_n=32, num_warps=8, num_stages=2),
                                     dict(block_m=64, block_n=32, num_warps=8, num_stages=3),
@@ -215,8 +243,10 @@ def test_tree_matches_sglang_extend_attention():
                                     dict(dv_split=2, block_m=128, block_n=32, num_warps=8, num_stages=2),
                                     dict(dv_split=2, block_m=64, block_n=32, num_warps=4, num_stages=4),
                                     dict(pdl=True), dict(wave_sms=0), dict(combine_wide_rows=0),
-                                    dict(combine_wide_rows=1, wave_min_chunk=0)])
+                                    dict(combine_wide_rows=1, wave_min_chunk=0), dict(num_stages=3)])
 def test_other_tile_configs(config):
+    """The Triton split kernel's other tiles and launch rules (sm90 off: on a Hopper GPU the default is Gluon's)."""
     prob = make_problem(3, 16, 16, [40000, 9, 3000], page_size=64, dtype=torch.bfloat16, device=DEV, seed=11)
-    out = run_kernel(prob, SCALE, 64, config=mv.with_config(mv.GPU_CONFIG, **config), out=poisoned(prob))
+    config = mv.with_config(mv.GPU_CONFIG, **{"sm90": False, **config})
+    out = run_kernel(prob, SCALE, 64, config=config, out=poisoned(prob))
     check(out, run_reference(prob, SCALE))

@@ -49,6 +49,8 @@ def test_covers_trees_chains_pages_layouts_and_splits(interp: Script):
     assert any(c.get("mask_dtype") == "uint8" for c in cases)    # SGLang's graph buffer dtype
     assert {c.get("config", {}).get("dv_split", 1) for c in cases} == {1, 2}   # value channels split or not
     assert any(c.get("config", {}).get("combine_wide_rows") for c in cases)      # one combine program per row
+    assert any(c.get("config", {}).get("tail_m") for c in cases)                 # a short tile for the last rows
+    assert any(c.get("config", {}).get("sm90") for c in cases)                   # the Gluon kernel: Triton on CPU
 
 
 def test_empty_partitions_exit_early(interp: Script):

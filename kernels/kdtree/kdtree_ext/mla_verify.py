@@ -31,6 +31,9 @@ How (two launches, no host sync, no allocation, grid from static maxima — CUDA
    ``q_len`` draft keys), merges that with the non-empty prefix partitions by their LSE and writes ``o``
    (``[tokens, H, 512]``, the input dtype). Partials are fp32 (``partial_dtype`` can make them bf16).
 
+On a Hopper GPU the split kernel is ``mla_verify_sm90.split_kernel_sm90`` (Gluon: same arguments, grid and
+output; the two warp groups split the score tile instead of both computing it), see ``KernelConfig.sm90``.
+
 ``mla_tree_verify`` launches both; ``reference_tree_verify`` is the fp32 PyTorch reference (gather, mask,
 softmax, weighted sum). Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors.
 """
@@ -87,6 +90,8 @@ class KernelConfig:
     combine_warps: int = 4
     wave_min_chunk: int = 0
     combine_wide_rows: int = 0
+    tail_m: int = 0
+    sm90: bool = False
 
     def describe(self) -> str:
         return (f"block_m={self.block_m} block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} "
@@ -94,7 +99,7 @@ class KernelConfig:
                 f"max_ctas={self.max_ctas} wave_sms={self.wave_sms} "
                 f"pdl={int(self.pdl)} partials={self.partial_dtype} "
                 f"combine=s{self.combine_block_s}/d{self.combine_block_d}/w{self.combine_warps} "
-                f"combine_wide_rows={self.combine_wide_rows}")
+                f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} sm90={int(self.sm90)}")
 
 
 # Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
@@ -106,7 +111,15 @@ class KernelConfig:
 # when the launch is one wave of programs (bs=1 at 4k: 24-33 us instead of 31-40 us; the same code path from 16k
 # up), and the combine of launches of >= 256 rows (bs x Q x H) in one 512-channel program of 8 warps per row
 # (bs=1 H=16 Q=16 0.4-13% faster, bs=8 Q=16 0.4-3%, bs=8 Q=9 -0.6..+2.6%).
-GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256)
+# Third pass (same day; bench/results/kernel-h200-sweep5..11.*, kernel-h200-ab.txt): on Hopper the split kernel
+# is the Gluon one of mla_verify_sm90.py (sm90: the score tile split over the two warp groups, one
+# cross-warp-group reduction per tile; replay geomean over the 32 shapes 135.4 -> 103.4 us in one call), and
+# launches of more than one wave use partitions of >= 512 tokens and at most 256 programs (-> 101.1 us; bs=8
+# H=16 Q=9 4-8% slower, the other bs=8 shapes up to 14% faster); elsewhere the Triton kernel runs the last row
+# block of 72 or 144 rows on a 16-row tile (tail_m: 134.4 -> 129.4 us on the H200 with the Triton kernel; not
+# measured on other GPUs).
+GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256, tail_m=16, sm90=True,
+                          min_chunk=512, max_ctas=256)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -126,10 +139,20 @@ def _chunk_len(prefix, nsplit, min_chunk, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, KvIdx, kv_base, n0, end, qk_scale, stride_kb, dv0,
+def _tile_slots(KvIdx, kv_base, n0, end, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Cache slots of prefix keys [n0, n0 + BLOCK_N) (masked: those >= end read slot 0, never used)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        return tl.load(KvIdx + kv_base + offs_n, mask=offs_n < end, other=0).to(tl.int64)
+    return tl.load(KvIdx + kv_base + offs_n).to(tl.int64)
+
+
+@triton.jit
+def _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, loc, n0, end, qk_scale, stride_kb, dv0,
                  DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr,
                  MASKED: tl.constexpr):
-    """One BLOCK_N tile of prefix keys: gather the rows, scores, online softmax update, P V.
+    """One BLOCK_N tile of prefix keys (their cache slots ``loc``): gather the rows, scores, online softmax
+    update, P V.
 
     DV_SPLIT == 2: this program owns value channels [dv0, dv0 + 256); the latent part of Q K^T is done as
     its own half (also the values) plus the other half (q_oth / k_oth), so nothing is loaded twice."""
@@ -139,9 +162,6 @@ def _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, KvIdx, kv_base, n0, 
     offs_dr = tl.arange(0, DR)
     if MASKED:
         n_ok = offs_n < end
-        loc = tl.load(KvIdx + kv_base + offs_n, mask=n_ok, other=0).to(tl.int64)
-    else:
-        loc = tl.load(KvIdx + kv_base + offs_n).to(tl.int64)
     k_row = KBuf + loc[:, None] * stride_kb
     if MASKED:
         k_own = tl.load(k_row + dv0 + offs_dv[None, :], mask=n_ok[:, None], other=0.0)
@@ -170,6 +190,51 @@ def _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, KvIdx, kv_base, n0, 
 
 
 @triton.jit
+def _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, b, split, kv_base, start, end, dv0, qk_scale,
+               stride_qt, stride_qh, stride_kb, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
+               H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               WARP_SPEC: tl.constexpr, DV_SPLIT: tl.constexpr):
+    """Rows [row0, row0 + BLOCK_M) of request b x prefix keys [start, end) -> partial output + log2-sum-exp."""
+    BLOCK_DV: tl.constexpr = DL // DV_SPLIT
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dr = tl.arange(0, DR)
+    q_row = Q + (q_start + offs_m // H).to(tl.int64)[:, None] * stride_qt + (offs_m % H)[:, None] * stride_qh
+    q_own = tl.load(q_row + dv0 + offs_dv[None, :], mask=row_ok[:, None], other=0.0).to(KBuf.dtype.element_ty)
+    if DV_SPLIT == 2:
+        q_oth = tl.load(q_row + (BLOCK_DV - dv0) + offs_dv[None, :], mask=row_ok[:, None],
+                        other=0.0).to(KBuf.dtype.element_ty)
+    else:
+        q_oth = q_own                              # unused
+    q_rope = tl.load(q_row + DL + offs_dr[None, :], mask=row_ok[:, None], other=0.0).to(KBuf.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # no mask in the prefix; one load of [c_kv | k_rope] serves Q K^T and P V (values = c_kv).
+    # Whole BLOCK_N tiles run unmasked; the partition's last partial tile (if any) runs masked.
+    n_full = start + ((end - start) // BLOCK_N) * BLOCK_N
+    for n0 in tl.range(start, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
+        loc = _tile_slots(KvIdx, kv_base, n0, end, BLOCK_N, False)
+        acc, m_i, l_i = _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, loc, n0, end, qk_scale,
+                                     stride_kb, dv0, DL, DR, BLOCK_N, DV_SPLIT, False)
+    if n_full < end:
+        loc = _tile_slots(KvIdx, kv_base, n_full, end, BLOCK_N, True)
+        acc, m_i, l_i = _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, loc, n_full, end,
+                                     qk_scale, stride_kb, dv0, DL, DR, BLOCK_N, DV_SPLIT, True)
+
+    out = acc / l_i[:, None]                       # every partition has >= 1 key: l_i > 0
+    lse = m_i + tl.log2(l_i)
+    part = b.to(tl.int64) * stride_pb + split.to(tl.int64) * stride_ps
+    tl.store(PartO + part + offs_m[:, None] * stride_pr + dv0 + offs_dv[None, :], out.to(PartO.dtype.element_ty),
+             mask=row_ok[:, None])
+    # both value halves compute the same scores (same instructions, same order): one of them writes the LSE
+    if dv0 == 0:
+        tl.store(PartLse + b.to(tl.int64) * stride_lb + split.to(tl.int64) * stride_ls + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
 def _split_kernel(
     Q, KBuf, QoIndptr, KvStart, KvLens, KvIdx, PartO, PartLse,
     qk_scale, nsplit, min_chunk, kv_start_mult,
@@ -177,7 +242,7 @@ def _split_kernel(
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_INDPTR: tl.constexpr, WARP_SPEC: tl.constexpr,
-    DV_SPLIT: tl.constexpr, PDL: tl.constexpr,
+    DV_SPLIT: tl.constexpr, PDL: tl.constexpr, TAIL_M: tl.constexpr,
 ):
     """One prefix partition x BLOCK_M (token, head) rows of one request (x one half of the 512 value channels
     when DV_SPLIT == 2: neighbouring programs take the two halves of the same rows and keys, so the second
@@ -206,40 +271,16 @@ def _split_kernel(
         return                                     # empty partition: the combine skips it too
     end = tl.minimum(start + chunk, prefix)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < rows
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_dr = tl.arange(0, DR)
-    q_row = Q + (q_start + offs_m // H).to(tl.int64)[:, None] * stride_qt + (offs_m % H)[:, None] * stride_qh
-    q_own = tl.load(q_row + dv0 + offs_dv[None, :], mask=row_ok[:, None], other=0.0).to(KBuf.dtype.element_ty)
-    if DV_SPLIT == 2:
-        q_oth = tl.load(q_row + (BLOCK_DV - dv0) + offs_dv[None, :], mask=row_ok[:, None],
-                        other=0.0).to(KBuf.dtype.element_ty)
-    else:
-        q_oth = q_own                              # unused
-    q_rope = tl.load(q_row + DL + offs_dr[None, :], mask=row_ok[:, None], other=0.0).to(KBuf.dtype.element_ty)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    # no mask in the prefix; one load of [c_kv | k_rope] serves Q K^T and P V (values = c_kv).
-    # Whole BLOCK_N tiles run unmasked; the partition's last partial tile (if any) runs masked.
-    n_full = start + ((end - start) // BLOCK_N) * BLOCK_N
-    for n0 in tl.range(start, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
-        acc, m_i, l_i = _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, KvIdx, kv_base, n0, end, qk_scale,
-                                     stride_kb, dv0, DL, DR, BLOCK_N, DV_SPLIT, False)
-    if n_full < end:
-        acc, m_i, l_i = _prefix_tile(acc, m_i, l_i, q_own, q_oth, q_rope, KBuf, KvIdx, kv_base, n_full, end,
-                                     qk_scale, stride_kb, dv0, DL, DR, BLOCK_N, DV_SPLIT, True)
-
-    out = acc / l_i[:, None]                       # every partition has >= 1 key: l_i > 0
-    lse = m_i + tl.log2(l_i)
-    part = b.to(tl.int64) * stride_pb + split.to(tl.int64) * stride_ps
-    tl.store(PartO + part + offs_m[:, None] * stride_pr + dv0 + offs_dv[None, :], out.to(PartO.dtype.element_ty),
-             mask=row_ok[:, None])
-    # both value halves compute the same scores (same instructions, same order): one of them writes the LSE
-    if dv0 == 0:
-        tl.store(PartLse + b.to(tl.int64) * stride_lb + split.to(tl.int64) * stride_ls + offs_m, lse, mask=row_ok)
+    row0 = pid_m * BLOCK_M
+    if TAIL_M > 0:  # noqa: SIM102 (a constexpr branch: no short tile is compiled when TAIL_M == 0)
+        if rows - row0 <= TAIL_M:                  # the last few rows (e.g. 8 of 72): a short tile, not 64 rows
+            _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, b, split, kv_base, start, end, dv0,
+                       qk_scale, stride_qt, stride_qh, stride_kb, stride_pb, stride_ps, stride_pr, stride_lb,
+                       stride_ls, H, DL, DR, TAIL_M, BLOCK_N, WARP_SPEC, DV_SPLIT)
+            return
+    _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, b, split, kv_base, start, end, dv0, qk_scale,
+               stride_qt, stride_qh, stride_kb, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, H, DL, DR,
+               BLOCK_M, BLOCK_N, WARP_SPEC, DV_SPLIT)
 
 
 @triton.jit
@@ -387,6 +428,30 @@ def _pdl_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+@functools.lru_cache(maxsize=8)
+def _sm90_ok(index: int) -> bool:
+    """A Hopper GPU (compute capability 9.x) and a Triton with Gluon: the sm_90 split kernel can run."""
+    if torch.cuda.get_device_capability(index)[0] != 9:
+        return False
+    try:
+        from kdtree_ext import mla_verify_sm90  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _sm90_split_kernel(config: KernelConfig, q: torch.Tensor, kbuf: torch.Tensor):
+    """The Gluon split kernel when ``config.sm90`` asks for it and it applies (Hopper, 16-bit q and cache of one
+    dtype, the 64 x 64 tile with 8 warps and all 512 value channels per program), else None."""
+    if not (config.sm90 and q.is_cuda and q.dtype == kbuf.dtype and q.dtype in (torch.bfloat16, torch.float16)
+            and (config.block_m, config.block_n, config.num_warps, config.dv_split) == (64, 64, 8, 1)
+            and _sm90_ok(q.device.index if q.device.index is not None else torch.cuda.current_device())):
+        return None
+    from kdtree_ext.mla_verify_sm90 import split_kernel_sm90
+
+    return split_kernel_sm90
+
+
 def _wave_sms(config: KernelConfig) -> int:
     if config.wave_sms >= 0:
         return config.wave_sms
@@ -415,6 +480,14 @@ def launch_min_chunk(ns: int, bs: int, rows: int, config: KernelConfig) -> int:
         if sms > 0 and bs * _cdiv(rows, config.block_m) * config.dv_split * ns <= sms:
             chunk = config.wave_min_chunk
     return _cdiv(max(chunk, 1), config.block_n) * config.block_n
+
+
+def launch_tail_m(rows: int, config: KernelConfig) -> int:
+    """Rows of the short tile a launch compiles for its last row block: ``tail_m`` when the static row count
+    leaves at most that many rows over whole ``block_m`` blocks (72 rows = 64 + 8), else 0: a launch without
+    such a block keeps the kernel without the second tile (its code is measurably slower with it)."""
+    left = rows % config.block_m
+    return config.tail_m if 0 < left <= config.tail_m else 0
 
 
 def _flat(t: torch.Tensor, last: int) -> torch.Tensor:
@@ -475,15 +548,20 @@ def mla_tree_verify(
     pdl = config.pdl and q.is_cuda and _pdl_ok(torch.cuda.current_device() if q.device.index is None
                                                else q.device.index)
     assert config.dv_split in (1, 2), "dv_split: 1 or 2 programs per row block (512 or 256 value channels)"
-    _split_kernel[(_cdiv(rows, config.block_m) * config.dv_split, ns, bs)](
-        q, kbuf, qo_indptr, kv_start, kv_lens, kv_idx, part_o, part_lse,
-        qk_scale, ns, min_chunk, mult,
-        q.stride(0), q.stride(1), kbuf.stride(0),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=config.block_m, BLOCK_N=config.block_n, KV_INDPTR=use_indptr,
-        WARP_SPEC=config.warp_specialize, DV_SPLIT=config.dv_split, PDL=pdl, num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+    split_args = (q, kbuf, qo_indptr, kv_start, kv_lens, kv_idx, part_o, part_lse, qk_scale, ns, min_chunk, mult,
+                  q.stride(0), q.stride(1), kbuf.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+                  part_lse.stride(0), part_lse.stride(1))
+    grid = (_cdiv(rows, config.block_m) * config.dv_split, ns, bs)
+    sm90 = _sm90_split_kernel(config, q, kbuf)
+    if sm90 is not None:
+        sm90[grid](*split_args, H=heads, DL=D_LATENT, DR=D_ROPE, KV_INDPTR=use_indptr, PDL=pdl,
+                   num_warps=config.num_warps)
+    else:
+        _split_kernel[grid](
+            *split_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            KV_INDPTR=use_indptr, WARP_SPEC=config.warp_specialize, DV_SPLIT=config.dv_split, PDL=pdl,
+            TAIL_M=launch_tail_m(rows, config), num_warps=config.num_warps,
+            num_stages=config.num_stages)
     wide = 0 < config.combine_wide_rows <= bs * rows
     block_d = D_LATENT if wide else config.combine_block_d
     _combine_kernel[(rows, bs, D_LATENT // block_d)](

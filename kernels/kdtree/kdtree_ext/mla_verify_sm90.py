@@ -1,0 +1,160 @@
+"""The split kernel of ``mla_verify`` for Hopper (sm_90) in Gluon (Triton's explicit-layout dialect).
+
+Same arguments, grid and output as ``mla_verify._split_kernel`` (DV_SPLIT 1, BLOCK_M 64, BLOCK_N 64, 8 warps):
+one program per 64 (token, head) rows of a request x one prefix partition -> a normalised fp32 partial
+output and its log2-sum-exp. What differs is who computes what: the two warp groups split the 64 keys of the
+score tile (each computes ``Q Kᵀ`` for 32 of them) and the 512 value channels of ``P V`` (256 each); the
+probabilities meet in shared memory (``p_smem``). Triton's ``tl.dot`` chain lays the score tile out so that
+both warp groups compute all of it (``Q Kᵀ`` twice). Key tiles are gathered with ``cp.async`` into two
+buffers: the next tile's copies are issued right after the barrier that opens a tile (which also frees the
+buffer the previous tile's ``P V`` read), and the cache slots of the tile after that are loaded a tile ahead
+into registers. Each thread keeps its own share of the row sums (``l_part``), summed across the warp groups
+once at the end, so a tile has one cross-warp-group reduction (the row maximum), not two.
+
+Imported only on a CUDA device of compute capability 9.x with a Triton that has Gluon (``mla_verify._sm90_ok``);
+everywhere else, and under ``TRITON_INTERPRET=1``, ``mla_verify`` runs its Triton kernel.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+
+@gluon.jit
+def _slots(KvIdx, kv_base, n0, end, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Cache slots of prefix keys [n0, n0 + BLOCK_N) in ``layout`` (keys >= end: slot 0, never copied)."""
+    offs = n0 + gl.arange(0, BLOCK_N, layout=layout)
+    return gl.load(KvIdx + kv_base + offs, mask=offs < end, other=0).to(gl.int64)
+
+
+@gluon.jit
+def _issue_tile(k_lat, k_rope, KBuf, loc_l, loc_r, n0, end, stride_kb,
+                DL: gl.constexpr, DR: gl.constexpr, BLOCK_N: gl.constexpr,
+                GL_LAT: gl.constexpr, GL_ROPE: gl.constexpr):
+    """cp.async the [c_kv | k_rope] rows of keys [n0, n0 + BLOCK_N) (slots loc_*; keys >= end: zeros)."""
+    n_l = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GL_LAT))
+    d_l = gl.arange(0, DL, layout=gl.SliceLayout(0, GL_LAT))
+    async_copy.async_copy_global_to_shared(
+        k_lat, KBuf + loc_l[:, None] * stride_kb + d_l[None, :], mask=(n_l < end)[:, None])
+    n_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GL_ROPE))
+    d_r = gl.arange(0, DR, layout=gl.SliceLayout(0, GL_ROPE))
+    async_copy.async_copy_global_to_shared(
+        k_rope, KBuf + loc_r[:, None] * stride_kb + DL + d_r[None, :], mask=(n_r < end)[:, None])
+
+
+@gluon.jit
+def split_kernel_sm90(
+    Q, KBuf, QoIndptr, KvStart, KvLens, KvIdx, PartO, PartLse,
+    qk_scale, nsplit, min_chunk, kv_start_mult,
+    stride_qt, stride_qh, stride_kb,
+    stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
+    H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, KV_INDPTR: gl.constexpr, PDL: gl.constexpr,
+):
+    """One prefix partition x 64 (token, head) rows of one request -> partial output + log2-sum-exp (8 warps)."""
+    BM: gl.constexpr = 64
+    BN: gl.constexpr = 64
+    # scores [64, 64]: each warp group 64 rows x 32 keys; output [64, 512]: each 64 rows x 256 channels
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    GL_LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    GL_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    pid_m = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    q_start = gl.load(QoIndptr + b)
+    rows = (gl.load(QoIndptr + b + 1) - q_start) * H
+    if pid_m * BM >= rows:
+        return
+    if KV_INDPTR:
+        kv_base = gl.load(KvStart + b).to(gl.int64)
+        prefix = (gl.load(KvStart + b + 1) - kv_base).to(gl.int32)
+    else:
+        kv_base = gl.load(KvStart + b).to(gl.int64) * kv_start_mult
+        prefix = gl.load(KvLens + b).to(gl.int32)
+    per = gl.cdiv(prefix, nsplit)
+    per = gl.cdiv(per, BN) * BN
+    chunk = gl.maximum(per, min_chunk)
+    start = split * chunk
+    if start >= prefix:
+        return
+    end = gl.minimum(start + chunk, prefix)
+    row0 = pid_m * BM
+
+    dt: gl.constexpr = KBuf.dtype.element_ty
+    q_lat = gl.allocate_shared_memory(dt, [BM, DL], SH)
+    q_rope = gl.allocate_shared_memory(dt, [BM, DR], SH)
+    k_lat = gl.allocate_shared_memory(dt, [2, BN, DL], SH)
+    k_rope = gl.allocate_shared_memory(dt, [2, BN, DR], SH)
+    p_smem = gl.allocate_shared_memory(dt, [BM, BN], SH)
+
+    # the query rows (zeros past this request's rows) and the first key tile: one copy group
+    m_l = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, GL_LAT))
+    d_l = gl.arange(0, DL, layout=gl.SliceLayout(0, GL_LAT))
+    q_l = Q + (q_start + m_l // H).to(gl.int64)[:, None] * stride_qt + (m_l % H)[:, None] * stride_qh
+    async_copy.async_copy_global_to_shared(q_lat, q_l + d_l[None, :], mask=(m_l < rows)[:, None])
+    m_r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, GL_ROPE))
+    d_r = gl.arange(0, DR, layout=gl.SliceLayout(0, GL_ROPE))
+    q_r = Q + (q_start + m_r // H).to(gl.int64)[:, None] * stride_qt + (m_r % H)[:, None] * stride_qh
+    async_copy.async_copy_global_to_shared(q_rope, q_r + DL + d_r[None, :], mask=(m_r < rows)[:, None])
+    loc_l = _slots(KvIdx, kv_base, start, end, BN, gl.SliceLayout(1, GL_LAT))
+    loc_r = _slots(KvIdx, kv_base, start, end, BN, gl.SliceLayout(1, GL_ROPE))
+    _issue_tile(k_lat.index(0), k_rope.index(0), KBuf, loc_l, loc_r, start, end, stride_kb, DL, DR, BN,
+                GL_LAT, GL_ROPE)
+    async_copy.commit_group()
+    loc_l = _slots(KvIdx, kv_base, start + BN, end, BN, gl.SliceLayout(1, GL_LAT))
+    loc_r = _slots(KvIdx, kv_base, start + BN, end, BN, gl.SliceLayout(1, GL_ROPE))
+
+    m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    acc = gl.zeros([BM, DL], gl.float32, layout=O_L)
+    n_tiles = gl.cdiv(end - start, BN)
+    l_part = gl.zeros([BM, BN], gl.float32, layout=S_L)
+    for i in range(n_tiles):
+        n0 = start + i * BN
+        buf = i % 2
+        async_copy.wait_group(0)                   # tile i (and the query) has landed, own copies
+        fence_async_shared()
+        gl.thread_barrier()                        # everyone's copies; tile i - 1's buffer and p are free
+        _issue_tile(k_lat.index(1 - buf), k_rope.index(1 - buf), KBuf, loc_l, loc_r, n0 + BN, end, stride_kb,
+                    DL, DR, BN, GL_LAT, GL_ROPE)
+        async_copy.commit_group()
+        loc_l = _slots(KvIdx, kv_base, n0 + 2 * BN, end, BN, gl.SliceLayout(1, GL_LAT))
+        loc_r = _slots(KvIdx, kv_base, n0 + 2 * BN, end, BN, gl.SliceLayout(1, GL_ROPE))
+        kl = k_lat.index(buf)
+        s = gl.zeros([BM, BN], gl.float32, layout=S_L)
+        s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_rope, k_rope.index(buf).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+        s = gl.where((offs_n < end)[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_part = l_part * alpha[:, None] + p
+        m_i = m_new
+        p_smem.store(p.to(dt))
+        fence_async_shared()
+        gl.thread_barrier()                        # both halves of p are in shared memory
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    l_i = gl.sum(l_part, 1)
+    async_copy.wait_group(0)
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+    out = acc / l_o[:, None]                       # every partition has >= 1 key: l_i > 0
+    m_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
+    d_o = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
+    part = b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
+    gl.store(PartO + part + m_o[:, None] * stride_pr + d_o[None, :], out.to(PartO.dtype.element_ty),
+             mask=(m_o < rows)[:, None])
+    m_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
+    gl.store(PartLse + b.to(gl.int64) * stride_lb + split.to(gl.int64) * stride_ls + m_s, m_i + gl.log2(l_i),
+             mask=m_s < rows)
