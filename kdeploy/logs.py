@@ -60,11 +60,11 @@ def _invocation(unit: str, run: Run) -> str:
     if run == Run.CURRENT:
         return (f"{current}; [ -n \"$cur\" ] || {{ echo 'the unit has no current run' >&2; exit {NO_RUN}; }}; "
                 "inv=$cur")
-    # The unit's runs in journal order, consecutive duplicates dropped; the previous one is the last that is not
-    # the current one (with the unit stopped: the last one).
-    runs = (f"journalctl --no-pager -u {unit_q} -o export --output-fields=_SYSTEMD_INVOCATION_ID | "
-            "awk -F= '/^_SYSTEMD_INVOCATION_ID=/ && $2 != last {print $2; last = $2}'")
-    return (f"{current}; inv=$({runs} | grep -vx \"${{cur:-none}}\" | tail -n 1); "
+    # The previous run is the newest one that is not the current one (with the unit stopped: the newest):
+    # read backwards and stop there, not through months of the unit's journal.
+    runs = (f"journalctl --no-pager -r -u {unit_q} -o export --output-fields=_SYSTEMD_INVOCATION_ID | "
+            "awk -F= -v cur=\"${cur:-none}\" '/^_SYSTEMD_INVOCATION_ID=/ && $2 != cur {print $2; exit}'")
+    return (f"{current}; inv=$({runs}); "
             f"[ -n \"$inv\" ] || {{ echo 'the unit has no previous run in the journal' >&2; exit {NO_RUN}; }}")
 
 

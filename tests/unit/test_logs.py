@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 
 from kdeploy import cli
@@ -17,8 +20,24 @@ def test_a_run_is_picked_by_its_invocation_id():
     cmd = journal_command("s.service", LogQuery(run=Run.CURRENT, lines=0))
     assert cmd.startswith("cur=$(systemctl show -p InvocationID --value s.service)")
     assert cmd.endswith('journalctl --no-pager -o short-iso -n all "_SYSTEMD_INVOCATION_ID=$inv"')
-    previous = journal_command("s.service", LogQuery(run=Run.PREVIOUS))
-    assert "-o export --output-fields=_SYSTEMD_INVOCATION_ID" in previous and 'grep -vx "${cur:-none}"' in previous
+
+
+@pytest.mark.parametrize(("current", "expected"), [("c3", "b2"), ("", "c3"), ("zz", "c3")])
+def test_the_previous_run_is_the_newest_that_is_not_the_current_one(tmp_path, current, expected):
+    """Read backwards through journalctl's export records (as `-r` prints them) until the first other run."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    records = "".join(f"__CURSOR=s;i={n}\n_SYSTEMD_INVOCATION_ID={inv}\n\n"
+                      for n, inv in enumerate(["c3", "c3", "b2", "b2", "a1", "c3"]))  # newest first
+    (bindir / "journalctl").write_text(f'#!/bin/sh\ncase "$*" in *"-r -u s.service -o export"*) '
+                                       f"printf '%s' '{records}';; *) exit 9;; esac\n")
+    (bindir / "systemctl").write_text(f"#!/bin/sh\necho '{current}'\n")
+    for tool in bindir.iterdir():
+        tool.chmod(0o755)
+    prelude = journal_command("s.service", LogQuery(run=Run.PREVIOUS)).split('; journalctl --no-pager -o short')[0]
+    out = subprocess.run(["sh", "-c", prelude + '; echo "$inv"'], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}).stdout
+    assert out == f"{expected}\n"
 
 
 def test_grep_filters_on_the_host_then_keeps_the_last_n():
