@@ -132,10 +132,23 @@ def default_config(device: torch.device | str) -> KernelConfig:
 
 @triton.jit
 def _chunk_len(prefix, nsplit, min_chunk, BLOCK_N: tl.constexpr):
-    """Tokens per prefix partition (a multiple of BLOCK_N; min_chunk is one too)."""
+    """Tokens per prefix partition (a multiple of BLOCK_N; min_chunk is one too). The split kernels (also the
+    sm_90 Gluon one) and the combine must agree on it: one function for all three."""
     per = tl.cdiv(prefix, nsplit)
     per = tl.cdiv(per, BLOCK_N) * BLOCK_N
     return tl.maximum(per, min_chunk)
+
+
+@triton.jit
+def _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR: tl.constexpr):
+    """Request ``b``'s first cache-index position and prefix length (also called by the sm_90 Gluon kernel)."""
+    if KV_INDPTR:
+        kv_base = tl.load(KvStart + b).to(tl.int64)
+        prefix = (tl.load(KvStart + b + 1) - kv_base).to(tl.int32)
+    else:
+        kv_base = tl.load(KvStart + b).to(tl.int64) * kv_start_mult
+        prefix = tl.load(KvLens + b).to(tl.int32)
+    return kv_base, prefix
 
 
 @triton.jit
@@ -259,12 +272,7 @@ def _split_kernel(
     rows = (tl.load(QoIndptr + b + 1) - q_start) * H
     if pid_m * BLOCK_M >= rows:
         return
-    if KV_INDPTR:
-        kv_base = tl.load(KvStart + b).to(tl.int64)
-        prefix = (tl.load(KvStart + b + 1) - kv_base).to(tl.int32)
-    else:
-        kv_base = tl.load(KvStart + b).to(tl.int64) * kv_start_mult
-        prefix = tl.load(KvLens + b).to(tl.int32)
+    kv_base, prefix = _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR)
     chunk = _chunk_len(prefix, nsplit, min_chunk, BLOCK_N)
     start = split * chunk
     if start >= prefix:

@@ -22,6 +22,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from kdtree_ext.mla_verify import _chunk_len, _request_kv
+
 
 @gluon.jit
 def _slots(KvIdx, kv_base, n0, end, BLOCK_N: gl.constexpr, layout: gl.constexpr):
@@ -73,15 +75,8 @@ def split_kernel_sm90(
     rows = (gl.load(QoIndptr + b + 1) - q_start) * H
     if pid_m * BM >= rows:
         return
-    if KV_INDPTR:
-        kv_base = gl.load(KvStart + b).to(gl.int64)
-        prefix = (gl.load(KvStart + b + 1) - kv_base).to(gl.int32)
-    else:
-        kv_base = gl.load(KvStart + b).to(gl.int64) * kv_start_mult
-        prefix = gl.load(KvLens + b).to(gl.int32)
-    per = gl.cdiv(prefix, nsplit)
-    per = gl.cdiv(per, BN) * BN
-    chunk = gl.maximum(per, min_chunk)
+    kv_base, prefix = _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR)
+    chunk = _chunk_len(prefix, nsplit, min_chunk, BN)
     start = split * chunk
     if start >= prefix:
         return
