@@ -366,8 +366,9 @@ def bench_kdeploy(f: Fleet, runs: int, out: dict) -> None:
 def restart_floor(f: Fleet, since: float, wall: float) -> dict:
     """The floor of the push that just ran, from the hosts' journals (kdeploy.lab.floor): per host from
     systemd's "Stopping" entry to the ready line; the slowest host; and the push's wall over it."""
-    texts = f.on_all(lambda h: f.ssh(h, f"journalctl -u {SERVICE} -o json --output-fields=MESSAGE "
-                                        f"--since=@{int(since) - 1}", check=False))
+    texts = f.on_all(lambda h: f.ssh(h, f"journalctl -u {SERVICE} -o json "
+                                        f"--output-fields=MESSAGE,SYSLOG_IDENTIFIER --since=@{int(since) - 1}",
+                                     check=False))
     windows = {h: floor.restart_window(t, since) for h, t in zip(f.names, texts, strict=True)}
     found = floor.fleet_floor(windows)
     if found is None:

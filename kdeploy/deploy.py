@@ -610,14 +610,16 @@ def router_phase(inventory: Inventory, host: HostConfig, result: HostResult, opt
         return member.member and member.healthy
 
 
-def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, timeout: float) -> systemd.UnitState:
-    """Restart and wait for the new run on the host (``systemd.restart_command``); its state feeds the gate."""
+def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, old: str,
+                       timeout: float) -> systemd.UnitState:
+    """Wait on the host for the run that replaces ``old`` (the activation stopped it and queued the start:
+    ``systemd.follow_command``); its state feeds the gate."""
     unit = unit_filename(host.service)
     with result.phase("restart") as phase:
-        out = remote.run(systemd.restart_command(unit, timeout, min(0.1, host.service.gate.poll_interval)),
+        out = remote.run(systemd.follow_command(unit, old, timeout, min(0.1, host.service.gate.poll_interval)),
                          timeout=timeout + 30)
         if not out.ok:
-            raise PhaseFailed(f"systemctl restart failed: {out.last_error()}")
+            raise PhaseFailed(f"following the restart failed: {out.last_error()}")
         restarted = systemd.parse_restart(out.stdout)
         state = restarted.state
         if not restarted.followed:
@@ -634,9 +636,10 @@ def revert_after(host: HostConfig, spec: GateSpec) -> float:
 
 
 def _activate(remote: Remote, host: HostConfig, result: HostResult, target: str, install_unit: bool,
-              pending: provisional.Pending, *, secrets: secret.Secrets | None = None, restore: bool = False) -> None:
+              pending: provisional.Pending, *, secrets: secret.Secrets | None = None, restore: bool = False) -> str:
     """Arm the host's revert, then write ``secrets`` (over stdin) or, with ``restore``, put the last confirmed
-    ones back, then switch ``current`` (and the unit): one round trip."""
+    ones back, then switch ``current`` (and the unit) and restart: one round trip. Returns the run it
+    replaces."""
     sv = host.service
     sdir = service_dir(sv)
     unit = unit_filename(sv)
@@ -654,9 +657,11 @@ def _activate(remote: Remote, host: HostConfig, result: HostResult, target: str,
         if not out.ok:
             raise PhaseFailed(f"switching to {target} failed: {out.last_error()}")
         phase.detail = (f"current -> {target}" + ("; unit installed, daemon-reload" if install_unit else "")
+                        + "; old run stopping, restart queued"
                         + (f"; secrets written ({', '.join(secrets.masked())} = {secret.MASK})" if stdin else "")
                         + f"; reverts to {pending.previous or 'nothing'} by itself unless confirmed within "
                           f"{max(0, pending.deadline - time.time()):.0f}s")
+    return systemd.parse_old_run(out.stdout)
 
 
 def confirm(remote: Remote, host: HostConfig, result: HostResult, pending: provisional.Pending) -> None:
@@ -678,8 +683,8 @@ def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts
     to the last confirmed release (``pending.previous``) and secrets by itself."""
     result.attempted = target
     try:
-        _activate(remote, host, result, target, install_unit, pending, secrets=secrets)
-        started = restart_and_follow(remote, host, result, host.service.unit.timeout_stop_sec + 60)
+        old = _activate(remote, host, result, target, install_unit, pending, secrets=secrets)
+        started = restart_and_follow(remote, host, result, old, host.service.unit.timeout_stop_sec + 60)
         if opts.verify:
             gate.run_gate(remote, spec, result, release=target, started=started)
     except (PhaseFailed, RemoteTimeout) as exc:
@@ -716,8 +721,8 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
         again = provisional.new_pending(previous, previous, revert_after(host, spec), pending.token)
         try:
             with result.prefixed("rollback "):
-                _activate(remote, host, result, previous, True, again, restore=True)
-                started = restart_and_follow(remote, host, result, host.service.unit.timeout_stop_sec + 60)
+                old = _activate(remote, host, result, previous, True, again, restore=True)
+                started = restart_and_follow(remote, host, result, old, host.service.unit.timeout_stop_sec + 60)
                 gate.run_gate(remote, spec, result, release=previous, started=started)
                 confirm(remote, host, result, again)
         except (PhaseFailed, KdeployError) as exc:

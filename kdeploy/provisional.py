@@ -31,6 +31,7 @@ PENDING = "pending"
 SCRIPT = ".revert.sh"  # beside it: systemd would expand $ and % in a command line given to systemd-run
 NONE = "-"  # no confirmed release yet (a first deploy)
 MARGIN = 60.0  # seconds beyond restart + gate before the host acts on its own
+TRANSIENT_DIR = "/run/systemd/transient"  # where systemd keeps the unit files of systemd-run's units
 
 # Runs on the host as a transient service: $1 service dir, $2 unit file, $3 token, $4 first-deploy policy,
 # $5 the environment file kdeploy writes secrets into ("-": none; its last confirmed content is put back).
@@ -112,9 +113,14 @@ def timer_unit(service_name: str) -> str:
 
 
 def _stop(timer: str) -> str:
+    """Stop and forget the revert's timer and service; skipped (two systemctl calls, each a round trip to
+    PID 1) when systemd holds neither: transient units live in TRANSIENT_DIR while loaded, and ``--collect``
+    unloads them once stopped. Where that directory does not exist, they are always stopped."""
     t = shlex.quote(timer)
-    return (f"systemctl stop {t}.timer {t}.service 2>/dev/null || true; "
-            f"systemctl reset-failed {t}.timer {t}.service 2>/dev/null || true")
+    d = shlex.quote(TRANSIENT_DIR)
+    return (f"[ -d {d} ] && [ ! -e {d}/{t}.timer ] && [ ! -e {d}/{t}.service ] || {{ "
+            f"systemctl stop {t}.timer {t}.service 2>/dev/null || true; "
+            f"systemctl reset-failed {t}.timer {t}.service 2>/dev/null || true; }}")
 
 
 def stop_revert_service(timer: str) -> str:

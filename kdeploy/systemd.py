@@ -59,17 +59,48 @@ while :; do
 done"""
 
 
-def restart_command(unit: str, timeout: float, poll: float) -> str:
-    """``restart --no-block``, then follow the unit ON THE HOST until a new run starts: one round trip.
+OLD_RUN = "@@old "
 
-    The run being replaced is read before the restart, so a run systemd started by itself in the
-    meantime (Restart=on-failure) is not mistaken for ours. Prints ``@@stopping`` once if the old run was
-    seen deactivating, ``@@followed`` with the wait's exit status (124: timed out), then the unit's state.
+
+def stop_command(unit: str) -> str:
+    """Print the run being replaced (``@@old <invocation>``), then ask it to stop without waiting.
+
+    The activation reloads systemd and switches the release while the old run is still stopping (a
+    service's stop takes seconds: CUDA teardown), then restarts (:func:`restart_command`). The run id is read
+    before the stop, so a run systemd started by itself meanwhile (Restart=on-failure) is not taken for
+    ours. A unit not loaded yet (first deploy) has nothing to stop.
+    """
+    u = shlex.quote(unit)
+    return (f'echo "{OLD_RUN}$(systemctl show -p InvocationID --value {u})"; '
+            f"systemctl stop --no-block {u} 2>/dev/null || true")
+
+
+def restart_command(unit: str) -> str:
+    """Replaces the stop job still running: systemd's restart job waits until the old run is gone, then
+    starts the unit once, on the unit file as reloaded. A start job queued behind the stop instead is retried
+    at each of the unit's state changes while it stops, and each retry counts against StartLimitBurst: a
+    stop through several states (a main process that exits, then its leftovers killed) failed the unit
+    with start-limit-hit."""
+    return f"systemctl restart --no-block {shlex.quote(unit)}"
+
+
+def parse_old_run(text: str) -> str:
+    """The invocation :func:`stop_command` printed ("" when the unit had never run)."""
+    for line in text.splitlines():
+        if line.startswith(OLD_RUN):
+            return line[len(OLD_RUN):].strip()
+    return ""
+
+
+def follow_command(unit: str, old: str, timeout: float, poll: float) -> str:
+    """Follow the unit ON THE HOST until a run other than ``old`` has started: one round trip.
+
+    Prints ``@@stopping`` once if the old run was seen deactivating, ``@@followed`` with the wait's exit
+    status (124: timed out), then the unit's state.
     """
     u = shlex.quote(unit)
     return "\n".join([
-        f"old=$(systemctl show -p InvocationID --value {u}) && systemctl restart --no-block {u} || exit 1",
-        f"timeout {int(timeout)} sh -c {shlex.quote(_FOLLOW)} follow \"$old\" {u} {poll:g}",
+        f"timeout {int(timeout)} sh -c {shlex.quote(_FOLLOW)} follow {shlex.quote(old)} {u} {poll:g}",
         "rc=$?; echo @@followed; echo $rc",
         f"echo @@show; {show_command(unit)}",
     ])

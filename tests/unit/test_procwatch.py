@@ -54,15 +54,29 @@ def test_slope_is_the_least_squares_fit() -> None:
     assert procwatch.slope([(16, 1.0), (16, 2.0)]) is None
 
 
-def _journal(*entries: tuple[float, str]) -> str:
-    return "\n".join(json.dumps({"__REALTIME_TIMESTAMP": str(int(t * 1e6)), "MESSAGE": m}) for t, m in entries)
+def _journal(*entries: tuple[float, str] | tuple[float, str, str]) -> str:
+    return "\n".join(json.dumps({"__REALTIME_TIMESTAMP": str(int(e[0] * 1e6)), "MESSAGE": e[1],
+                                 **({"SYSLOG_IDENTIFIER": e[2]} if len(e) > 2 else {})}) for e in entries)
 
 
 def test_restart_window_runs_from_stopping_to_the_next_ready_line() -> None:
     text = _journal((99.0, floor.READY_LINE), (100.0, "Stopping sglang-demo.service - SGLang..."),
-                    (100.5, "Stopped sglang-demo.service"), (101.0, "Started sglang-demo.service"),
+                    (100.5, "Stopped sglang-demo.service"), (100.5, "Started sglang-demo.service"),
                     (102.25, floor.READY_LINE), (103.0, floor.READY_LINE))
     assert floor.restart_window(text + "\nnot json\n") == (100.0, 102.25)
+
+
+def test_restart_window_leaves_out_the_time_the_unit_waited_for_its_start() -> None:
+    """The old run was gone at 101.0; the tool's start came at 101.75: 0.75 s of the tool's, not the floor's.
+    The service's own "Started ..." line does not count as systemd's."""
+    text = _journal((100.0, "Stopping x.service...", "systemd"), (100.2, "Started worker 1", "python"),
+                    (101.0, "x.service: Deactivated successfully.", "systemd"),
+                    (101.75, "Started x.service - SGLang.", "systemd"), (102.0, "Started worker 2", "python"),
+                    (103.0, floor.READY_LINE, "python"))
+    assert floor.restart_window(text) == (100.0, 102.25)
+    served = _journal((99.0, "Stopping now", "python"), (100.0, "Stopping x.service...", "systemd"),
+                      (101.0, floor.READY_LINE, "python"))
+    assert floor.restart_window(served) == (100.0, 101.0)  # only systemd's "Stopping" starts the window
 
 
 def test_restart_window_ignores_a_stop_before_since() -> None:

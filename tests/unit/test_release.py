@@ -34,9 +34,11 @@ from kdeploy.release import (
     sha256_text,
     stage_script,
 )
-from kdeploy.systemd import UNIT_DIR
+from kdeploy.systemd import UNIT_DIR, parse_old_run
 
 UNIT = "svc.service"
+STOP = [f"show -p InvocationID --value {UNIT}", f"stop --no-block {UNIT}"]
+START = f"restart --no-block {UNIT}"
 T0 = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
 SHA_A = "a" * 64
 SHA_B = "b" * 64
@@ -299,15 +301,16 @@ def run_script(script: str, stdin: bytes = b"", env: dict[str, str] | None = Non
 
 @pytest.fixture
 def fake_systemctl(tmp_path):
-    """A `systemctl` that appends its arguments to a log and remembers `enable` for `is-enabled`: (env for the
-    script, log path)."""
+    """A `systemctl` that appends its arguments to a log, remembers `enable` for `is-enabled` and shows one
+    run id: (env for the script, log path)."""
     bindir = tmp_path / "fakebin"
     bindir.mkdir()
     log = tmp_path / "systemctl.log"
     enabled = tmp_path / "enabled"
     tool = bindir / "systemctl"
     tool.write_text(f'#!/bin/sh\necho "$*" >> {log}\n'
-                    f'case "$1" in enable) touch {enabled};; is-enabled) test -e {enabled} && echo enabled;; esac\n')
+                    f'case "$1" in enable) touch {enabled};; is-enabled) test -e {enabled} && echo enabled;;\n'
+                    '  show) echo 0ld;; esac\n')
     tool.chmod(0o755)
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
     return env, log
@@ -579,11 +582,14 @@ def test_activate_installs_unit_and_switches_current(tmp_path, fake_systemctl):
     assert (units / UNIT).stat().st_mode & 0o777 == 0o644                      # the release's copy is 0600
     assert sorted(p.name for p in units.iterdir()) == [UNIT]                   # no temp file left
     assert not (sdir / ".current.tmp").exists()
-    assert log.read_text().splitlines() == [f"is-enabled {UNIT}", f"enable --quiet --no-reload {UNIT}",
-                                            "daemon-reload"]
+    # the old run is asked to stop only once the unit is in place; systemd reloads while it stops, and the
+    # restart job takes over the stop
+    assert log.read_text().splitlines() == [*STOP, f"is-enabled {UNIT}", f"enable --quiet --no-reload {UNIT}",
+                                            "daemon-reload", START]
+    assert parse_old_run(proc.stdout.decode()) == "0ld"
     log.unlink()
     assert activate(sdir, staged.release, units, env, install_unit=True).returncode == 0
-    assert log.read_text().splitlines() == [f"is-enabled {UNIT}", "daemon-reload"]   # enabled already
+    assert log.read_text().splitlines() == [*STOP, f"is-enabled {UNIT}", "daemon-reload", START]  # enabled already
 
 
 def test_activate_without_unit_does_not_reload(tmp_path, fake_systemctl):
@@ -601,7 +607,8 @@ def test_activate_without_unit_does_not_reload(tmp_path, fake_systemctl):
     assert os.readlink(sdir / "current") == f"releases/{second.release}"
     assert (sdir / "current" / "a.py").read_text() == "b\n"
     assert (units / UNIT).read_text() == "live unit\n"
-    assert log.read_text().splitlines() == [f"is-enabled {UNIT}", f"enable --quiet {UNIT}", f"is-enabled {UNIT}"]
+    assert log.read_text().splitlines() == [*STOP, f"is-enabled {UNIT}", f"enable --quiet {UNIT}", START,
+                                            *STOP, f"is-enabled {UNIT}", START]
 
 
 def test_activate_refuses_missing_release_or_tampered_unit(tmp_path, fake_systemctl):
@@ -619,7 +626,8 @@ def test_activate_refuses_missing_release_or_tampered_unit(tmp_path, fake_system
     assert (units / UNIT).read_text() == "live unit\n"          # the live unit was not replaced
     assert sorted(p.name for p in units.iterdir()) == [UNIT]    # and its temp copy is gone
     assert not (sdir / "current").exists()                      # nor current switched
-    assert not log.exists()                                     # and systemctl never called
+    assert not log.exists()                                     # and systemctl never called: the old run
+                                                                # was never stopped
 
 
 def test_tar_stream_is_produced_in_bounded_chunks_and_refuses_a_resized_file(tmp_path, monkeypatch):

@@ -4,6 +4,8 @@ decision push, plan and status make from it."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,33 @@ def test_arm_and_confirm_scripts_quote_and_name_the_unit():
     assert "systemctl stop kdeploy-revert-x-at-y.timer kdeploy-revert-x-at-y.service" in arm
     confirm = provisional.confirm_command("/srv/kd/x", "kdeploy-revert-x", "tok")
     assert "CONFIRMED" in confirm and "LOST" in confirm and "rm -f /srv/kd/x/pending" in confirm
+
+
+@pytest.mark.parametrize(("transient", "loaded", "stopped"), [
+    (True, [], False),                                    # nothing armed: no systemctl at all
+    (True, ["kdeploy-revert-x.timer"], True),             # armed
+    (True, ["kdeploy-revert-x.service"], True),           # fired, waiting for the lock
+    (False, [], True),                                    # no transient dir here: always stop
+])
+def test_the_revert_is_stopped_only_when_systemd_holds_it(tmp_path, transient, loaded, stopped):
+    transient_dir = tmp_path / "transient"
+    if transient:
+        transient_dir.mkdir()
+        for name in loaded:
+            (transient_dir / name).write_text("[Unit]\n")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    log = tmp_path / "systemctl.log"
+    (bindir / "systemctl").write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    (bindir / "systemctl").chmod(0o755)
+    script = provisional.confirm_command(str(tmp_path), "kdeploy-revert-x", "tok")
+    script = script.replace(provisional.TRANSIENT_DIR, str(transient_dir))
+    proc = subprocess.run(["sh", "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
+    assert proc.stdout.strip() == "LOST"  # no pending file: the rest of the script still runs
+    calls = log.read_text().splitlines() if log.exists() else []
+    assert calls == (["stop kdeploy-revert-x.timer kdeploy-revert-x.service",
+                      "reset-failed kdeploy-revert-x.timer kdeploy-revert-x.service"] if stopped else [])
 
 
 def test_what_moved_between_the_stage_pass_and_the_batch(pending_state):

@@ -13,13 +13,16 @@ import pytest
 from kdeploy.systemd import (
     SHOW_PROPERTIES,
     JournalLine,
+    follow_command,
     journal_command,
     parse_environment,
     parse_journal,
+    parse_old_run,
     parse_restart,
     parse_show,
     restart_command,
     show_command,
+    stop_command,
 )
 
 DEFAULT_MARKERS = ("[kdtree] defrag Tier-0", "[kdtree] installed verify override")
@@ -38,10 +41,19 @@ def raw_props(name: str) -> dict[str, str]:
 # --- systemctl show -------------------------------------------------------------------------------------
 
 
-def test_restart_command_quotes_the_unit_and_bounds_the_wait():
-    cmd = restart_command("a b.service", 80, 0.1)
-    assert "systemctl restart --no-block 'a b.service'" in cmd
-    assert "timeout 80 sh -c " in cmd and cmd.count("'a b.service'") == 4
+def test_follow_command_quotes_the_unit_and_the_old_run_and_bounds_the_wait():
+    cmd = follow_command("a b.service", "", 80, 0.1)
+    assert "timeout 80 sh -c " in cmd and cmd.count("'a b.service'") == 2
+    assert " follow '' 'a b.service' 0.1" in cmd  # a unit that never ran: any run is the new one
+    assert "systemctl restart" not in cmd and "systemctl start" not in cmd  # the activation queued the start
+
+
+def test_stop_command_prints_the_old_run_and_never_waits():
+    cmd = stop_command("a b.service")
+    assert "systemctl stop --no-block 'a b.service'" in cmd and "|| true" in cmd
+    assert restart_command("a b.service") == "systemctl restart --no-block 'a b.service'"
+    assert parse_old_run("noise\n@@old 0123abcd\nACTIVATED\n") == "0123abcd"
+    assert parse_old_run("@@old \nACTIVATED\n") == "" == parse_old_run("")
 
 
 def test_parse_restart_followed_through_a_slow_stop():

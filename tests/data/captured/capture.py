@@ -18,7 +18,8 @@ Files written:
 * ``show_restart_limit.txt`` ``kdcap-burst``: restarts quickly until the start limit -> failed, NRestarts=3
                             (systemd 252 keeps Result=exit-code here, not start-limit-hit)
 * ``show_not_found.txt``    ``kdcap-nope``: no such unit
-* ``restart_followed.txt``  ``systemd.restart_command`` on ``kdcap-slow`` (its run takes 2 s to stop after TERM):
+* ``restart_followed.txt``  ``systemd.follow_command`` on ``kdcap-slow`` once its stop and start were queued
+                            (its run takes 2 s to stop after TERM):
                             saw it deactivating, then its new run
 * ``restart_timed_out.txt`` the same with a 1 s timeout: the wait gives up while the old run still stops
 * ``journal_running.jsonl`` journal of kdcap-run's invocation (``journal_command(id)``)
@@ -178,6 +179,11 @@ def capture(box: Sandbox) -> None:
     def state(name: str) -> systemd.UnitState:
         return systemd.parse_show(show(name))
 
+    def restart(unit: str, timeout: float) -> str:
+        """What an activation queues (the stop, then the restart), then the restart phase's follow."""
+        old = systemd.parse_old_run(sh(f"{systemd.stop_command(unit)}; {systemd.restart_command(unit)}"))
+        return sh(systemd.follow_command(unit, old, timeout, 0.1))
+
     def save(name: str, text: str) -> None:
         path = HERE / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -212,9 +218,9 @@ def capture(box: Sandbox) -> None:
 
     save("show_not_found.txt", show("kdcap-nope.service"))
 
-    save("restart_followed.txt", sh(systemd.restart_command("kdcap-slow.service", 30, 0.1)))
+    save("restart_followed.txt", restart("kdcap-slow.service", 30))
     wait("kdcap-slow running", lambda: state("kdcap-slow.service").running)
-    save("restart_timed_out.txt", sh(systemd.restart_command("kdcap-slow.service", 1, 0.1)))
+    save("restart_timed_out.txt", restart("kdcap-slow.service", 1))
 
     env = state("kdcap-env.service")
     save("environment.txt", sh("systemctl show kdcap-env.service -p Environment --value"))
