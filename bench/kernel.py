@@ -364,6 +364,8 @@ def main() -> int:
     ap.add_argument("--sweep", default=None, help="JSON list of config overrides: time only our kernel with each "
                     "of them on every shape, eager and replayed from a CUDA graph (kernel-<tag>-sweep.json), "
                     "no baselines")
+    ap.add_argument("--kernel-times", action="store_true", help="with --sweep: also each GPU kernel's own time "
+                    "(torch.profiler, mean of 20 calls): the split kernel against the combine")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
     if args.sglang:
@@ -477,9 +479,14 @@ def sweep(configs: list[dict], shapes, info, args, device, dtype) -> int:
             row["us"].append(round(r["ms"] * 1e3, 1) if good else (r.get("error") or f"WRONG {r.get('rel_err')}"))
             g = graph_ms(make_fn("kdtree", prob, config=config)[0]) if good and device == "cuda" else None
             row["graph_us"].append(round(g * 1e3, 1) if g else None)
+            if args.kernel_times and good and device == "cuda":
+                row.setdefault("kernel_us", []).append(kernel_times(make_fn("kdtree", prob, config=config)[0]))
         rows.append(row)
         log(f"SWEEP {bs} {h} {q} {ctx // 1024}k: " + " | ".join(str(u) for u in row["us"]) + "  || graph: " +
             " | ".join(str(u) for u in row["graph_us"]))
+        if row.get("kernel_us"):
+            log(f"KERNELS {bs} {h} {q} {ctx // 1024}k: " + " | ".join(
+                ", ".join(f"{k} {v}" for k, v in t.items()) for t in row["kernel_us"]))
         del prob, ref
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -499,6 +506,23 @@ def sweep(configs: list[dict], shapes, info, args, device, dtype) -> int:
         else:
             log(f"config {i} {cfg}: failed on some shapes")
     return 0
+
+
+def kernel_times(fn, calls: int = 20) -> dict:
+    """Mean device time per call of each kernel ``fn`` launches (us, by kernel name; torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict = {}
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.count:
+            out[evt.key[:40]] = round(evt.device_time_total / calls, 1)
+    return out
 
 
 def log_compiled() -> None:

@@ -50,7 +50,7 @@ def test_covers_trees_chains_pages_layouts_and_splits(interp: Script):
     assert {c.get("config", {}).get("dv_split", 1) for c in cases} == {1, 2}   # value channels split or not
     assert any(c.get("config", {}).get("combine_wide_rows") for c in cases)      # one combine program per row
     assert any(c.get("config", {}).get("tail_m") for c in cases)                 # a short tile for the last rows
-    assert any(c.get("config", {}).get("sm90") for c in cases)                   # the Gluon kernel: Triton on CPU
+    assert any(c.get("config", {}).get("sm90_ws") for c in cases)                # the Gluon kernels: Triton on CPU
 
 
 def test_empty_partitions_exit_early(interp: Script):
@@ -66,3 +66,6 @@ def test_empty_partitions_exit_early(interp: Script):
     # a launch of one wave of programs used the shorter wave_min_chunk partitions (4 of 6 written, not 2)
     wave = [c for c in interp.cases if c["case"].get("config", {}).get("wave_min_chunk")]
     assert wave and all(c["min_chunk_used"] == 16 and c["partitions_written"] == [4] for c in wave), wave
+    # wave_parts: fewer partitions than min_chunk leaves, so that the programs fill their waves
+    parts = [c for c in interp.cases if c["case"].get("config", {}).get("wave_parts")]
+    assert parts and all(c["partitions_written"] == [4, 4, 4] for c in parts), parts

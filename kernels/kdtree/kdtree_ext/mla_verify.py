@@ -92,6 +92,8 @@ class KernelConfig:
     combine_wide_rows: int = 0
     tail_m: int = 0
     sm90: bool = False
+    sm90_ws: int = 0
+    wave_parts: bool = False
 
     def describe(self) -> str:
         return (f"block_m={self.block_m} block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} "
@@ -99,7 +101,8 @@ class KernelConfig:
                 f"max_ctas={self.max_ctas} wave_sms={self.wave_sms} "
                 f"pdl={int(self.pdl)} partials={self.partial_dtype} "
                 f"combine=s{self.combine_block_s}/d{self.combine_block_d}/w{self.combine_warps} "
-                f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} sm90={int(self.sm90)}")
+                f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} sm90={int(self.sm90)} "
+                f"sm90_ws={int(self.sm90_ws)} wave_parts={int(self.wave_parts)}")
 
 
 # Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
@@ -131,12 +134,30 @@ def default_config(device: torch.device | str) -> KernelConfig:
 # ------------------------------------------------------------------------------------------------ kernels
 
 @triton.jit
-def _chunk_len(prefix, nsplit, min_chunk, BLOCK_N: tl.constexpr):
+def _chunk_len(prefix, nsplit, min_chunk, wave_blocks, sms, BLOCK_N: tl.constexpr):
     """Tokens per prefix partition (a multiple of BLOCK_N; min_chunk is one too). The split kernels (also the
-    sm_90 Gluon one) and the combine must agree on it: one function for all three."""
+    sm_90 Gluon ones) and the combine must agree on it: one function for all of them.
+
+    ``wave_blocks`` > 0 (``KernelConfig.wave_parts``: the launch's requests x row blocks): when ``min_chunk`` has
+    left n partitions whose programs (n x wave_blocks, if every request were this long) take more than one wave of
+    ``sms``, use the count m <= n with the most partitions per wave (m / waves; ties: the larger), e.g. 5 rather
+    than 8 partitions for 24 row blocks on 132 multiprocessors: one wave of 13 tiles per program, not two of 8."""
     per = tl.cdiv(prefix, nsplit)
     per = tl.cdiv(per, BLOCK_N) * BLOCK_N
-    return tl.maximum(per, min_chunk)
+    chunk = tl.maximum(per, min_chunk)
+    if wave_blocks > 0:
+        n = tl.cdiv(prefix, chunk)
+        waves = tl.cdiv(n * wave_blocks, sms)
+        if waves > 1:
+            best = n
+            best_w = waves
+            for w in range(1, waves):
+                m = tl.minimum(n, (w * sms) // wave_blocks)
+                if m * best_w > best * w:
+                    best = m
+                    best_w = w
+            chunk = tl.cdiv(tl.cdiv(prefix, best), BLOCK_N) * BLOCK_N
+    return chunk
 
 
 @triton.jit
@@ -250,7 +271,7 @@ def _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, b, split, kv
 @triton.jit
 def _split_kernel(
     Q, KBuf, QoIndptr, KvStart, KvLens, KvIdx, PartO, PartLse,
-    qk_scale, nsplit, min_chunk, kv_start_mult,
+    qk_scale, nsplit, min_chunk, wave_blocks, sms, kv_start_mult,
     stride_qt, stride_qh, stride_kb,
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr,
@@ -273,7 +294,7 @@ def _split_kernel(
     if pid_m * BLOCK_M >= rows:
         return
     kv_base, prefix = _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR)
-    chunk = _chunk_len(prefix, nsplit, min_chunk, BLOCK_N)
+    chunk = _chunk_len(prefix, nsplit, min_chunk, wave_blocks, sms, BLOCK_N)
     start = split * chunk
     if start >= prefix:
         return                                     # empty partition: the combine skips it too
@@ -294,7 +315,7 @@ def _split_kernel(
 @triton.jit
 def _combine_kernel(
     Q, KExt, VExt, Mask, MaskIndptr, PartO, PartLse, Out, QoIndptr, KvStart, KvLens,
-    qk_scale, nsplit, min_chunk,
+    qk_scale, nsplit, min_chunk, wave_blocks, sms,
     stride_qt, stride_qh, stride_ket, stride_vet,
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, stride_ot, stride_oh,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -355,7 +376,7 @@ def _combine_kernel(
     # ---- the prefix partitions (normalised partial outputs, weight 2^lse), BLOCK_S at a time
     if PDL:
         tl.extra.cuda.gdc_wait()                   # the split kernel has finished and its writes are visible
-    n_act = tl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, BLOCK_N))
+    n_act = tl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, wave_blocks, sms, BLOCK_N))
     base_o = PartO + b.to(tl.int64) * stride_pb + row * stride_pr
     base_l = PartLse + b.to(tl.int64) * stride_lb + row
     for s0 in range(0, n_act, BLOCK_S):
@@ -449,15 +470,16 @@ def _sm90_ok(index: int) -> bool:
 
 
 def _sm90_split_kernel(config: KernelConfig, q: torch.Tensor, kbuf: torch.Tensor):
-    """The Gluon split kernel when ``config.sm90`` asks for it and it applies (Hopper, 16-bit q and cache of one
-    dtype, the 64 x 64 tile with 8 warps and all 512 value channels per program), else None."""
+    """The Gluon split kernel (``sm90_ws``: its warp-specialised variant) when ``config.sm90`` asks for it and it
+    applies (Hopper, 16-bit q and cache of one dtype, the 64 x 64 tile with 8 warps and all 512 value channels per
+    program), else None."""
     if not (config.sm90 and q.is_cuda and q.dtype == kbuf.dtype and q.dtype in (torch.bfloat16, torch.float16)
             and (config.block_m, config.block_n, config.num_warps, config.dv_split) == (64, 64, 8, 1)
             and _sm90_ok(q.device.index if q.device.index is not None else torch.cuda.current_device())):
         return None
-    from kdtree_ext.mla_verify_sm90 import split_kernel_sm90
+    from kdtree_ext.mla_verify_sm90 import split_kernel_sm90, split_kernel_sm90_ws
 
-    return split_kernel_sm90
+    return split_kernel_sm90_ws if config.sm90_ws else split_kernel_sm90
 
 
 def _wave_sms(config: KernelConfig) -> int:
@@ -488,6 +510,15 @@ def launch_min_chunk(ns: int, bs: int, rows: int, config: KernelConfig) -> int:
         if sms > 0 and bs * _cdiv(rows, config.block_m) * config.dv_split * ns <= sms:
             chunk = config.wave_min_chunk
     return _cdiv(max(chunk, 1), config.block_n) * config.block_n
+
+
+def launch_wave(bs: int, rows: int, config: KernelConfig) -> tuple[int, int]:
+    """(wave_blocks, sms) for the kernels' partition rule (``_chunk_len``): the launch's requests x row blocks and
+    the multiprocessors when ``wave_parts`` is on and the multiprocessor count known, else (0, 1): off."""
+    sms = _wave_sms(config)
+    if not config.wave_parts or sms <= 0:
+        return 0, 1
+    return bs * _cdiv(rows, config.block_m) * config.dv_split, sms
 
 
 def launch_tail_m(rows: int, config: KernelConfig) -> int:
@@ -547,6 +578,7 @@ def mla_tree_verify(
     assert workspace.fits(bs, rows, ns, config.partial_dtype), "workspace too small for this batch (or other dtype)"
     part_o, part_lse = workspace.views(bs, ns)
     min_chunk = launch_min_chunk(ns, bs, rows, config)
+    wave = launch_wave(bs, rows, config)
     has_mask = custom_mask is not None
     if has_mask:
         assert mask_indptr is not None
@@ -556,14 +588,15 @@ def mla_tree_verify(
     pdl = config.pdl and q.is_cuda and _pdl_ok(torch.cuda.current_device() if q.device.index is None
                                                else q.device.index)
     assert config.dv_split in (1, 2), "dv_split: 1 or 2 programs per row block (512 or 256 value channels)"
-    split_args = (q, kbuf, qo_indptr, kv_start, kv_lens, kv_idx, part_o, part_lse, qk_scale, ns, min_chunk, mult,
+    split_args = (q, kbuf, qo_indptr, kv_start, kv_lens, kv_idx, part_o, part_lse, qk_scale, ns, min_chunk, *wave, mult,
                   q.stride(0), q.stride(1), kbuf.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
                   part_lse.stride(0), part_lse.stride(1))
     grid = (_cdiv(rows, config.block_m) * config.dv_split, ns, bs)
     sm90 = _sm90_split_kernel(config, q, kbuf)
     if sm90 is not None:
+        extra = {"LOAD_WARPS": 4, "LOAD_REGS": 40, "PIPE": config.sm90_ws == 2} if config.sm90_ws else {}
         sm90[grid](*split_args, H=heads, DL=D_LATENT, DR=D_ROPE, KV_INDPTR=use_indptr, PDL=pdl,
-                   num_warps=config.num_warps)
+                   num_warps=config.num_warps, **extra)
     else:
         _split_kernel[grid](
             *split_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
@@ -574,7 +607,7 @@ def mla_tree_verify(
     block_d = D_LATENT if wide else config.combine_block_d
     _combine_kernel[(rows, bs, D_LATENT // block_d)](
         q, kext, vext, mask, mindptr, part_o, part_lse, o3, qo_indptr, kv_start, kv_lens,
-        qk_scale, ns, min_chunk,
+        qk_scale, ns, min_chunk, *wave,
         q.stride(0), q.stride(1), kext.stride(0), vext.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         o3.stride(0), o3.stride(1),
