@@ -364,8 +364,8 @@ def main() -> int:
     ap.add_argument("--sweep", default=None, help="JSON list of config overrides: time only our kernel with each "
                     "of them on every shape, eager and replayed from a CUDA graph (kernel-<tag>-sweep.json), "
                     "no baselines")
-    ap.add_argument("--kernel-times", action="store_true", help="with --sweep: also each GPU kernel's own time "
-                    "(torch.profiler, mean of 20 calls): the split kernel against the combine")
+    ap.add_argument("--parts", action="store_true", help="with --sweep: also the split kernel alone and the "
+                    "combine alone, each replayed from a CUDA graph with L2 flushed (the other launch left out)")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
     if args.sglang:
@@ -479,14 +479,15 @@ def sweep(configs: list[dict], shapes, info, args, device, dtype) -> int:
             row["us"].append(round(r["ms"] * 1e3, 1) if good else (r.get("error") or f"WRONG {r.get('rel_err')}"))
             g = graph_ms(make_fn("kdtree", prob, config=config)[0]) if good and device == "cuda" else None
             row["graph_us"].append(round(g * 1e3, 1) if g else None)
-            if args.kernel_times and good and device == "cuda":
-                row.setdefault("kernel_us", []).append(kernel_times(make_fn("kdtree", prob, config=config)[0]))
+            if args.parts and good and device == "cuda":
+                row.setdefault("parts_us", []).append(
+                    [round(graph_ms(only_part(part, prob, config)) * 1e3, 1) for part in ("split", "combine")])
         rows.append(row)
         log(f"SWEEP {bs} {h} {q} {ctx // 1024}k: " + " | ".join(str(u) for u in row["us"]) + "  || graph: " +
             " | ".join(str(u) for u in row["graph_us"]))
-        if row.get("kernel_us"):
-            log(f"KERNELS {bs} {h} {q} {ctx // 1024}k: " + " | ".join(
-                ", ".join(f"{k} {v}" for k, v in t.items()) for t in row["kernel_us"]))
+        if row.get("parts_us"):
+            log(f"PARTS {bs} {h} {q} {ctx // 1024}k (split / combine, graph): " + " | ".join(
+                f"{a} / {b}" for a, b in row["parts_us"]))
         del prob, ref
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -508,21 +509,29 @@ def sweep(configs: list[dict], shapes, info, args, device, dtype) -> int:
     return 0
 
 
-def kernel_times(fn, calls: int = 20) -> dict:
-    """Mean device time per call of each kernel ``fn`` launches (us, by kernel name; torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
+class _NoLaunch:
+    """Stands in for a kernel: ``kernel[grid](...)`` does nothing."""
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    out: dict = {}
-    for evt in prof.key_averages():
-        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.count:
-            out[evt.key[:40]] = round(evt.device_time_total / calls, 1)
-    return out
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def only_part(part: str, prob, config):
+    """Our kernel with one of its two launches left out (``part``: "split" or "combine" is what runs; the combine
+    alone reads whatever partials the workspace holds): where a launch's time goes."""
+    full, _ = make_fn("kdtree", prob, config=config)
+    names = ("_combine_kernel",) if part == "split" else ("_split_kernel", "_sm90_split_kernel")
+
+    def fn():
+        saved = {n: getattr(mv, n) for n in names}
+        for n in names:
+            setattr(mv, n, (lambda *a: _NoLaunch()) if n == "_sm90_split_kernel" else _NoLaunch())
+        try:
+            full()
+        finally:
+            for n, v in saved.items():
+                setattr(mv, n, v)
+    return fn
 
 
 def log_compiled() -> None:

@@ -81,11 +81,16 @@ def cases() -> list[dict]:
     # the sm_90 Gluon split kernels asked for on CPU tensors: the Triton kernel runs instead
     out.append(dict(bs=1, heads=2, q_len=4, prefix_lens=[40], page_size=1, tree=True, nsplit=2,
                     layout="indptr", seed=37, config=dict(sm90=True, sm90_ws=True), dtype="float32"))
-    # wave_parts on a pretend 4-multiprocessor GPU: 3 row blocks x 7 partitions of min_chunk would be 6 waves;
-    # 4 partitions (of 64 and 48 tokens) make 3 waves of 4 programs: written [4, 4, 4], not [7, 7, 6]
-    out.append(dict(bs=3, heads=2, q_len=8, prefix_lens=[200, 200, 190], page_size=1, tree=True, nsplit=8,
-                    layout="indptr", seed=38, dtype="float32",
-                    config=dict(wave_parts=True, wave_sms=4, max_ctas=0, min_chunk=32)))
+    # the row-block combine (combine_rows: 16 rows per program, the draft tree on tensor cores): tree + mask, a
+    # chain without a mask spanning two row blocks, Q=64 (BLOCK_J 64), float16
+    out.append(dict(bs=2, heads=4, q_len=9, prefix_lens=[150, 0], page_size=1, tree=True, nsplit=4,
+                    layout="indptr", seed=40, config=dict(combine_rows=1), dtype="float32"))
+    out.append(dict(bs=2, heads=3, q_len=7, prefix_lens=[40, 3], page_size=64, tree=False, nsplit=8,
+                    layout="req_to_token", seed=41, mask=False, config=dict(combine_rows=1), dtype="float32"))
+    out.append(dict(bs=1, heads=1, q_len=40, prefix_lens=[70], page_size=1, tree=True, nsplit=2,
+                    layout="indptr", seed=42, config=dict(combine_rows=1), dtype="float32"))
+    out.append(dict(bs=2, heads=8, q_len=5, prefix_lens=[90, 170], page_size=1, tree=True, nsplit=4,
+                    layout="indptr", seed=43, config=dict(combine_rows=1), dtype="float16"))
     # half-precision partial outputs (the interpreter cannot do bf16: fp16 stands in) and other combine tiles
     out.append(dict(bs=2, heads=4, q_len=9, prefix_lens=[200, 77], page_size=64, tree=True, nsplit=8,
                     layout="indptr", seed=25, dtype="float32",
@@ -120,18 +125,12 @@ def run_case(case: dict) -> dict:
     err = (out.float() - ref).abs()
     # which prefix partitions were written (LSE no longer the sentinel), per request, vs the expected count
     min_chunk = mv.launch_min_chunk(ns, case["bs"], rows, config)
-    wave_blocks, sms = mv.launch_wave(case["bs"], rows, config)
     written, expected = [], []
     lse_view = ws.views(case["bs"], ns)[1]
     for b, pre in enumerate(case["prefix_lens"]):
         per = -(-pre // ns) if pre else 0
         per = max(-(-per // config.block_n) * config.block_n, min_chunk)
-        n = mv._cdiv(pre, per)
-        if wave_blocks and mv._cdiv(n * wave_blocks, sms) > 1:     # most partitions per wave (wave_parts)
-            best = max(range(1, n + 1), key=lambda m: (m / mv._cdiv(m * wave_blocks, sms), m))
-            per = mv._cdiv(mv._cdiv(pre, best), config.block_n) * config.block_n
-            n = mv._cdiv(pre, per)
-        expected.append(n)
+        expected.append(-(-pre // per) if pre else 0)
         written.append(int((lse_view[b, :ns, 0] != 12345.0).sum()))
     untouched = bool((lse_view[:, :, rows:] == 12345.0).all()) and bool((ws.part_lse[-3:] == 12345.0).all())
     return dict(case=case, nsplit_used=ns, min_chunk_used=min_chunk, max_err=float(err.max()),

@@ -82,8 +82,7 @@ def test_float16_and_no_mask_chain():
 
 
 @pytest.mark.parametrize("overrides", [{}, {"pdl": True}, {"pdl": False, "wave_sms": 0},
-                                       {"sm90": False}, {"sm90_ws": 1}, {"sm90_ws": 2}, {"wave_parts": True},
-                                       {"sm90": False, "wave_parts": True}])
+                                       {"sm90": False}, {"sm90_ws": False}, {"combine_rows": 1}])
 def test_cuda_graph_capture_and_replay_give_identical_output(overrides):
     bs, heads, q_len, max_ctx, nsplit = 4, 16, 16, 65536, 64
     config = mv.with_config(mv.default_config(DEV), **overrides)
@@ -211,7 +210,7 @@ SM90 = [c for c in FULL if c[5] != 128] + [(3, 8, 9, [40000, 9, 3000], 1, 64, "r
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon split kernel is sm_90 only")
-@pytest.mark.parametrize("ws", [0, 1, 2])
+@pytest.mark.parametrize("ws", [False, True])
 @pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes", "page", "nsplit", "layout", "tree", "q_scale"), SM90)
 def test_sm90_gluon_split_kernel_matches_the_fp32_reference(bs, heads, q_len, prefixes, page, nsplit, layout, tree,
                                                             q_scale, ws):
@@ -258,21 +257,13 @@ def test_other_tile_configs(config):
     check(out, run_reference(prob, SCALE))
 
 
-@pytest.mark.parametrize("overrides", [{}, {"sm90": False}])
-@pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes"), [(8, 16, 9, [4096] * 8),
-                                                                (5, 16, 16, [4096, 9000, 64, 0, 3000])])
-def test_wave_parts(overrides, bs, heads, q_len, prefixes):
-    """wave_parts: 24 row blocks x 8 partitions of 512 tokens would be two waves on 132 multiprocessors; the
-    kernels (split and combine, one rule) use 5 partitions of 832 tokens instead. Mixed prefix lengths too."""
-    config = mv.with_config(mv.GPU_CONFIG, wave_parts=True, **overrides)
-    rows = q_len * heads
-    ns = mv.effective_nsplit(64, bs, rows, config)
-    ws = mv.Workspace.for_batches(bs, rows, 64, config, DEV)
-    ws.part_lse.fill_(12345.0)
-    prob = make_problem(bs, heads, q_len, prefixes, page_size=1, tree=True, dtype=torch.bfloat16, device=DEV,
-                        seed=bs + q_len, mask_dtype=torch.uint8, q_scale=2.0)
-    check(run_kernel(prob, SCALE, 64, config=config, workspace=ws, out=poisoned(prob)), run_reference(prob, SCALE))
-    written = (ws.views(bs, ns)[1][:, :, 0] != 12345.0).sum(1).tolist()
-    if mv._device_sms(torch.cuda.current_device()) == 132 and prefixes == [4096] * 8:
-        assert (ns, written) == (10, [5] * 8)
-    assert all(0 < w <= ns for w, p in zip(written, prefixes, strict=True) if p)
+
+@pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes", "page", "nsplit", "layout", "tree", "q_scale"),
+                         [c for c in FULL if c[5] != 128] + [(8, 16, 9, [4096] * 8, 1, 64, "indptr", False, 1.0)])
+def test_row_block_combine(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_scale):
+    """combine_rows: 16 rows per combine program, the draft tree on the tensor cores (every launch here)."""
+    prob = make_problem(bs, heads, q_len, prefixes, page_size=page, tree=tree, dtype=torch.bfloat16, device=DEV,
+                        seed=bs * 100 + q_len + 11, layout=layout, q_scale=q_scale)
+    config = mv.with_config(mv.GPU_CONFIG, combine_rows=1)
+    out = run_kernel(prob, SCALE, nsplit, config=config, out=poisoned(prob))
+    check(out, run_reference(prob, SCALE))

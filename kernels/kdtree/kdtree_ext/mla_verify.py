@@ -57,8 +57,9 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters. ``max_ctas`` caps ``row_blocks * bs * nsplit`` (0: no cap) by using fewer
-    partitions for a batch that already fills the GPU; ``min_chunk`` is the shortest partition (tokens).
+    """Launch parameters. ``max_ctas`` caps ``row_blocks * bs * nsplit`` (0: no cap; -1: the current CUDA
+    device's multiprocessor count, i.e. one wave of programs) by using fewer partitions for a batch that already
+    fills the GPU; ``min_chunk`` is the shortest partition (tokens).
     ``wave_sms`` (> 0: that many multiprocessors; -1: the current CUDA device's; 0: off) picks, under those
     caps, the partition count that wastes least of the last wave of programs (one program per multiprocessor:
     time ~ waves x tiles per program); ``dv_split`` 2 gives each half of the 512 value channels its own
@@ -92,8 +93,8 @@ class KernelConfig:
     combine_wide_rows: int = 0
     tail_m: int = 0
     sm90: bool = False
-    sm90_ws: int = 0
-    wave_parts: bool = False
+    sm90_ws: bool = False
+    combine_rows: int = 0
 
     def describe(self) -> str:
         return (f"block_m={self.block_m} block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} "
@@ -102,7 +103,7 @@ class KernelConfig:
                 f"pdl={int(self.pdl)} partials={self.partial_dtype} "
                 f"combine=s{self.combine_block_s}/d{self.combine_block_d}/w{self.combine_warps} "
                 f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} sm90={int(self.sm90)} "
-                f"sm90_ws={int(self.sm90_ws)} wave_parts={int(self.wave_parts)}")
+                f"sm90_ws={int(self.sm90_ws)} combine_rows={self.combine_rows}")
 
 
 # Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
@@ -121,8 +122,12 @@ class KernelConfig:
 # H=16 Q=9 4-8% slower, the other bs=8 shapes up to 14% faster); elsewhere the Triton kernel runs the last row
 # block of 72 or 144 rows on a 16-row tile (tail_m: 134.4 -> 129.4 us on the H200 with the Triton kernel; not
 # measured on other GPUs).
+# Fourth pass (same day; bench/results/kernel-h200-pass4-*): the Gluon split kernel's copies in their own warps
+# (sm90_ws: 4 producer warps, a two-slot ring signalled by mbarriers; replay geomean 101.0 -> 93.3 us in one call)
+# and at most one wave of programs (max_ctas=-1: 132 on the H200, was 256: -> 91.7 us; bs=8 H=16 Q=9 4k 93.9 ->
+# 86.0 us).
 GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256, tail_m=16, sm90=True,
-                          min_chunk=512, max_ctas=256)
+                          sm90_ws=True, min_chunk=512, max_ctas=-1)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -134,30 +139,12 @@ def default_config(device: torch.device | str) -> KernelConfig:
 # ------------------------------------------------------------------------------------------------ kernels
 
 @triton.jit
-def _chunk_len(prefix, nsplit, min_chunk, wave_blocks, sms, BLOCK_N: tl.constexpr):
+def _chunk_len(prefix, nsplit, min_chunk, BLOCK_N: tl.constexpr):
     """Tokens per prefix partition (a multiple of BLOCK_N; min_chunk is one too). The split kernels (also the
-    sm_90 Gluon ones) and the combine must agree on it: one function for all of them.
-
-    ``wave_blocks`` > 0 (``KernelConfig.wave_parts``: the launch's requests x row blocks): when ``min_chunk`` has
-    left n partitions whose programs (n x wave_blocks, if every request were this long) take more than one wave of
-    ``sms``, use the count m <= n with the most partitions per wave (m / waves; ties: the larger), e.g. 5 rather
-    than 8 partitions for 24 row blocks on 132 multiprocessors: one wave of 13 tiles per program, not two of 8."""
+    sm_90 Gluon ones) and the combine must agree on it: one function for all of them."""
     per = tl.cdiv(prefix, nsplit)
     per = tl.cdiv(per, BLOCK_N) * BLOCK_N
-    chunk = tl.maximum(per, min_chunk)
-    if wave_blocks > 0:
-        n = tl.cdiv(prefix, chunk)
-        waves = tl.cdiv(n * wave_blocks, sms)
-        if waves > 1:
-            best = n
-            best_w = waves
-            for w in range(1, waves):
-                m = tl.minimum(n, (w * sms) // wave_blocks)
-                if m * best_w > best * w:
-                    best = m
-                    best_w = w
-            chunk = tl.cdiv(tl.cdiv(prefix, best), BLOCK_N) * BLOCK_N
-    return chunk
+    return tl.maximum(per, min_chunk)
 
 
 @triton.jit
@@ -271,7 +258,7 @@ def _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, b, split, kv
 @triton.jit
 def _split_kernel(
     Q, KBuf, QoIndptr, KvStart, KvLens, KvIdx, PartO, PartLse,
-    qk_scale, nsplit, min_chunk, wave_blocks, sms, kv_start_mult,
+    qk_scale, nsplit, min_chunk, kv_start_mult,
     stride_qt, stride_qh, stride_kb,
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr,
@@ -294,7 +281,7 @@ def _split_kernel(
     if pid_m * BLOCK_M >= rows:
         return
     kv_base, prefix = _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR)
-    chunk = _chunk_len(prefix, nsplit, min_chunk, wave_blocks, sms, BLOCK_N)
+    chunk = _chunk_len(prefix, nsplit, min_chunk, BLOCK_N)
     start = split * chunk
     if start >= prefix:
         return                                     # empty partition: the combine skips it too
@@ -315,7 +302,7 @@ def _split_kernel(
 @triton.jit
 def _combine_kernel(
     Q, KExt, VExt, Mask, MaskIndptr, PartO, PartLse, Out, QoIndptr, KvStart, KvLens,
-    qk_scale, nsplit, min_chunk, wave_blocks, sms,
+    qk_scale, nsplit, min_chunk,
     stride_qt, stride_qh, stride_ket, stride_vet,
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, stride_ot, stride_oh,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -376,7 +363,7 @@ def _combine_kernel(
     # ---- the prefix partitions (normalised partial outputs, weight 2^lse), BLOCK_S at a time
     if PDL:
         tl.extra.cuda.gdc_wait()                   # the split kernel has finished and its writes are visible
-    n_act = tl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, wave_blocks, sms, BLOCK_N))
+    n_act = tl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, BLOCK_N))
     base_o = PartO + b.to(tl.int64) * stride_pb + row * stride_pr
     base_l = PartLse + b.to(tl.int64) * stride_lb + row
     for s0 in range(0, n_act, BLOCK_S):
@@ -394,6 +381,90 @@ def _combine_kernel(
         m_run = m_new
     out = acc / tl.where(w_run > 0.0, w_run, 1.0)
     tl.store(Out + (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+
+
+@triton.jit
+def _combine_rows_kernel(
+    Q, KExt, VExt, Mask, MaskIndptr, PartO, PartLse, Out, QoIndptr, KvStart, KvLens,
+    qk_scale, nsplit, min_chunk,
+    stride_qt, stride_qh, stride_ket, stride_vet,
+    stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, stride_ot, stride_oh,
+    H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, KV_INDPTR: tl.constexpr,
+    HAS_MASK: tl.constexpr, PDL: tl.constexpr,
+):
+    """BLOCK_R (token, head) rows of one request x BLOCK_D output channels (``combine_rows``): the draft tree as
+    one [BLOCK_R, BLOCK_J] score tile on the tensor cores (every row of a request sees the same draft keys; the
+    mask picks, per row, its token's ancestors), merged with the prefix partitions BLOCK_S at a time. Rows per
+    program instead of one: the per-row kernel's programs are few per multiprocessor (registers) and each waits
+    through a chain of dependent loads, so a batch of thousands of rows took 30-80 us."""
+    rb = tl.program_id(0)
+    b = tl.program_id(1)
+    d0 = tl.program_id(2) * BLOCK_D
+    q_start = tl.load(QoIndptr + b)
+    q_len = tl.load(QoIndptr + b + 1) - q_start
+    rows = q_len * H
+    if rb * BLOCK_R >= rows:
+        return
+    if KV_INDPTR:
+        prefix = (tl.load(KvStart + b + 1) - tl.load(KvStart + b)).to(tl.int32)
+    else:
+        prefix = tl.load(KvLens + b).to(tl.int32)
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < rows
+    tok = r // H
+    head = r % H
+    offs_j = tl.arange(0, BLOCK_J)
+    j_ok = offs_j < q_len
+    offs_d = d0 + tl.arange(0, BLOCK_D)
+
+    # ---- the draft tree: scores [rows, draft keys] (latent in 128-channel steps, then rope), mask, softmax, P V
+    q_row = Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+    k_row = KExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_ket
+    s = tl.zeros([BLOCK_R, BLOCK_J], dtype=tl.float32)
+    for c in range(0, DL + DR, 64):
+        offs_c = c + tl.arange(0, 64)
+        qc = tl.load(q_row + offs_c[None, :], mask=r_ok[:, None], other=0.0)
+        kc = tl.load(k_row + offs_c[None, :], mask=j_ok[:, None], other=0.0)
+        s = tl.dot(qc, tl.trans(kc), s, input_precision="ieee" if qc.dtype == tl.float32 else None)
+    if HAS_MASK:
+        mask_row = Mask + tl.load(MaskIndptr + b).to(tl.int64) + tok.to(tl.int64) * (prefix + q_len) + prefix
+        seen = tl.load(mask_row[:, None] + offs_j[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0) != 0
+    else:
+        seen = offs_j[None, :] <= tok[:, None]
+    seen = seen & j_ok[None, :]
+    s = tl.where(seen, s * qk_scale, float("-inf"))
+    m_run = tl.max(s, 1)
+    m_use = tl.where(m_run == float("-inf"), 0.0, m_run)
+    p = tl.exp2(s - m_use[:, None])
+    w_run = tl.sum(p, 1)
+    v = tl.load(VExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_vet + offs_d[None, :], mask=j_ok[:, None],
+                other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else None)
+
+    # ---- the prefix partitions, BLOCK_S at a time (their loads issued together)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    n_act = tl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, BLOCK_N))
+    base_o = PartO + b.to(tl.int64) * stride_pb
+    base_l = PartLse + b.to(tl.int64) * stride_lb
+    offs_o = r[:, None] * stride_pr + offs_d[None, :]
+    for s0 in range(0, n_act, BLOCK_S):
+        for k in tl.static_range(BLOCK_S):
+            ok = s0 + k < n_act
+            lse = tl.load(base_l + (s0 + k).to(tl.int64) * stride_ls + r, mask=r_ok & ok, other=float("-inf"))
+            part = tl.load(base_o + (s0 + k).to(tl.int64) * stride_ps + offs_o, mask=r_ok[:, None] & ok,
+                           other=0.0).to(tl.float32)
+            m_new = tl.maximum(m_run, lse)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_run - m_use)
+            w = tl.exp2(lse - m_use)
+            acc = acc * alpha[:, None] + w[:, None] * part
+            w_run = w_run * alpha + w
+            m_run = m_new
+    out = acc / tl.where(w_run > 0.0, w_run, 1.0)[:, None]
+    tl.store(Out + (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=r_ok[:, None])
 
 
 # ------------------------------------------------------------------------------------------------ launch
@@ -482,10 +553,13 @@ def _sm90_split_kernel(config: KernelConfig, q: torch.Tensor, kbuf: torch.Tensor
     return split_kernel_sm90_ws if config.sm90_ws else split_kernel_sm90
 
 
-def _wave_sms(config: KernelConfig) -> int:
-    if config.wave_sms >= 0:
-        return config.wave_sms
+def _sms_now() -> int:
+    """The current CUDA device's multiprocessor count (0 without CUDA)."""
     return _device_sms(torch.cuda.current_device()) if _cuda_ok() else 0
+
+
+def _wave_sms(config: KernelConfig) -> int:
+    return config.wave_sms if config.wave_sms >= 0 else _sms_now()
 
 
 def effective_nsplit(nsplit: int, bs: int, rows: int, config: KernelConfig) -> int:
@@ -493,10 +567,11 @@ def effective_nsplit(nsplit: int, bs: int, rows: int, config: KernelConfig) -> i
     and (``wave_sms``) the count under that which maximises partitions per wave of programs: e.g. 3 row
     blocks on 132 multiprocessors run 44 partitions in one wave rather than 64 in two (a host-side function
     of static sizes only: CUDA-graph safe)."""
-    if config.max_ctas <= 0:
+    cap = _sms_now() if config.max_ctas < 0 else config.max_ctas
+    if cap <= 0:
         return nsplit
     blocks = max(bs * _cdiv(rows, config.block_m) * config.dv_split, 1)
-    ns = max(1, min(nsplit, config.max_ctas // blocks))
+    ns = max(1, min(nsplit, cap // blocks))
     sms = _wave_sms(config)
     return _wave_nsplit(ns, blocks, sms) if sms > 0 else ns
 
@@ -510,15 +585,6 @@ def launch_min_chunk(ns: int, bs: int, rows: int, config: KernelConfig) -> int:
         if sms > 0 and bs * _cdiv(rows, config.block_m) * config.dv_split * ns <= sms:
             chunk = config.wave_min_chunk
     return _cdiv(max(chunk, 1), config.block_n) * config.block_n
-
-
-def launch_wave(bs: int, rows: int, config: KernelConfig) -> tuple[int, int]:
-    """(wave_blocks, sms) for the kernels' partition rule (``_chunk_len``): the launch's requests x row blocks and
-    the multiprocessors when ``wave_parts`` is on and the multiprocessor count known, else (0, 1): off."""
-    sms = _wave_sms(config)
-    if not config.wave_parts or sms <= 0:
-        return 0, 1
-    return bs * _cdiv(rows, config.block_m) * config.dv_split, sms
 
 
 def launch_tail_m(rows: int, config: KernelConfig) -> int:
@@ -578,7 +644,6 @@ def mla_tree_verify(
     assert workspace.fits(bs, rows, ns, config.partial_dtype), "workspace too small for this batch (or other dtype)"
     part_o, part_lse = workspace.views(bs, ns)
     min_chunk = launch_min_chunk(ns, bs, rows, config)
-    wave = launch_wave(bs, rows, config)
     has_mask = custom_mask is not None
     if has_mask:
         assert mask_indptr is not None
@@ -588,13 +653,13 @@ def mla_tree_verify(
     pdl = config.pdl and q.is_cuda and _pdl_ok(torch.cuda.current_device() if q.device.index is None
                                                else q.device.index)
     assert config.dv_split in (1, 2), "dv_split: 1 or 2 programs per row block (512 or 256 value channels)"
-    split_args = (q, kbuf, qo_indptr, kv_start, kv_lens, kv_idx, part_o, part_lse, qk_scale, ns, min_chunk, *wave, mult,
+    split_args = (q, kbuf, qo_indptr, kv_start, kv_lens, kv_idx, part_o, part_lse, qk_scale, ns, min_chunk, mult,
                   q.stride(0), q.stride(1), kbuf.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
                   part_lse.stride(0), part_lse.stride(1))
     grid = (_cdiv(rows, config.block_m) * config.dv_split, ns, bs)
     sm90 = _sm90_split_kernel(config, q, kbuf)
     if sm90 is not None:
-        extra = {"LOAD_WARPS": 4, "LOAD_REGS": 40, "PIPE": config.sm90_ws == 2} if config.sm90_ws else {}
+        extra = {"LOAD_WARPS": 4, "LOAD_REGS": 40} if config.sm90_ws else {}
         sm90[grid](*split_args, H=heads, DL=D_LATENT, DR=D_ROPE, KV_INDPTR=use_indptr, PDL=pdl,
                    num_warps=config.num_warps, **extra)
     else:
@@ -603,17 +668,23 @@ def mla_tree_verify(
             KV_INDPTR=use_indptr, WARP_SPEC=config.warp_specialize, DV_SPLIT=config.dv_split, PDL=pdl,
             TAIL_M=launch_tail_m(rows, config), num_warps=config.num_warps,
             num_stages=config.num_stages)
+    combine_args = (q, kext, vext, mask, mindptr, part_o, part_lse, o3, qo_indptr, kv_start, kv_lens, qk_scale, ns,
+                    min_chunk, q.stride(0), q.stride(1), kext.stride(0), vext.stride(0), part_o.stride(0),
+                    part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1), o3.stride(0),
+                    o3.stride(1))
+    launch = {"launch_pdl": True} if pdl else {}
+    if 0 < config.combine_rows <= bs * rows:
+        block_j = max(16, triton.next_power_of_2(max_q_len))
+        _combine_rows_kernel[(_cdiv(rows, 16), bs, D_LATENT // 128)](
+            *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n, BLOCK_R=16, BLOCK_S=4,
+            BLOCK_D=128, BLOCK_J=block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask, PDL=pdl, num_warps=4, **launch)
+        return o
     wide = 0 < config.combine_wide_rows <= bs * rows
     block_d = D_LATENT if wide else config.combine_block_d
     _combine_kernel[(rows, bs, D_LATENT // block_d)](
-        q, kext, vext, mask, mindptr, part_o, part_lse, o3, qo_indptr, kv_start, kv_lens,
-        qk_scale, ns, min_chunk, *wave,
-        q.stride(0), q.stride(1), kext.stride(0), vext.stride(0),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        o3.stride(0), o3.stride(1),
-        H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n, BLOCK_S=config.combine_block_s,
+        *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n, BLOCK_S=config.combine_block_s,
         BLOCK_D=block_d, BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask,
-        PDL=pdl, num_warps=config.combine_warps * (2 if wide else 1), **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, num_warps=config.combine_warps * (2 if wide else 1), **launch,
     )
     return o
 

@@ -55,7 +55,7 @@ def _issue_tile(k_lat, k_rope, KBuf, loc_l, loc_r, n0, end, stride_kb,
 @gluon.jit
 def split_kernel_sm90(
     Q, KBuf, QoIndptr, KvStart, KvLens, KvIdx, PartO, PartLse,
-    qk_scale, nsplit, min_chunk, wave_blocks, sms, kv_start_mult,
+    qk_scale, nsplit, min_chunk, kv_start_mult,
     stride_qt, stride_qh, stride_kb,
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
     H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, KV_INDPTR: gl.constexpr, PDL: gl.constexpr,
@@ -81,7 +81,7 @@ def split_kernel_sm90(
     if pid_m * BM >= rows:
         return
     kv_base, prefix = _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR)
-    chunk = _chunk_len(prefix, nsplit, min_chunk, wave_blocks, sms, BN)
+    chunk = _chunk_len(prefix, nsplit, min_chunk, BN)
     start = split * chunk
     if start >= prefix:
         return
@@ -239,83 +239,13 @@ def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartL
 
 
 @gluon.jit
-def _ws_scores(q_lat, q_rope, k_lat, k_rope, ready, i, S_L: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-    """Issue ``Q Kᵀ`` of tile i (ring slot i % 2) once its copies have landed; async (two wgmma groups)."""
-    buf = i % 2
-    mbarrier.wait(ready.index(buf), (i // 2) & 1)
-    fence_async_shared()
-    s = gl.zeros([BM, BN], gl.float32, layout=S_L)
-    s = warpgroup_mma(q_lat, k_lat.index(buf).permute((1, 0)), s, is_async=True)
-    return warpgroup_mma(q_rope, k_rope.index(buf).permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
-def _ws_softmax(s, m_i, l_part, n0, end, qk_scale, S_L: gl.constexpr, BN: gl.constexpr):
-    """Online softmax of one score tile: (p, alpha, new row max, new per-thread row sums)."""
-    offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
-    s = gl.where((offs_n < end)[None, :], s * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
-    return p, alpha, m_new, l_part * alpha[:, None] + p
-
-
-@gluon.jit
-def _ws_compute_pipe(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, rows, row0, b, split, start,
-                     end, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
-                     DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-    """``_ws_compute`` with the tensor cores kept busy across tiles: ``Q Kᵀ`` of tile i + 1 is issued before
-    ``P V`` of tile i, and the softmax of tile i + 1 runs while ``P V`` of tile i is still on the tensor cores
-    (wgmma groups complete in order: waiting for all but the last gives the scores, not the output)."""
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
-    dt: gl.constexpr = k_lat.dtype
-    m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
-    acc = gl.zeros([BM, DL], gl.float32, layout=O_L)
-    l_part = gl.zeros([BM, BN], gl.float32, layout=S_L)
-    n_tiles = gl.cdiv(end - start, BN)
-    s = _ws_scores(q_lat, q_rope, k_lat, k_rope, ready, 0, S_L, BM, BN)
-    s = warpgroup_mma_wait(0, deps=[s])
-    p, alpha, m_i, l_part = _ws_softmax(s, m_i, l_part, start, end, qk_scale, S_L, BN)
-    p_smem.store(p.to(dt))
-    fence_async_shared()
-    gl.thread_barrier()
-    for i in range(n_tiles - 1):
-        buf = i % 2
-        s = _ws_scores(q_lat, q_rope, k_lat, k_rope, ready, i + 1, S_L, BM, BN)
-        acc = warpgroup_mma(p_smem, k_lat.index(buf), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s])        # the scores of tile i + 1; P V of tile i may still run
-        p, alpha, m_i, l_part = _ws_softmax(s, m_i, l_part, start + (i + 1) * BN, end, qk_scale, S_L, BN)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        gl.thread_barrier()                        # both warp groups are done with slot buf and with p
-        mbarrier.arrive(empty.index(buf), count=1)
-        p_smem.store(p.to(dt))
-        fence_async_shared()
-        gl.thread_barrier()                        # both halves of the next p are in shared memory
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-    acc = warpgroup_mma(p_smem, k_lat.index((n_tiles - 1) % 2), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[acc])
-    l_i = gl.sum(l_part, 1)
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
-    out = acc / l_o[:, None]
-    m_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
-    d_o = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
-    part = b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
-    gl.store(PartO + part + m_o[:, None] * stride_pr + d_o[None, :], out.to(PartO.dtype.element_ty),
-             mask=(m_o < rows)[:, None])
-    m_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
-    gl.store(PartLse + b.to(gl.int64) * stride_lb + split.to(gl.int64) * stride_ls + m_s, m_i + gl.log2(l_i),
-             mask=m_s < rows)
-
-
-@gluon.jit
 def split_kernel_sm90_ws(
     Q, KBuf, QoIndptr, KvStart, KvLens, KvIdx, PartO, PartLse,
-    qk_scale, nsplit, min_chunk, wave_blocks, sms, kv_start_mult,
+    qk_scale, nsplit, min_chunk, kv_start_mult,
     stride_qt, stride_qh, stride_kb,
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
     H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, KV_INDPTR: gl.constexpr, PDL: gl.constexpr,
-    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, PIPE: gl.constexpr,
+    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
 ):
     """``split_kernel_sm90`` with its copies in their own warps (``gl.warp_specialize``): LOAD_WARPS producer
     warps gather the query and key tiles into a two-slot ring, signalled by mbarriers, while the 8 compute warps
@@ -334,7 +264,7 @@ def split_kernel_sm90_ws(
     if pid_m * BM >= rows:
         return
     kv_base, prefix = _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR)
-    chunk = _chunk_len(prefix, nsplit, min_chunk, wave_blocks, sms, BN)
+    chunk = _chunk_len(prefix, nsplit, min_chunk, BN)
     start = split * chunk
     if start >= prefix:
         return
@@ -353,7 +283,7 @@ def split_kernel_sm90_ws(
         mbarrier.init(ready.index(j), count=LOAD_WARPS * 32)
         mbarrier.init(empty.index(j), count=1)
     gl.warp_specialize([
-        (_ws_compute_pipe if PIPE else _ws_compute,
+        (_ws_compute,
          (q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, rows, row0, b, split, start, end,
           qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, DL, BM, BN)),
         (_ws_loader, (Q, KBuf, KvIdx, q_lat, q_rope, k_lat, k_rope, ready, empty, q_start, rows, row0, kv_base,
