@@ -75,6 +75,10 @@ TILE_CONFIGS = [   # all compile without spills for sm_90 (checked offline: regi
 # the third pass (2026-12-01, bench/results/kernel-h200-sweep5..11.*) added the Gluon split kernel (sm90) and the
 # Triton kernel's 16-row tail tile (tail_m); it tried p through memory, a 32-row tail, slots a tile ahead, 3-4
 # stages, and in Gluon P V / Q K^T back to back and bf16 partials: none kept (docs/benchmarks.md "Kernel").
+# the fourth pass (2026-12-01, bench/results/kernel-h200-pass4-*) added the warp-specialised Gluon kernel (sm90_ws),
+# one wave of programs (max_ctas=-1) and the row-block combine (combine_rows); it tried a pipelined wgmma schedule
+# (Q K^T of tile i + 1 before P V of tile i: 13% slower) and a device-side wave rule for partitions shortened by
+# min_chunk (superseded by max_ctas=-1): not kept.
 # wave_sms=-1: the partition count that fills the last wave of programs best (the default since run 3); 0: off
 SPLIT_RULES = [dict(min_chunk=mc, max_ctas=cap, wave_sms=w) for mc in (256, 512) for cap in (256, 512, 768)
                for w in (-1, 0)]
@@ -520,7 +524,8 @@ def only_part(part: str, prob, config):
     """Our kernel with one of its two launches left out (``part``: "split" or "combine" is what runs; the combine
     alone reads whatever partials the workspace holds): where a launch's time goes."""
     full, _ = make_fn("kdtree", prob, config=config)
-    names = ("_combine_kernel",) if part == "split" else ("_split_kernel", "_sm90_split_kernel")
+    names = ("_combine_kernel", "_combine_rows_kernel") if part == "split" else ("_split_kernel",
+                                                                                 "_sm90_split_kernel")
 
     def fn():
         saved = {n: getattr(mv, n) for n in names}

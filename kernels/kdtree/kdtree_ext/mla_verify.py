@@ -29,10 +29,13 @@ How (two launches, no host sync, no allocation, grid from static maxima — CUDA
 2. ``_combine_kernel``, grid ``(max_q_len * H, bs, 512 / BLOCK_D)``: one (token, head) row, BLOCK_D output
    channels. It attends the draft tree once per row (the only place the mask is read; fp32 on the row's
    ``q_len`` draft keys), merges that with the non-empty prefix partitions by their LSE and writes ``o``
-   (``[tokens, H, 512]``, the input dtype). Partials are fp32 (``partial_dtype`` can make them bf16).
+   (``[tokens, H, 512]``, the input dtype). Partials are fp32 (``partial_dtype`` can make them bf16). Large
+   launches (``KernelConfig.combine_rows``) use ``_combine_rows_kernel`` instead: 16 rows x 128 channels per
+   program, the draft-tree scores of those rows as one tensor-core tile (bf16 products, fp32 sums).
 
-On a Hopper GPU the split kernel is ``mla_verify_sm90.split_kernel_sm90`` (Gluon: same arguments, grid and
-output; the two warp groups split the score tile instead of both computing it), see ``KernelConfig.sm90``.
+On a Hopper GPU the split kernel is ``mla_verify_sm90.split_kernel_sm90_ws`` (Gluon: same arguments, grid and
+output; the two warp groups split the score tile instead of both computing it, and four producer warps do the
+copies), see ``KernelConfig.sm90`` and ``sm90_ws``.
 
 ``mla_tree_verify`` launches both; ``reference_tree_verify`` is the fp32 PyTorch reference (gather, mask,
 softmax, weighted sum). Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors.
@@ -72,7 +75,10 @@ class KernelConfig:
     again; ``combine_wide_rows`` (> 0): a launch of at least that many (token, head) rows in all combines
     with one program per row for all 512 channels (twice ``combine_warps``), attending the draft tree once
     per row instead of once per ``combine_block_d`` channels — smaller launches keep the narrower programs
-    for parallelism."""
+    for parallelism; ``combine_rows`` (> 0): a launch of at least that many rows combines 16 rows x 128 channels
+    per program instead (``_combine_rows_kernel``: the draft tree as one tensor-core tile; its partitions are
+    merged four at a time, so it suits launches of few partitions per request, i.e. large batches);
+    ``sm90_ws``: the warp-specialised Gluon split kernel (producer warps for the copies)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -125,9 +131,10 @@ class KernelConfig:
 # Fourth pass (same day; bench/results/kernel-h200-pass4-*): the Gluon split kernel's copies in their own warps
 # (sm90_ws: 4 producer warps, a two-slot ring signalled by mbarriers; replay geomean 101.0 -> 93.3 us in one call)
 # and at most one wave of programs (max_ctas=-1: 132 on the H200, was 256: -> 91.7 us; bs=8 H=16 Q=9 4k 93.9 ->
-# 86.0 us).
+# 86.0 us); launches of >= 512 rows combine 16 rows per program with the draft tree on the tensor cores
+# (combine_rows: the per-row combine took 30-80 us at bs=8 whatever the context, this one 18-20 us; -> 82.3 us).
 GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256, tail_m=16, sm90=True,
-                          sm90_ws=True, min_chunk=512, max_ctas=-1)
+                          sm90_ws=True, min_chunk=512, max_ctas=-1, combine_rows=512)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -451,10 +458,9 @@ def _combine_rows_kernel(
     offs_o = r[:, None] * stride_pr + offs_d[None, :]
     for s0 in range(0, n_act, BLOCK_S):
         for k in tl.static_range(BLOCK_S):
-            ok = s0 + k < n_act
-            lse = tl.load(base_l + (s0 + k).to(tl.int64) * stride_ls + r, mask=r_ok & ok, other=float("-inf"))
-            part = tl.load(base_o + (s0 + k).to(tl.int64) * stride_ps + offs_o, mask=r_ok[:, None] & ok,
-                           other=0.0).to(tl.float32)
+            ok = r_ok & (s0 + k + tl.zeros_like(r) < n_act)
+            lse = tl.load(base_l + (s0 + k) * stride_ls + r, mask=ok, other=float("-inf"))
+            part = tl.load(base_o + (s0 + k) * stride_ps + offs_o, mask=ok[:, None], other=0.0).to(tl.float32)
             m_new = tl.maximum(m_run, lse)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_run - m_use)

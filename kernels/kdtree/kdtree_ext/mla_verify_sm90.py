@@ -11,6 +11,12 @@ buffer the previous tile's ``P V`` read), and the cache slots of the tile after 
 into registers. Each thread keeps its own share of the row sums (``l_part``), summed across the warp groups
 once at the end, so a tile has one cross-warp-group reduction (the row maximum), not two.
 
+``split_kernel_sm90_ws`` (the default, ``KernelConfig.sm90_ws``) is the same computation warp-specialised
+(``gl.warp_specialize``): four producer warps gather the query and the key tiles into a two-slot ring with
+``cp.async`` (each thread's copies arrive on the slot's ``ready`` mbarrier when they land), the eight compute
+warps wait on ``ready`` and free a slot on ``empty`` once both warp groups' ``P V`` has read it — no copy
+instructions, slot loads or copy waits in the compute warps (232 registers there, 40 in the producers).
+
 Imported only on a CUDA device of compute capability 9.x with a Triton that has Gluon (``mla_verify._sm90_ok``);
 everywhere else, and under ``TRITON_INTERPRET=1``, ``mla_verify`` runs its Triton kernel.
 """
