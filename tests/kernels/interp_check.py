@@ -82,7 +82,7 @@ def cases() -> list[dict]:
     out.append(dict(bs=1, heads=2, q_len=4, prefix_lens=[40], page_size=1, tree=True, nsplit=2,
                     layout="indptr", seed=37, config=dict(sm90=True, sm90_ws=True), dtype="float32"))
     # the row-block combine (combine_rows: 16 rows per program, the draft tree on tensor cores): tree + mask, a
-    # chain without a mask spanning two row blocks, Q=64 (BLOCK_J 64), float16
+    # chain without a mask spanning two row blocks, Q=40 (BLOCK_J 64), float16
     out.append(dict(bs=2, heads=4, q_len=9, prefix_lens=[150, 0], page_size=1, tree=True, nsplit=4,
                     layout="indptr", seed=40, config=dict(combine_rows=1), dtype="float32"))
     out.append(dict(bs=2, heads=3, q_len=7, prefix_lens=[40, 3], page_size=64, tree=False, nsplit=8,

@@ -257,7 +257,6 @@ def test_other_tile_configs(config):
     check(out, run_reference(prob, SCALE))
 
 
-
 @pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes", "page", "nsplit", "layout", "tree", "q_scale"),
                          [c for c in FULL if c[5] != 128] + [(8, 16, 9, [4096] * 8, 1, 64, "indptr", False, 1.0)])
 def test_row_block_combine(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_scale):

@@ -425,7 +425,7 @@ def _combine_rows_kernel(
     j_ok = offs_j < q_len
     offs_d = d0 + tl.arange(0, BLOCK_D)
 
-    # ---- the draft tree: scores [rows, draft keys] (latent in 128-channel steps, then rope), mask, softmax, P V
+    # ---- the draft tree: scores [rows, draft keys] (the 576 channels 64 at a time), mask, softmax, P V
     q_row = Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
     k_row = KExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_ket
     s = tl.zeros([BLOCK_R, BLOCK_J], dtype=tl.float32)

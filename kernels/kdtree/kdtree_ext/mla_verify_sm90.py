@@ -35,6 +35,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kdtree_ext.mla_verify import _chunk_len, _request_kv
 
+# scores [64, 64]: each warp group 64 rows x 32 keys; output [64, 512]: each warp group 64 rows x 256 channels
+S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]))
+
 
 @gluon.jit
 def _slots(KvIdx, kv_base, n0, end, BLOCK_N: gl.constexpr, layout: gl.constexpr):
@@ -59,6 +63,69 @@ def _issue_tile(k_lat, k_rope, KBuf, loc_l, loc_r, n0, end, stride_kb,
 
 
 @gluon.jit
+def _program(QoIndptr, KvStart, KvLens, nsplit, min_chunk, kv_start_mult, H: gl.constexpr, KV_INDPTR: gl.constexpr,
+             PDL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """This program's request b, partition, query rows and prefix keys [start, end) (start == end: nothing to
+    do — rows past the request's, or a partition past its prefix)."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    row0 = gl.program_id(0) * BM
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    q_start = gl.load(QoIndptr + b)
+    rows = (gl.load(QoIndptr + b + 1) - q_start) * H
+    kv_base, prefix = _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR)
+    chunk = _chunk_len(prefix, nsplit, min_chunk, BN)
+    start = split * chunk
+    end = gl.minimum(start + chunk, prefix)
+    if row0 >= rows:
+        end = start
+    return b, split, q_start, rows, row0, kv_base, start, end
+
+
+@gluon.jit
+def _tile(q_lat, q_rope, kl, kr, p_smem, acc, m_i, l_part, n0, end, qk_scale, S_L: gl.constexpr,
+          O_L: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """One key tile already in shared memory (kl = its c_kv rows, also the values; kr = k_rope; keys >= end
+    masked): each warp group's ``Q Kᵀ`` for its 32 keys, the online softmax, p through shared memory, ``P V`` for
+    its 256 channels. Returns (acc, row max, per-thread row sums)."""
+    s = gl.zeros([BM, BN], gl.float32, layout=S_L)
+    s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s])
+    offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+    s = gl.where((offs_n < end)[None, :], s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    p_smem.store(p.to(kl.dtype))
+    fence_async_shared()
+    gl.thread_barrier()                            # both halves of p are in shared memory
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    return acc, m_new, l_part * alpha[:, None] + p
+
+
+@gluon.jit
+def _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
+                   stride_lb, stride_ls, DL: gl.constexpr, BM: gl.constexpr, S_L: gl.constexpr,
+                   O_L: gl.constexpr):
+    """The normalised partial output and its log2-sum-exp (every partition has >= 1 key: the row sums are > 0)."""
+    l_i = gl.sum(l_part, 1)
+    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_L))[:, None]
+    m_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
+    d_o = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
+    part = b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
+    gl.store(PartO + part + m_o[:, None] * stride_pr + d_o[None, :], out.to(PartO.dtype.element_ty),
+             mask=(m_o < rows)[:, None])
+    m_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
+    gl.store(PartLse + b.to(gl.int64) * stride_lb + split.to(gl.int64) * stride_ls + m_s, m_i + gl.log2(l_i),
+             mask=m_s < rows)
+
+
+@gluon.jit
 def split_kernel_sm90(
     Q, KBuf, QoIndptr, KvStart, KvLens, KvIdx, PartO, PartLse,
     qk_scale, nsplit, min_chunk, kv_start_mult,
@@ -69,30 +136,16 @@ def split_kernel_sm90(
     """One prefix partition x 64 (token, head) rows of one request -> partial output + log2-sum-exp (8 warps)."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
-    # scores [64, 64]: each warp group 64 rows x 32 keys; output [64, 512]: each 64 rows x 256 channels
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    S_L: gl.constexpr = S_LAYOUT
+    O_L: gl.constexpr = O_LAYOUT
     GL_LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
     GL_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    pid_m = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    q_start = gl.load(QoIndptr + b)
-    rows = (gl.load(QoIndptr + b + 1) - q_start) * H
-    if pid_m * BM >= rows:
+    b, split, q_start, rows, row0, kv_base, start, end = _program(QoIndptr, KvStart, KvLens, nsplit, min_chunk,
+                                                                  kv_start_mult, H, KV_INDPTR, PDL, BM, BN)
+    if start >= end:
         return
-    kv_base, prefix = _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR)
-    chunk = _chunk_len(prefix, nsplit, min_chunk, BN)
-    start = split * chunk
-    if start >= prefix:
-        return
-    end = gl.minimum(start + chunk, prefix)
-    row0 = pid_m * BM
 
     dt: gl.constexpr = KBuf.dtype.element_ty
     q_lat = gl.allocate_shared_memory(dt, [BM, DL], SH)
@@ -133,37 +186,11 @@ def split_kernel_sm90(
         async_copy.commit_group()
         loc_l = _slots(KvIdx, kv_base, n0 + 2 * BN, end, BN, gl.SliceLayout(1, GL_LAT))
         loc_r = _slots(KvIdx, kv_base, n0 + 2 * BN, end, BN, gl.SliceLayout(1, GL_ROPE))
-        kl = k_lat.index(buf)
-        s = gl.zeros([BM, BN], gl.float32, layout=S_L)
-        s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(q_rope, k_rope.index(buf).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
-        offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
-        s = gl.where((offs_n < end)[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_part = l_part * alpha[:, None] + p
-        m_i = m_new
-        p_smem.store(p.to(dt))
-        fence_async_shared()
-        gl.thread_barrier()                        # both halves of p are in shared memory
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-    l_i = gl.sum(l_part, 1)
+        acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(buf), k_rope.index(buf), p_smem, acc, m_i, l_part, n0,
+                                 end, qk_scale, S_L, O_L, BM, BN)
     async_copy.wait_group(0)
-
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
-    out = acc / l_o[:, None]                       # every partition has >= 1 key: l_i > 0
-    m_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
-    d_o = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
-    part = b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
-    gl.store(PartO + part + m_o[:, None] * stride_pr + d_o[None, :], out.to(PartO.dtype.element_ty),
-             mask=(m_o < rows)[:, None])
-    m_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
-    gl.store(PartLse + b.to(gl.int64) * stride_lb + split.to(gl.int64) * stride_ls + m_s, m_i + gl.log2(l_i),
-             mask=m_s < rows)
+    _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
+                   stride_lb, stride_ls, DL, BM, S_L, O_L)
 
 
 # ------------------------------------------------------------------------------------ warp-specialised variant
@@ -200,9 +227,8 @@ def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartL
                 DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
     """The 8 compute warps: as in ``split_kernel_sm90``, without the copies (they wait on ``ready`` and free a
     ring slot on ``empty`` once both warp groups' ``P V`` has read it)."""
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
-    dt: gl.constexpr = k_lat.dtype
+    S_L: gl.constexpr = S_LAYOUT
+    O_L: gl.constexpr = O_LAYOUT
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
     acc = gl.zeros([BM, DL], gl.float32, layout=O_L)
     l_part = gl.zeros([BM, BN], gl.float32, layout=S_L)
@@ -211,37 +237,12 @@ def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartL
         buf = i % 2
         mbarrier.wait(ready.index(buf), (i // 2) & 1)
         fence_async_shared()                       # cp.async wrote through the generic proxy; wgmma reads async
-        kl = k_lat.index(buf)
-        s = gl.zeros([BM, BN], gl.float32, layout=S_L)
-        s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(q_rope, k_rope.index(buf).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
-        offs_n = start + i * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
-        s = gl.where((offs_n < end)[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_part = l_part * alpha[:, None] + p
-        m_i = m_new
-        p_smem.store(p.to(dt))
-        fence_async_shared()
-        gl.thread_barrier()                        # both halves of p are in shared memory
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
+        acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(buf), k_rope.index(buf), p_smem, acc, m_i, l_part,
+                                 start + i * BN, end, qk_scale, S_L, O_L, BM, BN)
         gl.thread_barrier()                        # both warp groups are done with slot buf and with p
         mbarrier.arrive(empty.index(buf), count=1)
-    l_i = gl.sum(l_part, 1)
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
-    out = acc / l_o[:, None]
-    m_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
-    d_o = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
-    part = b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
-    gl.store(PartO + part + m_o[:, None] * stride_pr + d_o[None, :], out.to(PartO.dtype.element_ty),
-             mask=(m_o < rows)[:, None])
-    m_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
-    gl.store(PartLse + b.to(gl.int64) * stride_lb + split.to(gl.int64) * stride_ls + m_s, m_i + gl.log2(l_i),
-             mask=m_s < rows)
+    _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
+                   stride_lb, stride_ls, DL, BM, S_L, O_L)
 
 
 @gluon.jit
@@ -259,23 +260,10 @@ def split_kernel_sm90_ws(
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    pid_m = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    q_start = gl.load(QoIndptr + b)
-    rows = (gl.load(QoIndptr + b + 1) - q_start) * H
-    if pid_m * BM >= rows:
+    b, split, q_start, rows, row0, kv_base, start, end = _program(QoIndptr, KvStart, KvLens, nsplit, min_chunk,
+                                                                  kv_start_mult, H, KV_INDPTR, PDL, BM, BN)
+    if start >= end:
         return
-    kv_base, prefix = _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR)
-    chunk = _chunk_len(prefix, nsplit, min_chunk, BN)
-    start = split * chunk
-    if start >= prefix:
-        return
-    end = gl.minimum(start + chunk, prefix)
-    row0 = pid_m * BM
 
     dt: gl.constexpr = KBuf.dtype.element_ty
     q_lat = gl.allocate_shared_memory(dt, [BM, DL], SH)
