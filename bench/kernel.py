@@ -75,6 +75,10 @@ TILE_CONFIGS = [   # all compile without spills for sm_90 (checked offline: regi
 # the third pass (2026-12-01, bench/results/kernel-h200-sweep5..11.*) added the Gluon split kernel (sm90) and the
 # Triton kernel's 16-row tail tile (tail_m); it tried p through memory, a 32-row tail, slots a tile ahead, 3-4
 # stages, and in Gluon P V / Q K^T back to back and bf16 partials: none kept (docs/benchmarks.md "Kernel").
+# the fourth pass (2026-12-01, bench/results/kernel-h200-pass4-*) added the warp-specialised Gluon kernel (sm90_ws),
+# one wave of programs (max_ctas=-1) and the row-block combine (combine_rows); it tried a pipelined wgmma schedule
+# (Q K^T of tile i + 1 before P V of tile i: 13% slower) and a device-side wave rule for partitions shortened by
+# min_chunk (superseded by max_ctas=-1): not kept.
 # wave_sms=-1: the partition count that fills the last wave of programs best (the default since run 3); 0: off
 SPLIT_RULES = [dict(min_chunk=mc, max_ctas=cap, wave_sms=w) for mc in (256, 512) for cap in (256, 512, 768)
                for w in (-1, 0)]
@@ -364,6 +368,8 @@ def main() -> int:
     ap.add_argument("--sweep", default=None, help="JSON list of config overrides: time only our kernel with each "
                     "of them on every shape, eager and replayed from a CUDA graph (kernel-<tag>-sweep.json), "
                     "no baselines")
+    ap.add_argument("--parts", action="store_true", help="with --sweep: also the split kernel alone and the "
+                    "combine alone, each replayed from a CUDA graph with L2 flushed (the other launch left out)")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
     if args.sglang:
@@ -477,9 +483,15 @@ def sweep(configs: list[dict], shapes, info, args, device, dtype) -> int:
             row["us"].append(round(r["ms"] * 1e3, 1) if good else (r.get("error") or f"WRONG {r.get('rel_err')}"))
             g = graph_ms(make_fn("kdtree", prob, config=config)[0]) if good and device == "cuda" else None
             row["graph_us"].append(round(g * 1e3, 1) if g else None)
+            if args.parts and good and device == "cuda":
+                row.setdefault("parts_us", []).append(
+                    [round(graph_ms(only_part(part, prob, config)) * 1e3, 1) for part in ("split", "combine")])
         rows.append(row)
         log(f"SWEEP {bs} {h} {q} {ctx // 1024}k: " + " | ".join(str(u) for u in row["us"]) + "  || graph: " +
             " | ".join(str(u) for u in row["graph_us"]))
+        if row.get("parts_us"):
+            log(f"PARTS {bs} {h} {q} {ctx // 1024}k (split / combine, graph): " + " | ".join(
+                f"{a} / {b}" for a, b in row["parts_us"]))
         del prob, ref
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -499,6 +511,32 @@ def sweep(configs: list[dict], shapes, info, args, device, dtype) -> int:
         else:
             log(f"config {i} {cfg}: failed on some shapes")
     return 0
+
+
+class _NoLaunch:
+    """Stands in for a kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def only_part(part: str, prob, config):
+    """Our kernel with one of its two launches left out (``part``: "split" or "combine" is what runs; the combine
+    alone reads whatever partials the workspace holds): where a launch's time goes."""
+    full, _ = make_fn("kdtree", prob, config=config)
+    names = ("_combine_kernel", "_combine_rows_kernel") if part == "split" else ("_split_kernel",
+                                                                                 "_sm90_split_kernel")
+
+    def fn():
+        saved = {n: getattr(mv, n) for n in names}
+        for n in names:
+            setattr(mv, n, (lambda *a: _NoLaunch()) if n == "_sm90_split_kernel" else _NoLaunch())
+        try:
+            full()
+        finally:
+            for n, v in saved.items():
+                setattr(mv, n, v)
+    return fn
 
 
 def log_compiled() -> None:

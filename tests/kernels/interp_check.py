@@ -78,9 +78,19 @@ def cases() -> list[dict]:
                     layout="indptr", seed=33, config=dict(block_m=32, tail_m=16), dtype="float32"))
     out.append(dict(bs=1, heads=4, q_len=13, prefix_lens=[70], page_size=64, tree=False, nsplit=2,
                     layout="req_to_token", seed=34, config=dict(block_m=32, tail_m=16), dtype="float32"))
-    # the sm_90 Gluon split kernel asked for on CPU tensors: the Triton kernel runs instead
+    # the sm_90 Gluon split kernels asked for on CPU tensors: the Triton kernel runs instead
     out.append(dict(bs=1, heads=2, q_len=4, prefix_lens=[40], page_size=1, tree=True, nsplit=2,
-                    layout="indptr", seed=37, config=dict(sm90=True), dtype="float32"))
+                    layout="indptr", seed=37, config=dict(sm90=True, sm90_ws=True), dtype="float32"))
+    # the row-block combine (combine_rows: 16 rows per program, the draft tree on tensor cores): tree + mask, a
+    # chain without a mask spanning two row blocks, Q=40 (BLOCK_J 64), float16
+    out.append(dict(bs=2, heads=4, q_len=9, prefix_lens=[150, 0], page_size=1, tree=True, nsplit=4,
+                    layout="indptr", seed=40, config=dict(combine_rows=1), dtype="float32"))
+    out.append(dict(bs=2, heads=3, q_len=7, prefix_lens=[40, 3], page_size=64, tree=False, nsplit=8,
+                    layout="req_to_token", seed=41, mask=False, config=dict(combine_rows=1), dtype="float32"))
+    out.append(dict(bs=1, heads=1, q_len=40, prefix_lens=[70], page_size=1, tree=True, nsplit=2,
+                    layout="indptr", seed=42, config=dict(combine_rows=1), dtype="float32"))
+    out.append(dict(bs=2, heads=8, q_len=5, prefix_lens=[90, 170], page_size=1, tree=True, nsplit=4,
+                    layout="indptr", seed=43, config=dict(combine_rows=1), dtype="float16"))
     # half-precision partial outputs (the interpreter cannot do bf16: fp16 stands in) and other combine tiles
     out.append(dict(bs=2, heads=4, q_len=9, prefix_lens=[200, 77], page_size=64, tree=True, nsplit=8,
                     layout="indptr", seed=25, dtype="float32",

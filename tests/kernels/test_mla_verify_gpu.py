@@ -82,7 +82,7 @@ def test_float16_and_no_mask_chain():
 
 
 @pytest.mark.parametrize("overrides", [{}, {"pdl": True}, {"pdl": False, "wave_sms": 0},
-                                       {"sm90": False}])
+                                       {"sm90": False}, {"sm90_ws": False}, {"combine_rows": 1}])
 def test_cuda_graph_capture_and_replay_give_identical_output(overrides):
     bs, heads, q_len, max_ctx, nsplit = 4, 16, 16, 65536, 64
     config = mv.with_config(mv.default_config(DEV), **overrides)
@@ -210,13 +210,18 @@ SM90 = [c for c in FULL if c[5] != 128] + [(3, 8, 9, [40000, 9, 3000], 1, 64, "r
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon split kernel is sm_90 only")
+@pytest.mark.parametrize("ws", [False, True])
 @pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes", "page", "nsplit", "layout", "tree", "q_scale"), SM90)
 def test_sm90_gluon_split_kernel_matches_the_fp32_reference(bs, heads, q_len, prefixes, page, nsplit, layout, tree,
-                                                            q_scale):
+                                                            q_scale, ws):
+    """Both Gluon kernels (ws: the warp-specialised one), asserted to be the kernel dispatched."""
+    from kdtree_ext import mla_verify_sm90
+
     prob = make_problem(bs, heads, q_len, prefixes, page_size=page, tree=tree, dtype=torch.bfloat16, device=DEV,
                         seed=bs * 100 + q_len + 7, layout=layout, q_scale=q_scale)
-    config = mv.with_config(mv.GPU_CONFIG, sm90=True)
-    assert mv._sm90_split_kernel(config, prob["q"], prob["kv_buffer"]) is not None
+    config = mv.with_config(mv.GPU_CONFIG, sm90=True, sm90_ws=ws)
+    want = mla_verify_sm90.split_kernel_sm90_ws if ws else mla_verify_sm90.split_kernel_sm90
+    assert mv._sm90_split_kernel(config, prob["q"], prob["kv_buffer"]) is want
     out = run_kernel(prob, SCALE, nsplit, config=config, out=poisoned(prob))
     check(out, run_reference(prob, SCALE))
 
@@ -249,4 +254,15 @@ def test_other_tile_configs(config):
     prob = make_problem(3, 16, 16, [40000, 9, 3000], page_size=64, dtype=torch.bfloat16, device=DEV, seed=11)
     config = mv.with_config(mv.GPU_CONFIG, **{"sm90": False, **config})
     out = run_kernel(prob, SCALE, 64, config=config, out=poisoned(prob))
+    check(out, run_reference(prob, SCALE))
+
+
+@pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes", "page", "nsplit", "layout", "tree", "q_scale"),
+                         [c for c in FULL if c[5] != 128] + [(8, 16, 9, [4096] * 8, 1, 64, "indptr", False, 1.0)])
+def test_row_block_combine(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_scale):
+    """combine_rows: 16 rows per combine program, the draft tree on the tensor cores (every launch here)."""
+    prob = make_problem(bs, heads, q_len, prefixes, page_size=page, tree=tree, dtype=torch.bfloat16, device=DEV,
+                        seed=bs * 100 + q_len + 11, layout=layout, q_scale=q_scale)
+    config = mv.with_config(mv.GPU_CONFIG, combine_rows=1)
+    out = run_kernel(prob, SCALE, nsplit, config=config, out=poisoned(prob))
     check(out, run_reference(prob, SCALE))

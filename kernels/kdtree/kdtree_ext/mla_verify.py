@@ -29,10 +29,13 @@ How (two launches, no host sync, no allocation, grid from static maxima — CUDA
 2. ``_combine_kernel``, grid ``(max_q_len * H, bs, 512 / BLOCK_D)``: one (token, head) row, BLOCK_D output
    channels. It attends the draft tree once per row (the only place the mask is read; fp32 on the row's
    ``q_len`` draft keys), merges that with the non-empty prefix partitions by their LSE and writes ``o``
-   (``[tokens, H, 512]``, the input dtype). Partials are fp32 (``partial_dtype`` can make them bf16).
+   (``[tokens, H, 512]``, the input dtype). Partials are fp32 (``partial_dtype`` can make them bf16). Large
+   launches (``KernelConfig.combine_rows``) use ``_combine_rows_kernel`` instead: 16 rows x 128 channels per
+   program, the draft-tree scores of those rows as one tensor-core tile (bf16 products, fp32 sums).
 
-On a Hopper GPU the split kernel is ``mla_verify_sm90.split_kernel_sm90`` (Gluon: same arguments, grid and
-output; the two warp groups split the score tile instead of both computing it), see ``KernelConfig.sm90``.
+On a Hopper GPU the split kernel is ``mla_verify_sm90.split_kernel_sm90_ws`` (Gluon: same arguments, grid and
+output; the two warp groups split the score tile instead of both computing it, and four producer warps do the
+copies), see ``KernelConfig.sm90`` and ``sm90_ws``.
 
 ``mla_tree_verify`` launches both; ``reference_tree_verify`` is the fp32 PyTorch reference (gather, mask,
 softmax, weighted sum). Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors.
@@ -57,8 +60,9 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters. ``max_ctas`` caps ``row_blocks * bs * nsplit`` (0: no cap) by using fewer
-    partitions for a batch that already fills the GPU; ``min_chunk`` is the shortest partition (tokens).
+    """Launch parameters. ``max_ctas`` caps ``row_blocks * bs * nsplit`` (0: no cap; -1: the current CUDA
+    device's multiprocessor count, i.e. one wave of programs) by using fewer partitions for a batch that already
+    fills the GPU; ``min_chunk`` is the shortest partition (tokens).
     ``wave_sms`` (> 0: that many multiprocessors; -1: the current CUDA device's; 0: off) picks, under those
     caps, the partition count that wastes least of the last wave of programs (one program per multiprocessor:
     time ~ waves x tiles per program); ``dv_split`` 2 gives each half of the 512 value channels its own
@@ -71,7 +75,10 @@ class KernelConfig:
     again; ``combine_wide_rows`` (> 0): a launch of at least that many (token, head) rows in all combines
     with one program per row for all 512 channels (twice ``combine_warps``), attending the draft tree once
     per row instead of once per ``combine_block_d`` channels — smaller launches keep the narrower programs
-    for parallelism."""
+    for parallelism; ``combine_rows`` (> 0): a launch of at least that many rows combines 16 rows x 128 channels
+    per program instead (``_combine_rows_kernel``: the draft tree as one tensor-core tile; its partitions are
+    merged four at a time, so it suits launches of few partitions per request, i.e. large batches);
+    ``sm90_ws``: the warp-specialised Gluon split kernel (producer warps for the copies)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -92,6 +99,8 @@ class KernelConfig:
     combine_wide_rows: int = 0
     tail_m: int = 0
     sm90: bool = False
+    sm90_ws: bool = False
+    combine_rows: int = 0
 
     def describe(self) -> str:
         return (f"block_m={self.block_m} block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} "
@@ -99,7 +108,8 @@ class KernelConfig:
                 f"max_ctas={self.max_ctas} wave_sms={self.wave_sms} "
                 f"pdl={int(self.pdl)} partials={self.partial_dtype} "
                 f"combine=s{self.combine_block_s}/d{self.combine_block_d}/w{self.combine_warps} "
-                f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} sm90={int(self.sm90)}")
+                f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} sm90={int(self.sm90)} "
+                f"sm90_ws={int(self.sm90_ws)} combine_rows={self.combine_rows}")
 
 
 # Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
@@ -118,8 +128,13 @@ class KernelConfig:
 # H=16 Q=9 4-8% slower, the other bs=8 shapes up to 14% faster); elsewhere the Triton kernel runs the last row
 # block of 72 or 144 rows on a 16-row tile (tail_m: 134.4 -> 129.4 us on the H200 with the Triton kernel; not
 # measured on other GPUs).
+# Fourth pass (same day; bench/results/kernel-h200-pass4-*): the Gluon split kernel's copies in their own warps
+# (sm90_ws: 4 producer warps, a two-slot ring signalled by mbarriers; replay geomean 101.0 -> 93.3 us in one call)
+# and at most one wave of programs (max_ctas=-1: 132 on the H200, was 256: -> 91.7 us; bs=8 H=16 Q=9 4k 93.9 ->
+# 86.0 us); launches of >= 512 rows combine 16 rows per program with the draft tree on the tensor cores
+# (combine_rows: the per-row combine took 30-80 us at bs=8 whatever the context, this one 18-20 us; -> 82.3 us).
 GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256, tail_m=16, sm90=True,
-                          min_chunk=512, max_ctas=256)
+                          sm90_ws=True, min_chunk=512, max_ctas=-1, combine_rows=512)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -133,7 +148,7 @@ def default_config(device: torch.device | str) -> KernelConfig:
 @triton.jit
 def _chunk_len(prefix, nsplit, min_chunk, BLOCK_N: tl.constexpr):
     """Tokens per prefix partition (a multiple of BLOCK_N; min_chunk is one too). The split kernels (also the
-    sm_90 Gluon one) and the combine must agree on it: one function for all three."""
+    sm_90 Gluon ones) and the combine must agree on it: one function for all of them."""
     per = tl.cdiv(prefix, nsplit)
     per = tl.cdiv(per, BLOCK_N) * BLOCK_N
     return tl.maximum(per, min_chunk)
@@ -375,6 +390,89 @@ def _combine_kernel(
     tl.store(Out + (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
+@triton.jit
+def _combine_rows_kernel(
+    Q, KExt, VExt, Mask, MaskIndptr, PartO, PartLse, Out, QoIndptr, KvStart, KvLens,
+    qk_scale, nsplit, min_chunk,
+    stride_qt, stride_qh, stride_ket, stride_vet,
+    stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, stride_ot, stride_oh,
+    H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, KV_INDPTR: tl.constexpr,
+    HAS_MASK: tl.constexpr, PDL: tl.constexpr,
+):
+    """BLOCK_R (token, head) rows of one request x BLOCK_D output channels (``combine_rows``): the draft tree as
+    one [BLOCK_R, BLOCK_J] score tile on the tensor cores (every row of a request sees the same draft keys; the
+    mask picks, per row, its token's ancestors), merged with the prefix partitions BLOCK_S at a time. Rows per
+    program instead of one: the per-row kernel's programs are few per multiprocessor (registers) and each waits
+    through a chain of dependent loads, so a batch of thousands of rows took 30-80 us."""
+    rb = tl.program_id(0)
+    b = tl.program_id(1)
+    d0 = tl.program_id(2) * BLOCK_D
+    q_start = tl.load(QoIndptr + b)
+    q_len = tl.load(QoIndptr + b + 1) - q_start
+    rows = q_len * H
+    if rb * BLOCK_R >= rows:
+        return
+    if KV_INDPTR:
+        prefix = (tl.load(KvStart + b + 1) - tl.load(KvStart + b)).to(tl.int32)
+    else:
+        prefix = tl.load(KvLens + b).to(tl.int32)
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < rows
+    tok = r // H
+    head = r % H
+    offs_j = tl.arange(0, BLOCK_J)
+    j_ok = offs_j < q_len
+    offs_d = d0 + tl.arange(0, BLOCK_D)
+
+    # ---- the draft tree: scores [rows, draft keys] (the 576 channels 64 at a time), mask, softmax, P V
+    q_row = Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+    k_row = KExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_ket
+    s = tl.zeros([BLOCK_R, BLOCK_J], dtype=tl.float32)
+    for c in range(0, DL + DR, 64):
+        offs_c = c + tl.arange(0, 64)
+        qc = tl.load(q_row + offs_c[None, :], mask=r_ok[:, None], other=0.0)
+        kc = tl.load(k_row + offs_c[None, :], mask=j_ok[:, None], other=0.0)
+        s = tl.dot(qc, tl.trans(kc), s, input_precision="ieee" if qc.dtype == tl.float32 else None)
+    if HAS_MASK:
+        mask_row = Mask + tl.load(MaskIndptr + b).to(tl.int64) + tok.to(tl.int64) * (prefix + q_len) + prefix
+        seen = tl.load(mask_row[:, None] + offs_j[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0) != 0
+    else:
+        seen = offs_j[None, :] <= tok[:, None]
+    seen = seen & j_ok[None, :]
+    s = tl.where(seen, s * qk_scale, float("-inf"))
+    m_run = tl.max(s, 1)
+    m_use = tl.where(m_run == float("-inf"), 0.0, m_run)
+    p = tl.exp2(s - m_use[:, None])
+    w_run = tl.sum(p, 1)
+    v = tl.load(VExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_vet + offs_d[None, :], mask=j_ok[:, None],
+                other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else None)
+
+    # ---- the prefix partitions, BLOCK_S at a time (their loads issued together)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    n_act = tl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, BLOCK_N))
+    base_o = PartO + b.to(tl.int64) * stride_pb
+    base_l = PartLse + b.to(tl.int64) * stride_lb
+    offs_o = r[:, None] * stride_pr + offs_d[None, :]
+    for s0 in range(0, n_act, BLOCK_S):
+        for k in tl.static_range(BLOCK_S):
+            ok = r_ok & (s0 + k + tl.zeros_like(r) < n_act)
+            lse = tl.load(base_l + (s0 + k) * stride_ls + r, mask=ok, other=float("-inf"))
+            part = tl.load(base_o + (s0 + k) * stride_ps + offs_o, mask=ok[:, None], other=0.0).to(tl.float32)
+            m_new = tl.maximum(m_run, lse)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_run - m_use)
+            w = tl.exp2(lse - m_use)
+            acc = acc * alpha[:, None] + w[:, None] * part
+            w_run = w_run * alpha + w
+            m_run = m_new
+    out = acc / tl.where(w_run > 0.0, w_run, 1.0)[:, None]
+    tl.store(Out + (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=r_ok[:, None])
+
+
 # ------------------------------------------------------------------------------------------------ launch
 
 class Workspace:
@@ -449,21 +547,25 @@ def _sm90_ok(index: int) -> bool:
 
 
 def _sm90_split_kernel(config: KernelConfig, q: torch.Tensor, kbuf: torch.Tensor):
-    """The Gluon split kernel when ``config.sm90`` asks for it and it applies (Hopper, 16-bit q and cache of one
-    dtype, the 64 x 64 tile with 8 warps and all 512 value channels per program), else None."""
+    """The Gluon split kernel (``sm90_ws``: its warp-specialised variant) when ``config.sm90`` asks for it and it
+    applies (Hopper, 16-bit q and cache of one dtype, the 64 x 64 tile with 8 warps and all 512 value channels per
+    program), else None."""
     if not (config.sm90 and q.is_cuda and q.dtype == kbuf.dtype and q.dtype in (torch.bfloat16, torch.float16)
             and (config.block_m, config.block_n, config.num_warps, config.dv_split) == (64, 64, 8, 1)
             and _sm90_ok(q.device.index if q.device.index is not None else torch.cuda.current_device())):
         return None
-    from kdtree_ext.mla_verify_sm90 import split_kernel_sm90
+    from kdtree_ext.mla_verify_sm90 import split_kernel_sm90, split_kernel_sm90_ws
 
-    return split_kernel_sm90
+    return split_kernel_sm90_ws if config.sm90_ws else split_kernel_sm90
+
+
+def _sms_now() -> int:
+    """The current CUDA device's multiprocessor count (0 without CUDA)."""
+    return _device_sms(torch.cuda.current_device()) if _cuda_ok() else 0
 
 
 def _wave_sms(config: KernelConfig) -> int:
-    if config.wave_sms >= 0:
-        return config.wave_sms
-    return _device_sms(torch.cuda.current_device()) if _cuda_ok() else 0
+    return config.wave_sms if config.wave_sms >= 0 else _sms_now()
 
 
 def effective_nsplit(nsplit: int, bs: int, rows: int, config: KernelConfig) -> int:
@@ -471,10 +573,11 @@ def effective_nsplit(nsplit: int, bs: int, rows: int, config: KernelConfig) -> i
     and (``wave_sms``) the count under that which maximises partitions per wave of programs: e.g. 3 row
     blocks on 132 multiprocessors run 44 partitions in one wave rather than 64 in two (a host-side function
     of static sizes only: CUDA-graph safe)."""
-    if config.max_ctas <= 0:
+    cap = _sms_now() if config.max_ctas < 0 else config.max_ctas
+    if cap <= 0:
         return nsplit
     blocks = max(bs * _cdiv(rows, config.block_m) * config.dv_split, 1)
-    ns = max(1, min(nsplit, config.max_ctas // blocks))
+    ns = max(1, min(nsplit, cap // blocks))
     sms = _wave_sms(config)
     return _wave_nsplit(ns, blocks, sms) if sms > 0 else ns
 
@@ -562,25 +665,32 @@ def mla_tree_verify(
     grid = (_cdiv(rows, config.block_m) * config.dv_split, ns, bs)
     sm90 = _sm90_split_kernel(config, q, kbuf)
     if sm90 is not None:
+        extra = {"LOAD_WARPS": 4, "LOAD_REGS": 40} if config.sm90_ws else {}
         sm90[grid](*split_args, H=heads, DL=D_LATENT, DR=D_ROPE, KV_INDPTR=use_indptr, PDL=pdl,
-                   num_warps=config.num_warps)
+                   num_warps=config.num_warps, **extra)
     else:
         _split_kernel[grid](
             *split_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             KV_INDPTR=use_indptr, WARP_SPEC=config.warp_specialize, DV_SPLIT=config.dv_split, PDL=pdl,
             TAIL_M=launch_tail_m(rows, config), num_warps=config.num_warps,
             num_stages=config.num_stages)
+    combine_args = (q, kext, vext, mask, mindptr, part_o, part_lse, o3, qo_indptr, kv_start, kv_lens, qk_scale, ns,
+                    min_chunk, q.stride(0), q.stride(1), kext.stride(0), vext.stride(0), part_o.stride(0),
+                    part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1), o3.stride(0),
+                    o3.stride(1))
+    launch = {"launch_pdl": True} if pdl else {}
+    if 0 < config.combine_rows <= bs * rows:
+        block_j = max(16, triton.next_power_of_2(max_q_len))
+        _combine_rows_kernel[(_cdiv(rows, 16), bs, D_LATENT // 128)](
+            *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n, BLOCK_R=16, BLOCK_S=4,
+            BLOCK_D=128, BLOCK_J=block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask, PDL=pdl, num_warps=4, **launch)
+        return o
     wide = 0 < config.combine_wide_rows <= bs * rows
     block_d = D_LATENT if wide else config.combine_block_d
     _combine_kernel[(rows, bs, D_LATENT // block_d)](
-        q, kext, vext, mask, mindptr, part_o, part_lse, o3, qo_indptr, kv_start, kv_lens,
-        qk_scale, ns, min_chunk,
-        q.stride(0), q.stride(1), kext.stride(0), vext.stride(0),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        o3.stride(0), o3.stride(1),
-        H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n, BLOCK_S=config.combine_block_s,
+        *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n, BLOCK_S=config.combine_block_s,
         BLOCK_D=block_d, BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask,
-        PDL=pdl, num_warps=config.combine_warps * (2 if wide else 1), **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, num_warps=config.combine_warps * (2 if wide else 1), **launch,
     )
     return o
 

@@ -11,6 +11,12 @@ buffer the previous tile's ``P V`` read), and the cache slots of the tile after 
 into registers. Each thread keeps its own share of the row sums (``l_part``), summed across the warp groups
 once at the end, so a tile has one cross-warp-group reduction (the row maximum), not two.
 
+``split_kernel_sm90_ws`` (the default, ``KernelConfig.sm90_ws``) is the same computation warp-specialised
+(``gl.warp_specialize``): four producer warps gather the query and the key tiles into a two-slot ring with
+``cp.async`` (each thread's copies arrive on the slot's ``ready`` mbarrier when they land), the eight compute
+warps wait on ``ready`` and free a slot on ``empty`` once both warp groups' ``P V`` has read it — no copy
+instructions, slot loads or copy waits in the compute warps (232 registers there, 40 in the producers).
+
 Imported only on a CUDA device of compute capability 9.x with a Triton that has Gluon (``mla_verify._sm90_ok``);
 everywhere else, and under ``TRITON_INTERPRET=1``, ``mla_verify`` runs its Triton kernel.
 """
@@ -20,9 +26,18 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from kdtree_ext.mla_verify import _chunk_len, _request_kv
+
+# scores [64, 64]: each warp group 64 rows x 32 keys; output [64, 512]: each warp group 64 rows x 256 channels
+S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]))
 
 
 @gluon.jit
@@ -48,6 +63,69 @@ def _issue_tile(k_lat, k_rope, KBuf, loc_l, loc_r, n0, end, stride_kb,
 
 
 @gluon.jit
+def _program(QoIndptr, KvStart, KvLens, nsplit, min_chunk, kv_start_mult, H: gl.constexpr, KV_INDPTR: gl.constexpr,
+             PDL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """This program's request b, partition, query rows and prefix keys [start, end) (start == end: nothing to
+    do — rows past the request's, or a partition past its prefix)."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    row0 = gl.program_id(0) * BM
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    q_start = gl.load(QoIndptr + b)
+    rows = (gl.load(QoIndptr + b + 1) - q_start) * H
+    kv_base, prefix = _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR)
+    chunk = _chunk_len(prefix, nsplit, min_chunk, BN)
+    start = split * chunk
+    end = gl.minimum(start + chunk, prefix)
+    if row0 >= rows:
+        end = start
+    return b, split, q_start, rows, row0, kv_base, start, end
+
+
+@gluon.jit
+def _tile(q_lat, q_rope, kl, kr, p_smem, acc, m_i, l_part, n0, end, qk_scale, S_L: gl.constexpr,
+          O_L: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """One key tile already in shared memory (kl = its c_kv rows, also the values; kr = k_rope; keys >= end
+    masked): each warp group's ``Q Kᵀ`` for its 32 keys, the online softmax, p through shared memory, ``P V`` for
+    its 256 channels. Returns (acc, row max, per-thread row sums)."""
+    s = gl.zeros([BM, BN], gl.float32, layout=S_L)
+    s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s])
+    offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+    s = gl.where((offs_n < end)[None, :], s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    p_smem.store(p.to(kl.dtype))
+    fence_async_shared()
+    gl.thread_barrier()                            # both halves of p are in shared memory
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    return acc, m_new, l_part * alpha[:, None] + p
+
+
+@gluon.jit
+def _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
+                   stride_lb, stride_ls, DL: gl.constexpr, BM: gl.constexpr, S_L: gl.constexpr,
+                   O_L: gl.constexpr):
+    """The normalised partial output and its log2-sum-exp (every partition has >= 1 key: the row sums are > 0)."""
+    l_i = gl.sum(l_part, 1)
+    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_L))[:, None]
+    m_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
+    d_o = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
+    part = b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
+    gl.store(PartO + part + m_o[:, None] * stride_pr + d_o[None, :], out.to(PartO.dtype.element_ty),
+             mask=(m_o < rows)[:, None])
+    m_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
+    gl.store(PartLse + b.to(gl.int64) * stride_lb + split.to(gl.int64) * stride_ls + m_s, m_i + gl.log2(l_i),
+             mask=m_s < rows)
+
+
+@gluon.jit
 def split_kernel_sm90(
     Q, KBuf, QoIndptr, KvStart, KvLens, KvIdx, PartO, PartLse,
     qk_scale, nsplit, min_chunk, kv_start_mult,
@@ -58,30 +136,16 @@ def split_kernel_sm90(
     """One prefix partition x 64 (token, head) rows of one request -> partial output + log2-sum-exp (8 warps)."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
-    # scores [64, 64]: each warp group 64 rows x 32 keys; output [64, 512]: each 64 rows x 256 channels
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    S_L: gl.constexpr = S_LAYOUT
+    O_L: gl.constexpr = O_LAYOUT
     GL_LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
     GL_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    pid_m = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    q_start = gl.load(QoIndptr + b)
-    rows = (gl.load(QoIndptr + b + 1) - q_start) * H
-    if pid_m * BM >= rows:
+    b, split, q_start, rows, row0, kv_base, start, end = _program(QoIndptr, KvStart, KvLens, nsplit, min_chunk,
+                                                                  kv_start_mult, H, KV_INDPTR, PDL, BM, BN)
+    if start >= end:
         return
-    kv_base, prefix = _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR)
-    chunk = _chunk_len(prefix, nsplit, min_chunk, BN)
-    start = split * chunk
-    if start >= prefix:
-        return
-    end = gl.minimum(start + chunk, prefix)
-    row0 = pid_m * BM
 
     dt: gl.constexpr = KBuf.dtype.element_ty
     q_lat = gl.allocate_shared_memory(dt, [BM, DL], SH)
@@ -122,34 +186,100 @@ def split_kernel_sm90(
         async_copy.commit_group()
         loc_l = _slots(KvIdx, kv_base, n0 + 2 * BN, end, BN, gl.SliceLayout(1, GL_LAT))
         loc_r = _slots(KvIdx, kv_base, n0 + 2 * BN, end, BN, gl.SliceLayout(1, GL_ROPE))
-        kl = k_lat.index(buf)
-        s = gl.zeros([BM, BN], gl.float32, layout=S_L)
-        s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(q_rope, k_rope.index(buf).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
-        offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
-        s = gl.where((offs_n < end)[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_part = l_part * alpha[:, None] + p
-        m_i = m_new
-        p_smem.store(p.to(dt))
-        fence_async_shared()
-        gl.thread_barrier()                        # both halves of p are in shared memory
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-    l_i = gl.sum(l_part, 1)
+        acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(buf), k_rope.index(buf), p_smem, acc, m_i, l_part, n0,
+                                 end, qk_scale, S_L, O_L, BM, BN)
     async_copy.wait_group(0)
+    _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
+                   stride_lb, stride_ls, DL, BM, S_L, O_L)
 
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
-    out = acc / l_o[:, None]                       # every partition has >= 1 key: l_i > 0
-    m_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
-    d_o = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
-    part = b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
-    gl.store(PartO + part + m_o[:, None] * stride_pr + d_o[None, :], out.to(PartO.dtype.element_ty),
-             mask=(m_o < rows)[:, None])
-    m_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
-    gl.store(PartLse + b.to(gl.int64) * stride_lb + split.to(gl.int64) * stride_ls + m_s, m_i + gl.log2(l_i),
-             mask=m_s < rows)
+
+# ------------------------------------------------------------------------------------ warp-specialised variant
+
+@gluon.jit
+def _ws_loader(Q, KBuf, KvIdx, q_lat, q_rope, k_lat, k_rope, ready, empty, q_start, rows, row0, kv_base, start, end,
+               stride_qt, stride_qh, stride_kb, H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr,
+               BM: gl.constexpr, BN: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """Producer warps: the query rows, then each key tile into ring slot i % 2 once the compute warps have freed
+    it (``empty``); every thread's copies arrive on ``ready`` when they land (cp.async.mbarrier.arrive.noinc)."""
+    # 4 rows x 64 channels per warp: each thread copies 16-byte pieces of 4 rows (one slot each), so a tile needs
+    # only 4 row addresses per thread (a row's pieces are immediate offsets of them)
+    GL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
+    m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, GL))
+    q_row = Q + (q_start + m // H).to(gl.int64)[:, None] * stride_qt + (m % H)[:, None] * stride_qh
+    d_l = gl.arange(0, DL, layout=gl.SliceLayout(0, GL))
+    d_r = gl.arange(0, DR, layout=gl.SliceLayout(0, GL))
+    async_copy.async_copy_global_to_shared(q_lat, q_row + d_l[None, :], mask=(m < rows)[:, None])
+    async_copy.async_copy_global_to_shared(q_rope, q_row + DL + d_r[None, :], mask=(m < rows)[:, None])
+    loc = _slots(KvIdx, kv_base, start, end, BN, gl.SliceLayout(1, GL))
+    n_tiles = gl.cdiv(end - start, BN)
+    for i in range(n_tiles):
+        buf = i % 2
+        mbarrier.wait(empty.index(buf), ((i // 2) & 1) ^ 1)     # the first use of each slot passes at once
+        n0 = start + i * BN
+        _issue_tile(k_lat.index(buf), k_rope.index(buf), KBuf, loc, loc, n0, end, stride_kb, DL, DR, BN, GL, GL)
+        async_copy.mbarrier_arrive(ready.index(buf), increment_count=False)
+        loc = _slots(KvIdx, kv_base, n0 + BN, end, BN, gl.SliceLayout(1, GL))
+
+
+@gluon.jit
+def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, rows, row0, b, split, start, end,
+                qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
+                DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """The 8 compute warps: as in ``split_kernel_sm90``, without the copies (they wait on ``ready`` and free a
+    ring slot on ``empty`` once both warp groups' ``P V`` has read it)."""
+    S_L: gl.constexpr = S_LAYOUT
+    O_L: gl.constexpr = O_LAYOUT
+    m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    acc = gl.zeros([BM, DL], gl.float32, layout=O_L)
+    l_part = gl.zeros([BM, BN], gl.float32, layout=S_L)
+    n_tiles = gl.cdiv(end - start, BN)
+    for i in range(n_tiles):
+        buf = i % 2
+        mbarrier.wait(ready.index(buf), (i // 2) & 1)
+        fence_async_shared()                       # cp.async wrote through the generic proxy; wgmma reads async
+        acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(buf), k_rope.index(buf), p_smem, acc, m_i, l_part,
+                                 start + i * BN, end, qk_scale, S_L, O_L, BM, BN)
+        gl.thread_barrier()                        # both warp groups are done with slot buf and with p
+        mbarrier.arrive(empty.index(buf), count=1)
+    _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
+                   stride_lb, stride_ls, DL, BM, S_L, O_L)
+
+
+@gluon.jit
+def split_kernel_sm90_ws(
+    Q, KBuf, QoIndptr, KvStart, KvLens, KvIdx, PartO, PartLse,
+    qk_scale, nsplit, min_chunk, kv_start_mult,
+    stride_qt, stride_qh, stride_kb,
+    stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
+    H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, KV_INDPTR: gl.constexpr, PDL: gl.constexpr,
+    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
+):
+    """``split_kernel_sm90`` with its copies in their own warps (``gl.warp_specialize``): LOAD_WARPS producer
+    warps gather the query and key tiles into a two-slot ring, signalled by mbarriers, while the 8 compute warps
+    run the tiles; same arguments, grid and output."""
+    BM: gl.constexpr = 64
+    BN: gl.constexpr = 64
+    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    b, split, q_start, rows, row0, kv_base, start, end = _program(QoIndptr, KvStart, KvLens, nsplit, min_chunk,
+                                                                  kv_start_mult, H, KV_INDPTR, PDL, BM, BN)
+    if start >= end:
+        return
+
+    dt: gl.constexpr = KBuf.dtype.element_ty
+    q_lat = gl.allocate_shared_memory(dt, [BM, DL], SH)
+    q_rope = gl.allocate_shared_memory(dt, [BM, DR], SH)
+    k_lat = gl.allocate_shared_memory(dt, [2, BN, DL], SH)
+    k_rope = gl.allocate_shared_memory(dt, [2, BN, DR], SH)
+    p_smem = gl.allocate_shared_memory(dt, [BM, BN], SH)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(2):
+        mbarrier.init(ready.index(j), count=LOAD_WARPS * 32)
+        mbarrier.init(empty.index(j), count=1)
+    gl.warp_specialize([
+        (_ws_compute,
+         (q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, rows, row0, b, split, start, end,
+          qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, DL, BM, BN)),
+        (_ws_loader, (Q, KBuf, KvIdx, q_lat, q_rope, k_lat, k_rope, ready, empty, q_start, rows, row0, kv_base,
+                      start, end, stride_qt, stride_qh, stride_kb, H, DL, DR, BM, BN, LOAD_WARPS)),
+    ], [LOAD_WARPS], [LOAD_REGS])
