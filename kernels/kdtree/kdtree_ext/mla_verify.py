@@ -140,7 +140,8 @@ class KernelConfig:
 # 86.0 us); launches of >= 512 rows combine 16 rows per program with the draft tree on the tensor cores
 # (combine_rows: the per-row combine took 30-80 us at bs=8 whatever the context, this one 18-20 us; -> 82.3 us).
 # Fifth pass (same day; bench/results/kernel-h200-pass5-*): launches of 256-511 rows (bs=1 H=16 Q=16) attend the
-# draft tree in their own kernel (draft_rows; the combine only merges): 3-10% faster there (100.6 -> 97.2 us at 64k).
+# draft tree in their own kernel (draft_rows; the combine only merges): 3-10% faster there (one call: 28.3 -> 25.2 us
+# at 4k, 101.3 -> 98.0 us at 64k); on every bs=1 launch it was 0.5-2 us slower at H=8 and H=16 Q=9.
 GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256, tail_m=16, sm90=True,
                           sm90_ws=True, min_chunk=512, max_ctas=-1, combine_rows=512, draft_rows=256)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
