@@ -521,11 +521,12 @@ class _NoLaunch:
 
 
 def only_part(part: str, prob, config):
-    """Our kernel with one of its two launches left out (``part``: "split" or "combine" is what runs; the combine
-    alone reads whatever partials the workspace holds): where a launch's time goes."""
+    """Our kernel with the split or the combine side left out (``part``: "split" or "combine" is what runs; the
+    combine side is the combine and, with ``draft_rows``, the draft kernel; alone it reads whatever partials the
+    workspace holds): where a launch's time goes."""
     full, _ = make_fn("kdtree", prob, config=config)
-    names = ("_combine_kernel", "_combine_rows_kernel") if part == "split" else ("_split_kernel",
-                                                                                 "_sm90_split_kernel")
+    names = (("_combine_kernel", "_combine_rows_kernel", "_draft_kernel") if part == "split"
+             else ("_split_kernel", "_sm90_split_kernel"))
 
     def fn():
         saved = {n: getattr(mv, n) for n in names}

@@ -91,6 +91,15 @@ def cases() -> list[dict]:
                     layout="indptr", seed=42, config=dict(combine_rows=1), dtype="float32"))
     out.append(dict(bs=2, heads=8, q_len=5, prefix_lens=[90, 170], page_size=1, tree=True, nsplit=4,
                     layout="indptr", seed=43, config=dict(combine_rows=1), dtype="float16"))
+    # the draft tree in its own kernel (draft_rows: its partial in slot ns, the combine only merges): a tree with
+    # a mask and an empty prefix, a chain without a mask and the wide combine, float16
+    out.append(dict(bs=2, heads=4, q_len=9, prefix_lens=[150, 0], page_size=1, tree=True, nsplit=4,
+                    layout="indptr", seed=44, config=dict(draft_rows=1), dtype="float32"))
+    out.append(dict(bs=2, heads=3, q_len=7, prefix_lens=[40, 3], page_size=64, tree=False, nsplit=8,
+                    layout="req_to_token", seed=45, mask=False, config=dict(draft_rows=1, combine_wide_rows=1),
+                    dtype="float32"))
+    out.append(dict(bs=1, heads=8, q_len=5, prefix_lens=[90], page_size=1, tree=True, nsplit=4,
+                    layout="indptr", seed=46, config=dict(draft_rows=1), dtype="float16"))
     # half-precision partial outputs (the interpreter cannot do bf16: fp16 stands in) and other combine tiles
     out.append(dict(bs=2, heads=4, q_len=9, prefix_lens=[200, 77], page_size=64, tree=True, nsplit=8,
                     layout="indptr", seed=25, dtype="float32",
@@ -114,7 +123,8 @@ def run_case(case: dict) -> dict:
                         q_scale=case.get("q_scale", 1.0))
     rows = case["q_len"] * case["heads"]
     ns = mv.effective_nsplit(case["nsplit"], case["bs"], rows, config)
-    ws = mv.Workspace(case["bs"] * ns + 3, rows + 8, "cpu", dtype=config.partial_dtype)   # spares stay untouched
+    draft = mv.draft_slots(case["bs"], rows, config)
+    ws = mv.Workspace(case["bs"] * (ns + draft) + 3, rows + 8, "cpu", dtype=config.partial_dtype)   # spares untouched
     ws.part_o.fill_(float("nan"))
     ws.part_lse.fill_(12345.0)                                   # sentinel: untouched partitions keep it
     out = torch.full((prob["q"].shape[0], case["heads"], mv.D_LATENT), float("nan"), dtype=prob["q"].dtype)
@@ -126,14 +136,16 @@ def run_case(case: dict) -> dict:
     # which prefix partitions were written (LSE no longer the sentinel), per request, vs the expected count
     min_chunk = mv.launch_min_chunk(ns, case["bs"], rows, config)
     written, expected = [], []
-    lse_view = ws.views(case["bs"], ns)[1]
+    lse_view = ws.views(case["bs"], ns + draft)[1]
     for b, pre in enumerate(case["prefix_lens"]):
         per = -(-pre // ns) if pre else 0
         per = max(-(-per // config.block_n) * config.block_n, min_chunk)
         expected.append(-(-pre // per) if pre else 0)
         written.append(int((lse_view[b, :ns, 0] != 12345.0).sum()))
     untouched = bool((lse_view[:, :, rows:] == 12345.0).all()) and bool((ws.part_lse[-3:] == 12345.0).all())
-    return dict(case=case, nsplit_used=ns, min_chunk_used=min_chunk, max_err=float(err.max()),
+    draft_written = bool((lse_view[:, ns:, :rows] != 12345.0).all()) if draft else None
+    return dict(case=case, nsplit_used=ns, draft_slots=draft, draft_written=draft_written, min_chunk_used=min_chunk,
+                max_err=float(err.max()),
                 ref_max=float(ref.abs().max()),
                 rel_err=float((out.float() - ref).norm() / ref.norm()), all_written=bool(torch.isfinite(out).all()),
                 partitions_written=written, partitions_expected=expected, pad_rows_untouched=untouched,

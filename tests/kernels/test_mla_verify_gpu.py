@@ -82,7 +82,9 @@ def test_float16_and_no_mask_chain():
 
 
 @pytest.mark.parametrize("overrides", [{}, {"pdl": True}, {"pdl": False, "wave_sms": 0},
-                                       {"sm90": False}, {"sm90_ws": False}, {"combine_rows": 1}])
+                                       {"sm90": False}, {"sm90_ws": False}, {"combine_rows": 1},
+                                       {"draft_rows": 1, "combine_rows": 0},
+                                       {"draft_rows": 1, "combine_rows": 0, "pdl": False}])
 def test_cuda_graph_capture_and_replay_give_identical_output(overrides):
     bs, heads, q_len, max_ctx, nsplit = 4, 16, 16, 65536, 64
     config = mv.with_config(mv.default_config(DEV), **overrides)
@@ -266,3 +268,36 @@ def test_row_block_combine(bs, heads, q_len, prefixes, page, nsplit, layout, tre
     config = mv.with_config(mv.GPU_CONFIG, combine_rows=1)
     out = run_kernel(prob, SCALE, nsplit, config=config, out=poisoned(prob))
     check(out, run_reference(prob, SCALE))
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes", "page", "nsplit", "layout", "tree", "q_scale"),
+                         [c for c in FULL if c[5] != 128] + [(1, 16, 16, [65536], 1, 64, "indptr", True, 3.0)])
+def test_draft_kernel(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_scale, pdl):
+    """draft_rows: the draft tree in its own kernel beside the split kernel, its partial in slot ns (asserted
+    written: the workspace is poisoned first), the combine merging only partials (every launch here)."""
+    prob = make_problem(bs, heads, q_len, prefixes, page_size=page, tree=tree, dtype=torch.bfloat16, device=DEV,
+                        seed=bs * 100 + q_len + 13, layout=layout, q_scale=q_scale)
+    rows = q_len * heads
+    config = mv.with_config(mv.GPU_CONFIG, draft_rows=1, combine_rows=0, pdl=pdl)
+    assert mv.draft_slots(bs, rows, config) == 1
+    ns = mv.effective_nsplit(nsplit, bs, rows, config)
+    ws = mv.Workspace.for_batches(bs, rows, nsplit, config, DEV)
+    ws.part_lse.fill_(12345.0)
+    out = run_kernel(prob, SCALE, nsplit, config=config, workspace=ws, out=poisoned(prob))
+    check(out, run_reference(prob, SCALE))
+    draft_lse = ws.views(bs, ns + 1)[1][:, ns, :rows]
+    assert (draft_lse != 12345.0).all() and torch.isfinite(draft_lse).all()
+
+
+def test_default_config_uses_the_draft_kernel_from_256_rows():
+    """GPU_CONFIG: bs=1 H=16 Q=16 (256 rows) runs the draft kernel, fewer rows and row-block-combine launches not."""
+    cfg = mv.GPU_CONFIG
+    assert [mv.draft_slots(bs, rows, cfg) for bs, rows in [(1, 256), (1, 144), (1, 72), (2, 256), (8, 72)]] == [
+        1, 0, 0, 0, 0]
+    prob = make_problem(1, 16, 16, [30000], page_size=1, tree=True, dtype=torch.bfloat16, device=DEV, seed=77)
+    ws = mv.Workspace.for_batches(1, 256, 64, cfg, DEV)
+    ws.part_lse.fill_(12345.0)
+    check(run_kernel(prob, SCALE, 64, workspace=ws, out=poisoned(prob)), run_reference(prob, SCALE))
+    ns = mv.effective_nsplit(64, 1, 256, cfg)
+    assert (ws.views(1, ns + 1)[1][0, ns, :256] != 12345.0).all()

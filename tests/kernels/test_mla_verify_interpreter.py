@@ -53,6 +53,8 @@ def test_covers_trees_chains_pages_layouts_and_splits(interp: Script):
     assert any(c.get("config", {}).get("sm90_ws") for c in cases)                # the Gluon kernels: Triton on CPU
     rows_combine = [c for c in cases if c.get("config", {}).get("combine_rows")]  # 16 rows per combine program
     assert {c["tree"] for c in rows_combine} == {True, False} and max(c["q_len"] for c in rows_combine) > 16
+    drafted = [c for c in interp.cases if c["draft_slots"]]   # the draft tree in its own kernel, slot ns
+    assert {c["case"]["tree"] for c in drafted} == {True, False} and all(c["draft_written"] for c in drafted)
 
 
 def test_empty_partitions_exit_early(interp: Script):

@@ -109,7 +109,7 @@ class KdtreeVerifyBackend:
         mv = _mla_verify()
         config = self._config(device)
         ws = self._workspace
-        ns = mv.effective_nsplit(self.kdtree_nsplit, bs, rows, config)
+        ns = mv.effective_nsplit(self.kdtree_nsplit, bs, rows, config) + mv.draft_slots(bs, rows, config)
         if ws is not None and ws.fits(bs, rows, ns, config.partial_dtype) and ws.part_o.device == _device(device):
             return ws
         ws = mv.Workspace.for_batches(bs, rows, self.kdtree_nsplit, config, device)

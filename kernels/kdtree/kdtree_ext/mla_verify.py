@@ -78,7 +78,12 @@ class KernelConfig:
     for parallelism; ``combine_rows`` (> 0): a launch of at least that many rows combines 16 rows x 128 channels
     per program instead (``_combine_rows_kernel``: the draft tree as one tensor-core tile; its partitions are
     merged four at a time, so it suits launches of few partitions per request, i.e. large batches);
-    ``sm90_ws``: the warp-specialised Gluon split kernel (producer warps for the copies)."""
+    ``sm90_ws``: the warp-specialised Gluon split kernel (producer warps for the copies); ``draft_rows``
+    (> 0): a launch of at least that many rows that combines with the per-row kernel (below ``combine_rows``)
+    attends the draft tree in its own kernel (``_draft_kernel``: 16 rows per program, the scores on the tensor
+    cores), launched (PDL) right after the split kernel, into one more partition slot per request; the combine
+    then only merges partials. From 256 rows (bs=1 H=16 Q=16) the wide per-row combine's tree attention (fp32,
+    one row per program) cost more than the extra launch; below, the extra launch costs more than it saves."""
 
     block_m: int = 64
     block_n: int = 64
@@ -101,6 +106,7 @@ class KernelConfig:
     sm90: bool = False
     sm90_ws: bool = False
     combine_rows: int = 0
+    draft_rows: int = 0
 
     def describe(self) -> str:
         return (f"block_m={self.block_m} block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} "
@@ -109,7 +115,7 @@ class KernelConfig:
                 f"pdl={int(self.pdl)} partials={self.partial_dtype} "
                 f"combine=s{self.combine_block_s}/d{self.combine_block_d}/w{self.combine_warps} "
                 f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} sm90={int(self.sm90)} "
-                f"sm90_ws={int(self.sm90_ws)} combine_rows={self.combine_rows}")
+                f"sm90_ws={int(self.sm90_ws)} combine_rows={self.combine_rows} draft_rows={self.draft_rows}")
 
 
 # Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
@@ -133,8 +139,11 @@ class KernelConfig:
 # and at most one wave of programs (max_ctas=-1: 132 on the H200, was 256: -> 91.7 us; bs=8 H=16 Q=9 4k 93.9 ->
 # 86.0 us); launches of >= 512 rows combine 16 rows per program with the draft tree on the tensor cores
 # (combine_rows: the per-row combine took 30-80 us at bs=8 whatever the context, this one 18-20 us; -> 82.3 us).
+# Fifth pass (same day; bench/results/kernel-h200-pass5-*): launches of 256-511 rows (bs=1 H=16 Q=16) attend the
+# draft tree in their own kernel (draft_rows; the combine only merges): 3-10% faster there (one call: 28.3 -> 25.2 us
+# at 4k, 101.3 -> 98.0 us at 64k); on every bs=1 launch it was 0.5-2 us slower at H=8 and H=16 Q=9.
 GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256, tail_m=16, sm90=True,
-                          sm90_ws=True, min_chunk=512, max_ctas=-1, combine_rows=512)
+                          sm90_ws=True, min_chunk=512, max_ctas=-1, combine_rows=512, draft_rows=256)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -314,11 +323,11 @@ def _combine_kernel(
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, stride_ot, stride_oh,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, KV_INDPTR: tl.constexpr, HAS_MASK: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, DRAFT_SLOT: tl.constexpr,
 ):
     """One (token, head) row x BLOCK_D output channels: attention over the draft tree (done here, once per
-    row, in fp32; the tree mask is read only here), merged with the non-empty prefix partitions by their
-    log2-sum-exp; writes the output."""
+    row, in fp32; the tree mask is read only here — or, DRAFT_SLOT, by ``_draft_kernel`` into partition slot
+    ``nsplit``), merged with the non-empty prefix partitions by their log2-sum-exp; writes the output."""
     row = tl.program_id(0)
     b = tl.program_id(1)
     d0 = tl.program_id(2) * BLOCK_D
@@ -336,40 +345,52 @@ def _combine_kernel(
     offs_dr = tl.arange(0, DR)
     offs_d = d0 + tl.arange(0, BLOCK_D)
 
-    # ---- the draft tree: this row's token sees the draft tokens its mask row allows (itself, ancestors)
-    q_row = Q + (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
-    q_lat = tl.load(q_row + offs_dl).to(tl.float32)
-    q_rope = tl.load(q_row + DL + offs_dr).to(tl.float32)
-    if HAS_MASK:
-        mask_row = Mask + tl.load(MaskIndptr + b).to(tl.int64) + tok.to(tl.int64) * (prefix + q_len) + prefix
-    m_run = tl.full([], float("-inf"), dtype=tl.float32)
-    w_run = tl.zeros([], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for j0 in range(0, q_len, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        j_ok = offs_j < q_len
-        k_row = KExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_ket
-        k_lat = tl.load(k_row + offs_dl[None, :], mask=j_ok[:, None], other=0.0).to(tl.float32)
-        k_rope = tl.load(k_row + DL + offs_dr[None, :], mask=j_ok[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(k_lat * q_lat[None, :], 1) + tl.sum(k_rope * q_rope[None, :], 1)
-        if HAS_MASK:  # noqa: SIM108 (a constexpr branch: mask_row exists only here)
-            seen = j_ok & (tl.load(mask_row + offs_j, mask=j_ok, other=0) != 0)
-        else:
-            seen = j_ok & (offs_j <= tok)
-        s = tl.where(seen, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_run, tl.max(s, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_use)
-        p = tl.exp2(s - m_use)
-        v = tl.load(VExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_vet + offs_d[None, :],
-                    mask=j_ok[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        w_run = w_run * alpha + tl.sum(p, 0)
-        m_run = m_new
+    if DRAFT_SLOT:
+        # ---- the draft tree's partial, written by _draft_kernel (weight 0 when the row sees no draft key)
+        if PDL:
+            tl.extra.cuda.gdc_wait()               # the draft kernel (and so the split kernel) has finished
+        lse_d = tl.load(PartLse + b.to(tl.int64) * stride_lb + nsplit * stride_ls + row)
+        seen_d = lse_d > float("-inf")
+        m_run = lse_d
+        w_run = tl.where(seen_d, 1.0, 0.0)
+        part_d = tl.load(PartO + b.to(tl.int64) * stride_pb + nsplit * stride_ps + row * stride_pr + offs_d)
+        acc = tl.where(seen_d, part_d.to(tl.float32), 0.0)
+    else:
+        # ---- the draft tree: this row's token sees the draft tokens its mask row allows (itself, ancestors)
+        q_row = Q + (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+        q_lat = tl.load(q_row + offs_dl).to(tl.float32)
+        q_rope = tl.load(q_row + DL + offs_dr).to(tl.float32)
+        if HAS_MASK:
+            mask_row = Mask + tl.load(MaskIndptr + b).to(tl.int64) + tok.to(tl.int64) * (prefix + q_len) + prefix
+        m_run = tl.full([], float("-inf"), dtype=tl.float32)
+        w_run = tl.zeros([], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j0 in range(0, q_len, BLOCK_J):
+            offs_j = j0 + tl.arange(0, BLOCK_J)
+            j_ok = offs_j < q_len
+            k_row = KExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_ket
+            k_lat = tl.load(k_row + offs_dl[None, :], mask=j_ok[:, None], other=0.0).to(tl.float32)
+            k_rope = tl.load(k_row + DL + offs_dr[None, :], mask=j_ok[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(k_lat * q_lat[None, :], 1) + tl.sum(k_rope * q_rope[None, :], 1)
+            if HAS_MASK:  # noqa: SIM108 (a constexpr branch: mask_row exists only here)
+                seen = j_ok & (tl.load(mask_row + offs_j, mask=j_ok, other=0) != 0)
+            else:
+                seen = j_ok & (offs_j <= tok)
+            s = tl.where(seen, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_run, tl.max(s, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_run - m_use)
+            p = tl.exp2(s - m_use)
+            v = tl.load(VExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_vet + offs_d[None, :],
+                        mask=j_ok[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+            w_run = w_run * alpha + tl.sum(p, 0)
+            m_run = m_new
+
+        if PDL:
+            tl.extra.cuda.gdc_wait()                   # the split kernel has finished and its writes are visible
 
     # ---- the prefix partitions (normalised partial outputs, weight 2^lse), BLOCK_S at a time
-    if PDL:
-        tl.extra.cuda.gdc_wait()                   # the split kernel has finished and its writes are visible
     n_act = tl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, BLOCK_N))
     base_o = PartO + b.to(tl.int64) * stride_pb + row * stride_pr
     base_l = PartLse + b.to(tl.int64) * stride_lb + row
@@ -473,6 +494,76 @@ def _combine_rows_kernel(
              out.to(Out.dtype.element_ty), mask=r_ok[:, None])
 
 
+@triton.jit
+def _draft_kernel(
+    Q, KExt, VExt, Mask, MaskIndptr, PartO, PartLse, QoIndptr, KvStart, KvLens,
+    qk_scale, nsplit,
+    stride_qt, stride_qh, stride_ket, stride_vet,
+    stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
+    H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_J: tl.constexpr, KV_INDPTR: tl.constexpr, HAS_MASK: tl.constexpr, PDL: tl.constexpr,
+):
+    """BLOCK_R (token, head) rows of one request x BLOCK_D channels of the draft tree alone (``draft_rows``):
+    scores against the request's draft keys as one tensor-core tile, the tree mask, softmax, ``P V`` -> the
+    normalised partial and log2-sum-exp in partition slot ``nsplit`` (a row that sees no draft key: LSE -inf).
+
+    Launched right after the split kernel (PDL: it starts once every split program runs, on multiprocessors they
+    leave free, if any) and before the combine, which waits for it: program (0, 0, 0) waits for the split kernel
+    before it exits, so this kernel's end implies the split kernel's and the combine's one wait covers both."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    rb = tl.program_id(0)
+    b = tl.program_id(1)
+    d0 = tl.program_id(2) * BLOCK_D
+    q_start = tl.load(QoIndptr + b)
+    q_len = tl.load(QoIndptr + b + 1) - q_start
+    rows = q_len * H
+    if rb * BLOCK_R < rows:
+        if KV_INDPTR:
+            prefix = (tl.load(KvStart + b + 1) - tl.load(KvStart + b)).to(tl.int32)
+        else:
+            prefix = tl.load(KvLens + b).to(tl.int32)
+        r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = r < rows
+        tok = r // H
+        head = r % H
+        offs_j = tl.arange(0, BLOCK_J)
+        j_ok = offs_j < q_len
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        q_row = Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+        k_row = KExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_ket
+        s = tl.zeros([BLOCK_R, BLOCK_J], dtype=tl.float32)
+        for c in range(0, DL + DR, 64):
+            offs_c = c + tl.arange(0, 64)
+            qc = tl.load(q_row + offs_c[None, :], mask=r_ok[:, None], other=0.0)
+            kc = tl.load(k_row + offs_c[None, :], mask=j_ok[:, None], other=0.0)
+            s = tl.dot(qc, tl.trans(kc), s, input_precision="ieee" if qc.dtype == tl.float32 else None)
+        if HAS_MASK:
+            mask_row = Mask + tl.load(MaskIndptr + b).to(tl.int64) + tok.to(tl.int64) * (prefix + q_len) + prefix
+            seen = tl.load(mask_row[:, None] + offs_j[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0) != 0
+        else:
+            seen = offs_j[None, :] <= tok[:, None]
+        seen = seen & j_ok[None, :]
+        s = tl.where(seen, s * qk_scale, float("-inf"))
+        m = tl.max(s, 1)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        p = tl.exp2(s - m_use[:, None])
+        w = tl.sum(p, 1)
+        v = tl.load(VExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_vet + offs_d[None, :],
+                    mask=j_ok[:, None], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else None)
+        out = acc / tl.where(w > 0.0, w, 1.0)[:, None]
+        base = b.to(tl.int64) * stride_pb + nsplit * stride_ps
+        tl.store(PartO + base + r[:, None] * stride_pr + offs_d[None, :], out.to(PartO.dtype.element_ty),
+                 mask=r_ok[:, None])
+        if d0 == 0:
+            tl.store(PartLse + b.to(tl.int64) * stride_lb + nsplit * stride_ls + r,
+                     tl.where(w > 0.0, m_use + tl.log2(tl.where(w > 0.0, w, 1.0)), float("-inf")), mask=r_ok)
+    if PDL:  # noqa: SIM102 (a constexpr branch)
+        if rb + b + d0 == 0:
+            tl.extra.cuda.gdc_wait()               # the split kernel has finished: so has this kernel at its end
+
+
 # ------------------------------------------------------------------------------------------------ launch
 
 class Workspace:
@@ -488,7 +579,8 @@ class Workspace:
     @classmethod
     def for_batches(cls, max_bs: int, rows: int, nsplit: int, config: KernelConfig, device) -> Workspace:
         """Big enough for every batch of 1..max_bs requests of up to ``rows`` rows."""
-        slots = max(bs * effective_nsplit(nsplit, bs, rows, config) for bs in range(1, max_bs + 1))
+        slots = max(bs * (effective_nsplit(nsplit, bs, rows, config) + draft_slots(bs, rows, config))
+                    for bs in range(1, max_bs + 1))
         return cls(slots, rows, device, dtype=config.partial_dtype)
 
     def fits(self, bs: int, rows: int, nsplit: int, dtype: str | None = None) -> bool:
@@ -582,6 +674,12 @@ def effective_nsplit(nsplit: int, bs: int, rows: int, config: KernelConfig) -> i
     return _wave_nsplit(ns, blocks, sms) if sms > 0 else ns
 
 
+def draft_slots(bs: int, rows: int, config: KernelConfig) -> int:
+    """Partition slots per request a launch uses beyond its prefix partitions: 1 when ``_draft_kernel`` attends
+    the draft tree (``draft_rows``, on launches the per-row combine merges), else 0 (static sizes only)."""
+    return int(0 < config.draft_rows <= bs * rows and not 0 < config.combine_rows <= bs * rows)
+
+
 def launch_min_chunk(ns: int, bs: int, rows: int, config: KernelConfig) -> int:
     """Shortest prefix partition (tokens, a multiple of block_n) of a launch with ``ns`` partitions:
     ``wave_min_chunk`` when its programs fit in one wave, else ``min_chunk`` (static sizes only)."""
@@ -645,10 +743,12 @@ def mla_tree_verify(
         assert req_pool_indices is not None and seq_lens is not None and req_to_token.stride(1) == 1
         kv_start, kv_lens, kv_idx, mult = req_pool_indices, seq_lens, req_to_token, req_to_token.stride(0)
     ns = effective_nsplit(nsplit, bs, rows, config)
+    draft = draft_slots(bs, rows, config)          # 1: the draft tree's partial in slot ns
     if workspace is None:
-        workspace = Workspace(bs * ns, rows, q.device, dtype=config.partial_dtype)
-    assert workspace.fits(bs, rows, ns, config.partial_dtype), "workspace too small for this batch (or other dtype)"
-    part_o, part_lse = workspace.views(bs, ns)
+        workspace = Workspace(bs * (ns + draft), rows, q.device, dtype=config.partial_dtype)
+    assert workspace.fits(bs, rows, ns + draft, config.partial_dtype), \
+        "workspace too small for this batch (or other dtype)"
+    part_o, part_lse = workspace.views(bs, ns + draft)
     min_chunk = launch_min_chunk(ns, bs, rows, config)
     has_mask = custom_mask is not None
     if has_mask:
@@ -674,11 +774,18 @@ def mla_tree_verify(
             KV_INDPTR=use_indptr, WARP_SPEC=config.warp_specialize, DV_SPLIT=config.dv_split, PDL=pdl,
             TAIL_M=launch_tail_m(rows, config), num_warps=config.num_warps,
             num_stages=config.num_stages)
+    launch = {"launch_pdl": True} if pdl else {}
+    if draft:
+        _draft_kernel[(_cdiv(rows, 16), bs, 2)](
+            q, kext, vext, mask, mindptr, part_o, part_lse, qo_indptr, kv_start, kv_lens, qk_scale, ns, q.stride(0),
+            q.stride(1), kext.stride(0), vext.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1), H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_R=16, BLOCK_D=256,
+            BLOCK_J=max(16, triton.next_power_of_2(max_q_len)), KV_INDPTR=use_indptr, HAS_MASK=has_mask, PDL=pdl,
+            num_warps=4, **launch)
     combine_args = (q, kext, vext, mask, mindptr, part_o, part_lse, o3, qo_indptr, kv_start, kv_lens, qk_scale, ns,
                     min_chunk, q.stride(0), q.stride(1), kext.stride(0), vext.stride(0), part_o.stride(0),
                     part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1), o3.stride(0),
                     o3.stride(1))
-    launch = {"launch_pdl": True} if pdl else {}
     if 0 < config.combine_rows <= bs * rows:
         block_j = max(16, triton.next_power_of_2(max_q_len))
         _combine_rows_kernel[(_cdiv(rows, 16), bs, D_LATENT // 128)](
@@ -690,7 +797,7 @@ def mla_tree_verify(
     _combine_kernel[(rows, bs, D_LATENT // block_d)](
         *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n, BLOCK_S=config.combine_block_s,
         BLOCK_D=block_d, BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask,
-        PDL=pdl, num_warps=config.combine_warps * (2 if wide else 1), **launch,
+        PDL=pdl, DRAFT_SLOT=bool(draft), num_warps=config.combine_warps * (2 if wide else 1), **launch,
     )
     return o
 
