@@ -399,7 +399,9 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
     systemd never sees a half-written unit. Only then, with every step that can refuse behind it, the old
     run is asked to stop; the reload (~0.1 s of systemd's CPU, more on a busy host) runs while it stops, and
     a restart job takes over the stop (``systemd.stop_command``, ``systemd.restart_command``): the restart
-    costs the service's own stop and start, nothing of kdeploy's.
+    costs the service's own stop and start, nothing of kdeploy's. From the stop on, the script ignores the
+    signals a lost SSH session or a killed controller could bring and no longer exits on the first error, so
+    a stopped service is always restarted (a failed reload still fails the activation, after the restart).
     """
     d = shlex.quote(service_dir)
     rel = f"{d}/releases/{shlex.quote(release)}"
@@ -417,11 +419,13 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
     lines += [
         f"ln -sfn releases/{shlex.quote(release)} {d}/.current.tmp",
         f"mv -T {d}/.current.tmp {d}/current",
+        "trap '' HUP PIPE TERM INT",
         stop_command(unit_file),
-        _enable_command(unit_file, reload=not install_unit),
-        *(["systemctl daemon-reload"] if install_unit else []),
-        restart_command(unit_file),
-        "echo ACTIVATED",
+        "set +e",
+        " && ".join([f"{{ {_enable_command(unit_file, reload=not install_unit)}; }}",
+                     *(["systemctl daemon-reload"] if install_unit else [])]) + "; rc=$?",
+        f"{restart_command(unit_file)} || rc=1",
+        '[ "$rc" = 0 ] && echo ACTIVATED; exit "$rc"',
     ]
     return "\n".join(lines) + "\n"
 

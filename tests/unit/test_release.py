@@ -592,6 +592,22 @@ def test_activate_installs_unit_and_switches_current(tmp_path, fake_systemctl):
     assert log.read_text().splitlines() == [*STOP, f"is-enabled {UNIT}", "daemon-reload", START]  # enabled already
 
 
+def test_activate_restarts_a_stopped_service_whatever_happens_after_the_stop(tmp_path, fake_systemctl):
+    """The session is hung up and terminated right after the stop, and the reload fails: the service is still
+    restarted, and the activation still fails."""
+    env, log = fake_systemctl
+    tool = Path(env["PATH"].split(":")[0]) / "systemctl"
+    tool.write_text(tool.read_text() + 'case "$1" in stop) kill -HUP $PPID; kill -TERM $PPID;; '
+                                       'daemon-reload) exit 1;; esac\n')
+    sdir = tmp_path / "svc"
+    units = tmp_path / "units"
+    units.mkdir()
+    staged = stage(sdir, make_tree(tmp_path / "payload", {"a.py": "a\n"}))
+    proc = activate(sdir, staged.release, units, env, install_unit=True)
+    assert proc.returncode == 1 and "ACTIVATED" not in proc.stdout.decode()
+    assert log.read_text().splitlines()[-2:] == ["daemon-reload", START]
+
+
 def test_activate_without_unit_does_not_reload(tmp_path, fake_systemctl):
     env, log = fake_systemctl
     sdir = tmp_path / "svc"
