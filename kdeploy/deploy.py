@@ -612,7 +612,7 @@ def router_phase(inventory: Inventory, host: HostConfig, result: HostResult, opt
 
 def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, old: str,
                        timeout: float) -> systemd.UnitState:
-    """Wait on the host for the run that replaces ``old`` (the activation stopped it and queued the start:
+    """Wait on the host for the run that replaces ``old`` (the activation stopped it and queued the restart:
     ``systemd.follow_command``); its state feeds the gate."""
     unit = unit_filename(host.service)
     with result.phase("restart") as phase:

@@ -65,8 +65,8 @@ OLD_RUN = "@@old "
 def stop_command(unit: str) -> str:
     """Print the run being replaced (``@@old <invocation>``), then ask it to stop without waiting.
 
-    The activation reloads systemd and switches the release while the old run is still stopping (a
-    service's stop takes seconds: CUDA teardown), then restarts (:func:`restart_command`). The run id is read
+    The activation reloads systemd while the old run is still stopping (a service's stop takes seconds:
+    its drain and CUDA teardown), then restarts it (:func:`restart_command`). The run id is read
     before the stop, so a run systemd started by itself meanwhile (Restart=on-failure) is not taken for
     ours. A unit not loaded yet (first deploy) has nothing to stop.
     """
