@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -14,13 +15,14 @@ from typing import TYPE_CHECKING
 
 from kdeploy import systemd
 from kdeploy.gatespec import GateSpec
-from kdeploy.remote import Remote
+from kdeploy.remote import Process, Remote
 from kdeploy.report import HostResult, PhaseFailed
 
 if TYPE_CHECKING:
     from kdeploy.tunnel import ServiceHttp
 
 RANK_LINE = "Load weight end."
+READY_LINE = "The server is fired up and ready to roll!"  # SGLang logs it once the server serves
 JOURNAL_TAIL = 12
 # The markers come at start-up; a service that has run for weeks (verify, status) has millions of request log
 # records in the same invocation, and reading them all as JSON would take minutes. An SGLang TP8 start-up
@@ -128,14 +130,24 @@ def _tail(remote: Remote, invocation: str) -> list[str]:
     return [line.message for line in systemd.parse_journal(out.stdout)]
 
 
-def exit_watch_command(pid: int, seconds: float) -> str:
-    """Ends when process ``pid`` exits: one idle channel instead of polling the unit over SSH.
+def exit_watch_command(pid: int, seconds: float, invocation: str = "") -> str:
+    """Ends when process ``pid`` exits: one idle channel instead of polling the unit over SSH. With the
+    run's ``invocation``, it also prints ``ready`` once the run logs SGLang's READY_LINE, so the gate polls
+    ``/health`` at once instead of at its next interval (0.5 s by default).
 
     It also ends with the SSH connection that started it (its parent, the sshd session) or after
-    ``seconds``, so it never outlives the deploy.
+    ``seconds``, so it never outlives the deploy; its journal follower ends with it (``timeout`` passes the
+    TERM on to journalctl; the reader then sees the end of its FIFO).
     """
-    return (f"p=$PPID n=0; while [ -d /proc/{int(pid)} ] && [ -d /proc/$p ] && [ $n -lt {int(seconds * 10) + 1} ]; "
+    limit = int(seconds) + 1
+    loop = (f"p=$PPID n=0; while [ -d /proc/{int(pid)} ] && [ -d /proc/$p ] && [ $n -lt {limit * 10} ]; "
             "do sleep 0.1; n=$((n+1)); done")
+    if not re.fullmatch(r"[0-9a-f]{32}", invocation):
+        return loop
+    follow = (f"f=$(mktemp -u) && mkfifo -m 600 $f && {{ timeout {limit} journalctl "
+              f"_SYSTEMD_INVOCATION_ID={invocation} -f -n all -o cat >$f 2>/dev/null & j=$!; "
+              f"{{ grep -m1 -qF {shlex.quote(READY_LINE)} <$f && echo ready; }} & }}")
+    return f'{follow}; {loop}; [ -z "${{j-}}" ] || {{ kill $j; rm -f $f; }} 2>/dev/null'
 
 
 def _show(remote: Remote, unit: str) -> systemd.UnitState:
@@ -175,10 +187,11 @@ def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str
 
     with tunnel.ServiceHttp(remote, spec.host, spec.port, timeout=min(10.0, max(2.0, interval * 4))) as http:
         with result.phase("ready") as phase:
-            watch = remote.start(exit_watch_command(state.main_pid, deadline - time.monotonic()))
+            watch: Process | None = None  # started by the first poll that is not 200: a serving run costs none
             try:
                 polls = 0
                 exited = False  # the main process is gone: from then on the unit is read at every poll
+                ended = False   # the watcher's output ended: nothing more can wake the wait
                 next_unit_check = time.monotonic() + UNIT_CHECK_EVERY
                 while True:
                     polls += 1
@@ -186,6 +199,9 @@ def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str
                     if status == 200:
                         phase.detail = f"GET {spec.ready_path} 200 after {polls} polls"
                         break
+                    if watch is None:
+                        watch = remote.start(exit_watch_command(state.main_pid, deadline - time.monotonic(),
+                                                                invocation))
                     exited = exited or watch.exit_status_ready()
                     if exited or time.monotonic() >= next_unit_check:
                         next_unit_check = time.monotonic() + max(interval, UNIT_CHECK_EVERY)
@@ -196,9 +212,13 @@ def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str
                                               _tail(remote, state.invocation or invocation))
                     if time.monotonic() > deadline:
                         raise PhaseFailed(f"GET {spec.ready_path} not 200 within the gate timeout (last: {status})")
-                    time.sleep(interval)
+                    if ended:
+                        time.sleep(interval)
+                    else:  # woken early by the ready line or the main process's exit
+                        ended = watch.read_some(interval) == b""
             finally:
-                watch.close()
+                if watch is not None:
+                    watch.close()
 
         with result.phase("completion") as phase:
             answers = []
