@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ if TYPE_CHECKING:
     from kdeploy.tunnel import ServiceHttp
 
 RANK_LINE = "Load weight end."
-READY_LINE = "The server is fired up and ready to roll!"  # SGLang logs it once the server serves
 JOURNAL_TAIL = 12
 # The markers come at start-up; a service that has run for weeks (verify, status) has millions of request log
 # records in the same invocation, and reading them all as JSON would take minutes. An SGLang TP8 start-up
@@ -130,24 +128,14 @@ def _tail(remote: Remote, invocation: str) -> list[str]:
     return [line.message for line in systemd.parse_journal(out.stdout)]
 
 
-def exit_watch_command(pid: int, seconds: float, invocation: str = "") -> str:
-    """Ends when process ``pid`` exits: one idle channel instead of polling the unit over SSH. With the
-    run's ``invocation``, it also prints ``ready`` once the run logs SGLang's READY_LINE, so the gate polls
-    ``/health`` at once instead of at its next interval (0.5 s by default).
+def exit_watch_command(pid: int, seconds: float) -> str:
+    """Ends when process ``pid`` exits: one idle channel instead of polling the unit over SSH.
 
     It also ends with the SSH connection that started it (its parent, the sshd session) or after
-    ``seconds``, so it never outlives the deploy; its journal follower ends with it (``timeout`` passes the
-    TERM on to journalctl; the reader then sees the end of its FIFO).
+    ``seconds``, so it never outlives the deploy.
     """
-    limit = int(seconds) + 1
-    loop = (f"p=$PPID n=0; while [ -d /proc/{int(pid)} ] && [ -d /proc/$p ] && [ $n -lt {limit * 10} ]; "
+    return (f"p=$PPID n=0; while [ -d /proc/{int(pid)} ] && [ -d /proc/$p ] && [ $n -lt {int(seconds * 10) + 1} ]; "
             "do sleep 0.1; n=$((n+1)); done")
-    if not re.fullmatch(r"[0-9a-f]{32}", invocation):
-        return loop
-    follow = (f"f=$(mktemp -u) && mkfifo -m 600 $f && {{ timeout {limit} journalctl "
-              f"_SYSTEMD_INVOCATION_ID={invocation} -f -n all -o cat >$f 2>/dev/null & j=$!; "
-              f"{{ grep -m1 -qF {shlex.quote(READY_LINE)} <$f && echo ready; }} & }}")
-    return f'{follow}; {loop}; [ -z "${{j-}}" ] || {{ kill $j; rm -f $f; }} 2>/dev/null'
 
 
 def _show(remote: Remote, unit: str) -> systemd.UnitState:
@@ -191,7 +179,7 @@ def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str
             try:
                 polls = 0
                 exited = False  # the main process is gone: from then on the unit is read at every poll
-                ended = False   # the watcher's output ended: nothing more can wake the wait
+                ended = False   # the watcher ended: nothing more can cut the wait short
                 next_unit_check = time.monotonic() + UNIT_CHECK_EVERY
                 while True:
                     polls += 1
@@ -200,8 +188,7 @@ def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str
                         phase.detail = f"GET {spec.ready_path} 200 after {polls} polls"
                         break
                     if watch is None:
-                        watch = remote.start(exit_watch_command(state.main_pid, deadline - time.monotonic(),
-                                                                invocation))
+                        watch = remote.start(exit_watch_command(state.main_pid, deadline - time.monotonic()))
                     exited = exited or watch.exit_status_ready()
                     if exited or time.monotonic() >= next_unit_check:
                         next_unit_check = time.monotonic() + max(interval, UNIT_CHECK_EVERY)
@@ -214,7 +201,7 @@ def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str
                         raise PhaseFailed(f"GET {spec.ready_path} not 200 within the gate timeout (last: {status})")
                     if ended:
                         time.sleep(interval)
-                    else:  # woken early by the ready line or the main process's exit
+                    else:  # cut short when the main process exits (the watcher's output ends)
                         ended = watch.read_some(interval) == b""
             finally:
                 if watch is not None:

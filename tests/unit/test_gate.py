@@ -13,7 +13,6 @@ import pytest
 
 from kdeploy.gate import (
     RANK_LINE,
-    READY_LINE,
     MarkerVerdict,
     UnitVerdict,
     completion_verdict,
@@ -234,67 +233,6 @@ def test_exit_watch_ends_with_the_session_that_started_it():
             time.sleep(0.05)
     finally:
         os.killpg(session.pid, signal.SIGKILL)
-
-
-@pytest.fixture
-def fake_journalctl(tmp_path):
-    """A `journalctl -f` that logs a start-up line, then (with READY set) SGLang's ready line, then follows
-    forever; it writes its pid to a file: (env, pid file)."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    pidfile = tmp_path / "journalctl.pid"
-    (bindir / "journalctl").write_text(f'#!/bin/sh\necho $$ > {pidfile}\necho "Load weight end."\nsleep 0.3\n'
-                                       f'[ -z "$READY" ] || echo "{READY_LINE}"\nwhile :; do sleep 0.1; done\n')
-    (bindir / "journalctl").chmod(0o755)
-    return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}, pidfile
-
-
-def _follower_gone(pidfile: Path) -> bool:
-    deadline = time.monotonic() + 5
-    while not pidfile.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    pid = int(pidfile.read_text())
-    while not _gone(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return _gone(pid)
-
-
-def test_exit_watch_says_ready_on_the_ready_line_and_ends_with_the_process(fake_journalctl):
-    env, pidfile = fake_journalctl
-    target = subprocess.Popen(["sleep", "60"])
-    watch = subprocess.Popen(["sh", "-c", exit_watch_command(target.pid, 60, "0123456789abcdef" * 2)],
-                             env={**env, "READY": "1"}, stdout=subprocess.PIPE, text=True)
-    try:
-        assert watch.stdout.readline() == "ready\n"  # while the process lives
-        assert watch.poll() is None
-        target.kill()
-        target.wait()
-        assert watch.stdout.read() == "" and watch.wait(timeout=5) == 0
-        assert _follower_gone(pidfile)
-    finally:
-        target.kill()
-        watch.kill()
-
-
-def test_exit_watch_without_the_ready_line_ends_with_the_process_and_its_follower(fake_journalctl):
-    env, pidfile = fake_journalctl
-    target = subprocess.Popen(["sleep", "60"])
-    watch = subprocess.Popen(["sh", "-c", exit_watch_command(target.pid, 60, "0123456789abcdef" * 2)],
-                             env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        time.sleep(0.6)
-        assert watch.poll() is None
-        target.kill()
-        target.wait()
-        assert watch.stdout.read() == "" and watch.wait(timeout=5) == 0  # no "ready", and the output ends
-        assert _follower_gone(pidfile)                                  # journalctl -f does not linger
-    finally:
-        target.kill()
-        watch.kill()
-
-
-def test_exit_watch_follows_the_journal_only_for_a_run_id():
-    assert "journalctl" not in exit_watch_command(1, 5, "") and "journalctl" not in exit_watch_command(1, 5, "x;y")
 
 
 # --- config_verdict ------------------------------------------------------------------------------------------
