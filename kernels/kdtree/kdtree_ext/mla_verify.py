@@ -412,6 +412,38 @@ def _combine_kernel(
 
 
 @triton.jit
+def _draft_tile(Q, KExt, VExt, Mask, MaskIndptr, b, q_start, q_len, prefix, r_ok, tok, head, offs_d, qk_scale,
+                stride_qt, stride_qh, stride_ket, stride_vet, DL: tl.constexpr, DR: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, HAS_MASK: tl.constexpr):
+    """The draft tree of BLOCK_R (token, head) rows of request ``b``: scores against its draft keys as one
+    [BLOCK_R, BLOCK_J] tile (the 576 channels 64 at a time), the tree mask (each row sees its token's
+    ancestors), softmax, ``P V`` for channels ``offs_d`` -> (row max, -inf where a row sees no draft key; the
+    row sums; the unnormalised output)."""
+    offs_j = tl.arange(0, BLOCK_J)
+    j_ok = offs_j < q_len
+    q_row = Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+    k_row = KExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_ket
+    s = tl.zeros([BLOCK_R, BLOCK_J], dtype=tl.float32)
+    for c in range(0, DL + DR, 64):
+        offs_c = c + tl.arange(0, 64)
+        qc = tl.load(q_row + offs_c[None, :], mask=r_ok[:, None], other=0.0)
+        kc = tl.load(k_row + offs_c[None, :], mask=j_ok[:, None], other=0.0)
+        s = tl.dot(qc, tl.trans(kc), s, input_precision="ieee" if qc.dtype == tl.float32 else None)
+    if HAS_MASK:
+        mask_row = Mask + tl.load(MaskIndptr + b).to(tl.int64) + tok.to(tl.int64) * (prefix + q_len) + prefix
+        seen = tl.load(mask_row[:, None] + offs_j[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0) != 0
+    else:
+        seen = offs_j[None, :] <= tok[:, None]
+    seen = seen & j_ok[None, :]
+    s = tl.where(seen, s * qk_scale, float("-inf"))
+    m = tl.max(s, 1)
+    p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    v = tl.load(VExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_vet + offs_d[None, :], mask=j_ok[:, None],
+                other=0.0)
+    return m, tl.sum(p, 1), tl.dot(p.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else None)
+
+
+@triton.jit
 def _combine_rows_kernel(
     Q, KExt, VExt, Mask, MaskIndptr, PartO, PartLse, Out, QoIndptr, KvStart, KvLens,
     qk_scale, nsplit, min_chunk,
@@ -442,33 +474,12 @@ def _combine_rows_kernel(
     r_ok = r < rows
     tok = r // H
     head = r % H
-    offs_j = tl.arange(0, BLOCK_J)
-    j_ok = offs_j < q_len
     offs_d = d0 + tl.arange(0, BLOCK_D)
 
-    # ---- the draft tree: scores [rows, draft keys] (the 576 channels 64 at a time), mask, softmax, P V
-    q_row = Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-    k_row = KExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_ket
-    s = tl.zeros([BLOCK_R, BLOCK_J], dtype=tl.float32)
-    for c in range(0, DL + DR, 64):
-        offs_c = c + tl.arange(0, 64)
-        qc = tl.load(q_row + offs_c[None, :], mask=r_ok[:, None], other=0.0)
-        kc = tl.load(k_row + offs_c[None, :], mask=j_ok[:, None], other=0.0)
-        s = tl.dot(qc, tl.trans(kc), s, input_precision="ieee" if qc.dtype == tl.float32 else None)
-    if HAS_MASK:
-        mask_row = Mask + tl.load(MaskIndptr + b).to(tl.int64) + tok.to(tl.int64) * (prefix + q_len) + prefix
-        seen = tl.load(mask_row[:, None] + offs_j[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0) != 0
-    else:
-        seen = offs_j[None, :] <= tok[:, None]
-    seen = seen & j_ok[None, :]
-    s = tl.where(seen, s * qk_scale, float("-inf"))
-    m_run = tl.max(s, 1)
-    m_use = tl.where(m_run == float("-inf"), 0.0, m_run)
-    p = tl.exp2(s - m_use[:, None])
-    w_run = tl.sum(p, 1)
-    v = tl.load(VExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_vet + offs_d[None, :], mask=j_ok[:, None],
-                other=0.0)
-    acc = tl.dot(p.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else None)
+    # ---- the draft tree
+    m_run, w_run, acc = _draft_tile(Q, KExt, VExt, Mask, MaskIndptr, b, q_start, q_len, prefix, r_ok, tok, head,
+                                    offs_d, qk_scale, stride_qt, stride_qh, stride_ket, stride_vet,
+                                    DL, DR, BLOCK_R, BLOCK_J, HAS_MASK)
 
     # ---- the prefix partitions, BLOCK_S at a time (their loads issued together)
     if PDL:
@@ -527,31 +538,11 @@ def _draft_kernel(
         r_ok = r < rows
         tok = r // H
         head = r % H
-        offs_j = tl.arange(0, BLOCK_J)
-        j_ok = offs_j < q_len
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        q_row = Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-        k_row = KExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_ket
-        s = tl.zeros([BLOCK_R, BLOCK_J], dtype=tl.float32)
-        for c in range(0, DL + DR, 64):
-            offs_c = c + tl.arange(0, 64)
-            qc = tl.load(q_row + offs_c[None, :], mask=r_ok[:, None], other=0.0)
-            kc = tl.load(k_row + offs_c[None, :], mask=j_ok[:, None], other=0.0)
-            s = tl.dot(qc, tl.trans(kc), s, input_precision="ieee" if qc.dtype == tl.float32 else None)
-        if HAS_MASK:
-            mask_row = Mask + tl.load(MaskIndptr + b).to(tl.int64) + tok.to(tl.int64) * (prefix + q_len) + prefix
-            seen = tl.load(mask_row[:, None] + offs_j[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0) != 0
-        else:
-            seen = offs_j[None, :] <= tok[:, None]
-        seen = seen & j_ok[None, :]
-        s = tl.where(seen, s * qk_scale, float("-inf"))
-        m = tl.max(s, 1)
+        m, w, acc = _draft_tile(Q, KExt, VExt, Mask, MaskIndptr, b, q_start, q_len, prefix, r_ok, tok, head,
+                                offs_d, qk_scale, stride_qt, stride_qh, stride_ket, stride_vet,
+                                DL, DR, BLOCK_R, BLOCK_J, HAS_MASK)
         m_use = tl.where(m == float("-inf"), 0.0, m)
-        p = tl.exp2(s - m_use[:, None])
-        w = tl.sum(p, 1)
-        v = tl.load(VExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_vet + offs_d[None, :],
-                    mask=j_ok[:, None], other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else None)
         out = acc / tl.where(w > 0.0, w, 1.0)[:, None]
         base = b.to(tl.int64) * stride_pb + nsplit * stride_ps
         tl.store(PartO + base + r[:, None] * stride_pr + offs_d[None, :], out.to(PartO.dtype.element_ty),
