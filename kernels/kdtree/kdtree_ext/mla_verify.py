@@ -165,7 +165,8 @@ def _chunk_len(prefix, nsplit, min_chunk, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR: tl.constexpr):
-    """Request ``b``'s first cache-index position and prefix length (also called by the sm_90 Gluon kernel)."""
+    """Request ``b``'s first cache-index position and prefix length (also called by the sm_90 Gluon kernel and,
+    for the length alone, by the combine and draft kernels)."""
     if KV_INDPTR:
         kv_base = tl.load(KvStart + b).to(tl.int64)
         prefix = (tl.load(KvStart + b + 1) - kv_base).to(tl.int32)
@@ -335,10 +336,7 @@ def _combine_kernel(
     q_len = tl.load(QoIndptr + b + 1) - q_start
     if row >= q_len * H:
         return
-    if KV_INDPTR:
-        prefix = (tl.load(KvStart + b + 1) - tl.load(KvStart + b)).to(tl.int32)
-    else:
-        prefix = tl.load(KvLens + b).to(tl.int32)
+    _, prefix = _request_kv(KvStart, KvLens, b, 1, KV_INDPTR)  # the length only: no cache read here
     tok = row // H
     head = row % H
     offs_dl = tl.arange(0, DL)
@@ -466,10 +464,7 @@ def _combine_rows_kernel(
     rows = q_len * H
     if rb * BLOCK_R >= rows:
         return
-    if KV_INDPTR:
-        prefix = (tl.load(KvStart + b + 1) - tl.load(KvStart + b)).to(tl.int32)
-    else:
-        prefix = tl.load(KvLens + b).to(tl.int32)
+    _, prefix = _request_kv(KvStart, KvLens, b, 1, KV_INDPTR)  # the length only: no cache read here
     r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < rows
     tok = r // H
@@ -530,10 +525,7 @@ def _draft_kernel(
     q_len = tl.load(QoIndptr + b + 1) - q_start
     rows = q_len * H
     if rb * BLOCK_R < rows:
-        if KV_INDPTR:
-            prefix = (tl.load(KvStart + b + 1) - tl.load(KvStart + b)).to(tl.int32)
-        else:
-            prefix = tl.load(KvLens + b).to(tl.int32)
+        _, prefix = _request_kv(KvStart, KvLens, b, 1, KV_INDPTR)
         r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = r < rows
         tok = r // H
