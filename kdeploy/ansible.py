@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 from kdeploy import inventory
@@ -158,24 +157,27 @@ def _vars_dir(folder: Path, name: str) -> dict:
     return found
 
 
-def detect(path: Path, text: str) -> Format | None:
+def detect(path: Path, text: str) -> tuple[Format | None, Any]:
     """``ini`` or ``yaml`` for an Ansible inventory, None for a kdeploy one (top-level ``hosts:``/``defaults:``;
-    an Ansible YAML inventory has groups at the top, each a mapping of ``hosts``/``children``/``vars``)."""
+    an Ansible YAML inventory has groups at the top, each a mapping of ``hosts``/``children``/``vars``).
+
+    Also the YAML document as parsed on the way (round trip; None where it is no YAML): parsing is most of
+    an inventory's load time, so a kdeploy inventory's loader takes it from here rather than parse twice."""
     suffix = path.suffix.lower()
     if suffix in (".ini", ".cfg"):
-        return "ini"
+        return "ini", None
     try:
-        data: Any = YAML(typ="safe").load(text)
+        data: Any = inventory.yaml_loader().load(text)
     except YAMLError:
-        return None if suffix in (".yaml", ".yml", ".json") else "ini"
+        return (None if suffix in (".yaml", ".yml", ".json") else "ini"), None
     if isinstance(data, dict):
         groups = [v for v in data.values() if v is not None]
         if groups and all(isinstance(v, dict) and v and set(v) <= _SECTIONS for v in groups):
-            return "yaml"
-        return None
+            return "yaml", data
+        return None, data
     if data is None or suffix in (".yaml", ".yml", ".json"):
-        return None
-    return "ini"
+        return None, data
+    return "ini", None
 
 
 def read(path: Path, text: str, fmt: Format) -> AnsibleInventory:

@@ -147,13 +147,16 @@ def open_routers(inventory: Inventory, names: list[str], opts: Options, batch: i
     """The router client of each host that has one, after the router preflight: every worker healthy, each
     host registered (or ``--router-add-missing``), and someone left serving while a batch is out. A refusal
     raises (exit 7) before any host is touched."""
-    from kdeploy import router as routing
+    routed = [name for name in names if inventory.hosts[name].router is not None]
+    if not routed:
+        return {}
+    from kdeploy import router as routing  # httpx: ~60 ms of start-up that a fleet without routers skips
 
     groups: dict[tuple, list[str]] = {}
-    for name in names:
+    for name in routed:
         config = inventory.hosts[name].router
-        if config is not None:
-            groups.setdefault(routing.key_of(config), []).append(name)
+        assert config is not None
+        groups.setdefault(routing.key_of(config), []).append(name)
     clients: dict[str, routing.RouterClient] = {}
     try:
         for members in groups.values():

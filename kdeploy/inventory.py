@@ -446,7 +446,8 @@ def _suggest(word: str, choices: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _yaml() -> YAML:
+def yaml_loader() -> YAML:
+    """Round trip: the documents keep their comments and line numbers (for edits and error locations)."""
     yaml = YAML(typ="rt")
     yaml.preserve_quotes = True
     return yaml
@@ -465,7 +466,7 @@ def parse_yaml(text: str, path: Path,
                shape: str = "the inventory must be a mapping with defaults/groups/hosts") -> CommentedMap:
     """``text`` (the content of ``path``) as a round-trip document; ``shape``: the error when it is no mapping."""
     try:
-        data = _yaml().load(text)
+        data = yaml_loader().load(text)
     except YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
@@ -484,12 +485,12 @@ def load(path: Path | str = DEFAULT_INVENTORY, service: Path | str | None = None
 
     path = Path(path)
     text = read_text(path)
-    fmt = ansible.detect(path, text)
+    fmt, document = ansible.detect(path, text)
     if fmt is not None:
         return ansible.load(path, text, fmt, Path(service) if service is not None else None)
     if service is not None:
         raise service_without_ansible(path)
-    return parse(parse_yaml(text, path), path)
+    return parse(document if isinstance(document, dict) else parse_yaml(text, path), path)
 
 
 def service_without_ansible(path: Path) -> InvalidInput:

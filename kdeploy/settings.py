@@ -122,7 +122,7 @@ def _child(node: CommentedMap, key: str) -> CommentedMap:
 def _apply(path: Path, scope: str | None, change: Callable[[CommentedMap, str], None],
            service: Path | None = None) -> Edit:
     before = inventory.read_text(path)  # read once: the edit, its checks and its undo all start from this text
-    fmt = ansible.detect(path, before)
+    fmt, _ = ansible.detect(path, before)
     if fmt is not None:
         return _apply_service(path, before, fmt, service, scope, change)
     if service is not None:
