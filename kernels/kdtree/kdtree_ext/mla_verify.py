@@ -83,7 +83,12 @@ class KernelConfig:
     attends the draft tree in its own kernel (``_draft_kernel``: 16 rows per program, the scores on the tensor
     cores), launched (PDL) right after the split kernel, into one more partition slot per request; the combine
     then only merges partials. From 256 rows (bs=1 H=16 Q=16) the wide per-row combine's tree attention (fp32,
-    one row per program) cost more than the extra launch; below, the extra launch costs more than it saves."""
+    one row per program) cost more than the extra launch; below, the extra launch costs more than it saves.
+    ``split_draft``: every launch that combines with the per-row kernel keeps the draft tree's partial in that
+    slot, and where the warp-specialised Gluon kernel runs (``q_len`` <= 64) its grid has one more partition
+    whose programs attend the draft tree (one masked tile each) instead of ``_draft_kernel``: no launch of its
+    own, and the combine's critical path loses the tree attention; the launch uses one partition fewer where
+    that keeps its programs in one wave."""
 
     block_m: int = 64
     block_n: int = 64
@@ -107,6 +112,7 @@ class KernelConfig:
     sm90_ws: bool = False
     combine_rows: int = 0
     draft_rows: int = 0
+    split_draft: bool = False
 
     def describe(self) -> str:
         return (f"block_m={self.block_m} block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} "
@@ -115,7 +121,8 @@ class KernelConfig:
                 f"pdl={int(self.pdl)} partials={self.partial_dtype} "
                 f"combine=s{self.combine_block_s}/d{self.combine_block_d}/w{self.combine_warps} "
                 f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} sm90={int(self.sm90)} "
-                f"sm90_ws={int(self.sm90_ws)} combine_rows={self.combine_rows} draft_rows={self.draft_rows}")
+                f"sm90_ws={int(self.sm90_ws)} combine_rows={self.combine_rows} draft_rows={self.draft_rows} "
+                f"split_draft={int(self.split_draft)}")
 
 
 # Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
@@ -143,7 +150,8 @@ class KernelConfig:
 # draft tree in their own kernel (draft_rows; the combine only merges): 3-10% faster there (one call: 28.3 -> 25.2 us
 # at 4k, 101.3 -> 98.0 us at 64k); on every bs=1 launch it was 0.5-2 us slower at H=8 and H=16 Q=9.
 GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256, tail_m=16, sm90=True,
-                          sm90_ws=True, min_chunk=512, max_ctas=-1, combine_rows=512, draft_rows=256)
+                          sm90_ws=True, min_chunk=512, max_ctas=-1, combine_rows=512, draft_rows=256,
+                          split_draft=True)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -652,15 +660,22 @@ def effective_nsplit(nsplit: int, bs: int, rows: int, config: KernelConfig) -> i
     if cap <= 0:
         return nsplit
     blocks = max(bs * _cdiv(rows, config.block_m) * config.dv_split, 1)
-    ns = max(1, min(nsplit, cap // blocks))
+    ns = max(1, min(nsplit, cap // blocks - _split_draft(bs, rows, config)))
     sms = _wave_sms(config)
     return _wave_nsplit(ns, blocks, sms) if sms > 0 else ns
 
 
+def _split_draft(bs: int, rows: int, config: KernelConfig) -> bool:
+    """``split_draft`` applies: a launch the per-row combine merges (static sizes only)."""
+    return config.split_draft and not 0 < config.combine_rows <= bs * rows
+
+
 def draft_slots(bs: int, rows: int, config: KernelConfig) -> int:
-    """Partition slots per request a launch uses beyond its prefix partitions: 1 when ``_draft_kernel`` attends
-    the draft tree (``draft_rows``, on launches the per-row combine merges), else 0 (static sizes only)."""
-    return int(0 < config.draft_rows <= bs * rows and not 0 < config.combine_rows <= bs * rows)
+    """Partition slots per request a launch uses beyond its prefix partitions: 1 when the draft tree's partial
+    has a slot of its own (``draft_rows`` or ``split_draft``, on launches the per-row combine merges; written
+    by the split kernel's draft programs or ``_draft_kernel``), else 0 (static sizes only)."""
+    per_row = not 0 < config.combine_rows <= bs * rows
+    return int(per_row and (0 < config.draft_rows <= bs * rows or config.split_draft))
 
 
 def launch_min_chunk(ns: int, bs: int, rows: int, config: KernelConfig) -> int:
@@ -747,8 +762,15 @@ def mla_tree_verify(
                   part_lse.stride(0), part_lse.stride(1))
     grid = (_cdiv(rows, config.block_m) * config.dv_split, ns, bs)
     sm90 = _sm90_split_kernel(config, q, kbuf)
+    # the draft tree's partial: programs of the warp-specialised kernel's partition ns, else _draft_kernel
+    split_draft = bool(draft) and config.split_draft and config.sm90_ws and sm90 is not None and max_q_len <= 64
     if sm90 is not None:
-        extra = {"LOAD_WARPS": 4, "LOAD_REGS": 40} if config.sm90_ws else {}
+        extra = {}
+        if config.sm90_ws:
+            extra = dict(KExt=kext, VExt=vext, Mask=mask, MaskIndptr=mindptr, stride_ket=kext.stride(0),
+                         stride_vet=vext.stride(0), LOAD_WARPS=4, LOAD_REGS=40, DRAFT=split_draft,
+                         HAS_MASK=has_mask)
+            grid = (grid[0], ns + split_draft, bs)
         sm90[grid](*split_args, H=heads, DL=D_LATENT, DR=D_ROPE, KV_INDPTR=use_indptr, PDL=pdl,
                    num_warps=config.num_warps, **extra)
     else:
@@ -758,7 +780,7 @@ def mla_tree_verify(
             TAIL_M=launch_tail_m(rows, config), num_warps=config.num_warps,
             num_stages=config.num_stages)
     launch = {"launch_pdl": True} if pdl else {}
-    if draft:
+    if draft and not split_draft:
         _draft_kernel[(_cdiv(rows, 16), bs, 2)](
             q, kext, vext, mask, mindptr, part_o, part_lse, qo_indptr, kv_start, kv_lens, qk_scale, ns, q.stride(0),
             q.stride(1), kext.stride(0), vext.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
