@@ -74,10 +74,12 @@ class KernelConfig:
     multiprocessors rather than a few long ones, where several waves would pay each program's fixed cost
     again; ``combine_wide_rows`` (> 0): a launch of at least that many (token, head) rows in all combines
     with one program per row for all 512 channels (twice ``combine_warps``), attending the draft tree once
-    per row instead of once per ``combine_block_d`` channels — smaller launches keep the narrower programs
-    for parallelism; ``combine_rows`` (> 0): a launch of at least that many rows combines 16 rows x 128 channels
-    per program instead (``_combine_rows_kernel``: the draft tree as one tensor-core tile; its partitions are
-    merged four at a time, so it suits launches of few partitions per request, i.e. large batches);
+    per row instead of once per ``combine_block_d`` channels, and merging proportionally fewer partitions per
+    step than ``combine_block_s`` (the same tile of partials: 64 x 256 channels was slower as 64 x 512) —
+    smaller launches keep the narrower programs for parallelism; ``combine_rows`` (> 0): a launch of at least
+    that many rows combines 16 rows x 128 channels per program instead (``_combine_rows_kernel``: the draft
+    tree as one tensor-core tile; its partitions are merged four at a time, so it suits launches of few
+    partitions per request, i.e. large batches);
     ``sm90_ws``: the warp-specialised Gluon split kernel (producer warps for the copies); ``draft_rows``
     (> 0): a launch of at least that many rows that combines with the per-row kernel (below ``combine_rows``)
     attends the draft tree in its own kernel (``_draft_kernel``: 16 rows per program, the scores on the tensor
@@ -149,9 +151,13 @@ class KernelConfig:
 # Fifth pass (same day; bench/results/kernel-h200-pass5-*): launches of 256-511 rows (bs=1 H=16 Q=16) attend the
 # draft tree in their own kernel (draft_rows; the combine only merges): 3-10% faster there (one call: 28.3 -> 25.2 us
 # at 4k, 101.3 -> 98.0 us at 64k); on every bs=1 launch it was 0.5-2 us slower at H=8 and H=16 Q=9.
+# Sixth pass (same day; bench/results/kernel-h200-pass6-*): on Hopper every launch the per-row combine merges
+# attends the draft tree in the split kernel's programs of one more partition (split_draft; draft_rows then only
+# matters off Hopper), and that combine merges 64 partitions per step, loading the draft partial beside them:
+# the 16 bs=1 shapes' replay geomean 40.9 -> 38.0 us in one call (bs=1 H=8 Q=9 64k 58.1 -> 54.1 us).
 GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256, tail_m=16, sm90=True,
                           sm90_ws=True, min_chunk=512, max_ctas=-1, combine_rows=512, draft_rows=256,
-                          split_draft=True)
+                          split_draft=True, combine_block_s=64)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -335,8 +341,9 @@ def _combine_kernel(
     PDL: tl.constexpr, DRAFT_SLOT: tl.constexpr,
 ):
     """One (token, head) row x BLOCK_D output channels: attention over the draft tree (done here, once per
-    row, in fp32; the tree mask is read only here — or, DRAFT_SLOT, by ``_draft_kernel`` into partition slot
-    ``nsplit``), merged with the non-empty prefix partitions by their log2-sum-exp; writes the output."""
+    row, in fp32; the tree mask is read only here — or, DRAFT_SLOT, by the split kernel's draft programs or
+    ``_draft_kernel`` into partition slot ``nsplit``), merged with the non-empty prefix partitions by their
+    log2-sum-exp; writes the output."""
     row = tl.program_id(0)
     b = tl.program_id(1)
     d0 = tl.program_id(2) * BLOCK_D
@@ -352,15 +359,15 @@ def _combine_kernel(
     offs_d = d0 + tl.arange(0, BLOCK_D)
 
     if DRAFT_SLOT:
-        # ---- the draft tree's partial, written by _draft_kernel (weight 0 when the row sees no draft key)
+        # ---- the draft tree's partial: loaded here, merged after the prefix partitions, so that its loads are
+        # in flight with theirs (one round trip after the wait, not two)
         if PDL:
-            tl.extra.cuda.gdc_wait()               # the draft kernel (and so the split kernel) has finished
+            tl.extra.cuda.gdc_wait()               # the kernel that wrote it (and so the split kernel) has finished
         lse_d = tl.load(PartLse + b.to(tl.int64) * stride_lb + nsplit * stride_ls + row)
-        seen_d = lse_d > float("-inf")
-        m_run = lse_d
-        w_run = tl.where(seen_d, 1.0, 0.0)
         part_d = tl.load(PartO + b.to(tl.int64) * stride_pb + nsplit * stride_ps + row * stride_pr + offs_d)
-        acc = tl.where(seen_d, part_d.to(tl.float32), 0.0)
+        m_run = tl.full([], float("-inf"), dtype=tl.float32)
+        w_run = tl.zeros([], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     else:
         # ---- the draft tree: this row's token sees the draft tokens its mask row allows (itself, ancestors)
         q_row = Q + (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
@@ -413,6 +420,14 @@ def _combine_kernel(
         acc = acc * alpha + tl.sum(w[:, None] * part, 0)
         w_run = w_run * alpha + tl.sum(w, 0)
         m_run = m_new
+    if DRAFT_SLOT:
+        seen_d = lse_d > float("-inf")             # weight 0 (and a NaN partial) when the row sees no draft key
+        m_new = tl.maximum(m_run, lse_d)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)
+        w = tl.where(seen_d, tl.exp2(lse_d - m_use), 0.0)
+        acc = acc * alpha + w * tl.where(seen_d, part_d.to(tl.float32), 0.0)
+        w_run = w_run * alpha + w
     out = acc / tl.where(w_run > 0.0, w_run, 1.0)
     tl.store(Out + (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
@@ -800,9 +815,10 @@ def mla_tree_verify(
     wide = 0 < config.combine_wide_rows <= bs * rows
     block_d = D_LATENT if wide else config.combine_block_d
     _combine_kernel[(rows, bs, D_LATENT // block_d)](
-        *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n, BLOCK_S=config.combine_block_s,
-        BLOCK_D=block_d, BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask,
-        PDL=pdl, DRAFT_SLOT=bool(draft), num_warps=config.combine_warps * (2 if wide else 1), **launch,
+        *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n,
+        BLOCK_S=max(1, config.combine_block_s * config.combine_block_d // block_d), BLOCK_D=block_d,
+        BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask, PDL=pdl, DRAFT_SLOT=bool(draft),
+        num_warps=config.combine_warps * (2 if wide else 1), **launch,
     )
     return o
 
