@@ -86,11 +86,11 @@ class KernelConfig:
     cores), launched (PDL) right after the split kernel, into one more partition slot per request; the combine
     then only merges partials. From 256 rows (bs=1 H=16 Q=16) the wide per-row combine's tree attention (fp32,
     one row per program) cost more than the extra launch; below, the extra launch costs more than it saves.
-    ``split_draft``: every launch that combines with the per-row kernel keeps the draft tree's partial in that
-    slot, and where the warp-specialised Gluon kernel runs (``q_len`` <= 64) its grid has one more partition
-    whose programs attend the draft tree (one masked tile each) instead of ``_draft_kernel``: no launch of its
-    own, and the combine's critical path loses the tree attention; the launch uses one partition fewer where
-    that keeps its programs in one wave."""
+    ``split_draft``: every launch that combines with the per-row kernel reserves that slot, and where the
+    warp-specialised Gluon kernel runs (``q_len`` <= 64) its grid has one more partition whose programs attend
+    the draft tree into it (one masked tile each): no launch of its own, and the combine's critical path loses
+    the tree attention; the launch uses one partition fewer where that keeps its programs in one wave. Where
+    that kernel does not run, ``draft_rows`` decides as without ``split_draft`` (the slot may stay unused)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -686,9 +686,9 @@ def _split_draft(bs: int, rows: int, config: KernelConfig) -> bool:
 
 
 def draft_slots(bs: int, rows: int, config: KernelConfig) -> int:
-    """Partition slots per request a launch uses beyond its prefix partitions: 1 when the draft tree's partial
-    has a slot of its own (``draft_rows`` or ``split_draft``, on launches the per-row combine merges; written
-    by the split kernel's draft programs or ``_draft_kernel``), else 0 (static sizes only)."""
+    """Partition slots per request a launch uses beyond its prefix partitions: 1 for the draft tree's partial
+    (``draft_rows`` or ``split_draft``, on launches the per-row combine merges; written by the split kernel's
+    draft programs or ``_draft_kernel``, see ``mla_tree_verify``), else 0 (static sizes only)."""
     per_row = not 0 < config.combine_rows <= bs * rows
     return int(per_row and (0 < config.draft_rows <= bs * rows or config.split_draft))
 
@@ -777,8 +777,10 @@ def mla_tree_verify(
                   part_lse.stride(0), part_lse.stride(1))
     grid = (_cdiv(rows, config.block_m) * config.dv_split, ns, bs)
     sm90 = _sm90_split_kernel(config, q, kbuf)
-    # the draft tree's partial: programs of the warp-specialised kernel's partition ns, else _draft_kernel
+    # the draft tree's partial in slot ns: from the warp-specialised kernel's programs of partition ns, else from
+    # _draft_kernel (draft_rows); where neither applies the combine attends the tree itself (the slot stays unused)
     split_draft = bool(draft) and config.split_draft and config.sm90_ws and sm90 is not None and max_q_len <= 64
+    draft_kernel = bool(draft) and not split_draft and 0 < config.draft_rows <= bs * rows
     if sm90 is not None:
         extra = {}
         if config.sm90_ws:
@@ -795,7 +797,7 @@ def mla_tree_verify(
             TAIL_M=launch_tail_m(rows, config), num_warps=config.num_warps,
             num_stages=config.num_stages)
     launch = {"launch_pdl": True} if pdl else {}
-    if draft and not split_draft:
+    if draft_kernel:
         _draft_kernel[(_cdiv(rows, 16), bs, 2)](
             q, kext, vext, mask, mindptr, part_o, part_lse, qo_indptr, kv_start, kv_lens, qk_scale, ns, q.stride(0),
             q.stride(1), kext.stride(0), vext.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
@@ -817,7 +819,8 @@ def mla_tree_verify(
     _combine_kernel[(rows, bs, D_LATENT // block_d)](
         *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n,
         BLOCK_S=max(1, config.combine_block_s * config.combine_block_d // block_d), BLOCK_D=block_d,
-        BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask, PDL=pdl, DRAFT_SLOT=bool(draft),
+        BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask, PDL=pdl,
+        DRAFT_SLOT=split_draft or draft_kernel,
         num_warps=config.combine_warps * (2 if wide else 1), **launch,
     )
     return o
