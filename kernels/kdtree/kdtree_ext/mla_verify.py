@@ -331,17 +331,6 @@ def _split_kernel(
 
 
 @triton.jit
-def _merge_step(acc, w_run, m_run, lse, part):
-    """Merge a block of partials (normalised outputs ``part`` [S, D], weights 2^``lse``; -inf: none) into the
-    running unnormalised output, weight sum and maximum."""
-    m_new = tl.maximum(m_run, tl.max(lse, 0))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_run - m_use)
-    w = tl.exp2(lse - m_use)
-    return acc * alpha + tl.sum(w[:, None] * part, 0), w_run * alpha + tl.sum(w, 0), m_new
-
-
-@triton.jit
 def _combine_kernel(
     Q, KExt, VExt, Mask, MaskIndptr, PartO, PartLse, Out, QoIndptr, KvStart, KvLens,
     qk_scale, nsplit, min_chunk,
@@ -349,43 +338,33 @@ def _combine_kernel(
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, stride_ot, stride_oh,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, KV_INDPTR: tl.constexpr, HAS_MASK: tl.constexpr,
-    PDL: tl.constexpr, DRAFT_SLOT: tl.constexpr, ONE_STEP: tl.constexpr,
+    PDL: tl.constexpr, DRAFT_SLOT: tl.constexpr,
 ):
     """One (token, head) row x BLOCK_D output channels: attention over the draft tree (done here, once per
     row, in fp32; the tree mask is read only here — or, DRAFT_SLOT, by the split kernel's draft programs or
     ``_draft_kernel`` into partition slot ``nsplit``), merged with the non-empty prefix partitions by their
-    log2-sum-exp; writes the output. ONE_STEP (with DRAFT_SLOT; nsplit <= BLOCK_S): every slot is loaded right
-    after the wait, before the request's bounds are known (the addresses need only the program ids), and the
-    slots past its partitions are dropped afterwards: the merge waits for one round of loads, not three."""
+    log2-sum-exp; writes the output."""
     row = tl.program_id(0)
     b = tl.program_id(1)
     d0 = tl.program_id(2) * BLOCK_D
     q_start = tl.load(QoIndptr + b)
     q_len = tl.load(QoIndptr + b + 1) - q_start
-    if not ONE_STEP:  # noqa: SIM102 (a constexpr branch: with ONE_STEP the store is masked instead)
-        if row >= q_len * H:
-            return
+    if row >= q_len * H:
+        return
     _, prefix = _request_kv(KvStart, KvLens, b, 1, KV_INDPTR)  # the length only: no cache read here
     tok = row // H
     head = row % H
     offs_dl = tl.arange(0, DL)
     offs_dr = tl.arange(0, DR)
     offs_d = d0 + tl.arange(0, BLOCK_D)
-    base_o = PartO + b.to(tl.int64) * stride_pb + row * stride_pr
-    base_l = PartLse + b.to(tl.int64) * stride_lb + row
 
     if DRAFT_SLOT:
         # ---- the draft tree's partial: loaded here, merged after the prefix partitions, so that its loads are
         # in flight with theirs (one round trip after the wait, not two)
         if PDL:
             tl.extra.cuda.gdc_wait()               # the kernel that wrote it (and so the split kernel) has finished
-        lse_d = tl.load(base_l + nsplit * stride_ls)
-        part_d = tl.load(base_o + nsplit * stride_ps + offs_d)
-        if ONE_STEP:
-            offs_s = tl.arange(0, BLOCK_S)
-            lse_all = tl.load(base_l + offs_s * stride_ls, mask=offs_s < nsplit, other=float("-inf"))
-            part_all = tl.load(base_o + offs_s.to(tl.int64)[:, None] * stride_ps + offs_d[None, :],
-                               mask=(offs_s < nsplit)[:, None], other=0.0)
+        lse_d = tl.load(PartLse + b.to(tl.int64) * stride_lb + nsplit * stride_ls + row)
+        part_d = tl.load(PartO + b.to(tl.int64) * stride_pb + nsplit * stride_ps + row * stride_pr + offs_d)
         m_run = tl.full([], float("-inf"), dtype=tl.float32)
         w_run = tl.zeros([], dtype=tl.float32)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -426,18 +405,21 @@ def _combine_kernel(
 
     # ---- the prefix partitions (normalised partial outputs, weight 2^lse), BLOCK_S at a time
     n_act = tl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, BLOCK_N))
-    if ONE_STEP:
-        live = offs_s < n_act                      # the other slots hold an earlier launch's partials
-        acc, w_run, m_run = _merge_step(acc, w_run, m_run, tl.where(live, lse_all, float("-inf")),
-                                        tl.where(live[:, None], part_all.to(tl.float32), 0.0))
-    else:
-        for s0 in range(0, n_act, BLOCK_S):
-            offs_s = s0 + tl.arange(0, BLOCK_S)
-            s_ok = offs_s < n_act
-            lse = tl.load(base_l + offs_s * stride_ls, mask=s_ok, other=float("-inf"))
-            part = tl.load(base_o + offs_s.to(tl.int64)[:, None] * stride_ps + offs_d[None, :],
-                           mask=s_ok[:, None], other=0.0).to(tl.float32)
-            acc, w_run, m_run = _merge_step(acc, w_run, m_run, lse, part)
+    base_o = PartO + b.to(tl.int64) * stride_pb + row * stride_pr
+    base_l = PartLse + b.to(tl.int64) * stride_lb + row
+    for s0 in range(0, n_act, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = offs_s < n_act
+        lse = tl.load(base_l + offs_s * stride_ls, mask=s_ok, other=float("-inf"))
+        part = tl.load(base_o + offs_s.to(tl.int64)[:, None] * stride_ps + offs_d[None, :], mask=s_ok[:, None],
+                       other=0.0).to(tl.float32)
+        m_new = tl.maximum(m_run, tl.max(lse, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)
+        w = tl.exp2(lse - m_use)
+        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
+        w_run = w_run * alpha + tl.sum(w, 0)
+        m_run = m_new
     if DRAFT_SLOT:
         seen_d = lse_d > float("-inf")             # weight 0 (and a NaN partial) when the row sees no draft key
         m_new = tl.maximum(m_run, lse_d)
@@ -447,8 +429,7 @@ def _combine_kernel(
         acc = acc * alpha + w * tl.where(seen_d, part_d.to(tl.float32), 0.0)
         w_run = w_run * alpha + w
     out = acc / tl.where(w_run > 0.0, w_run, 1.0)
-    tl.store(Out + (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
-             mask=row + tl.zeros_like(offs_d) < q_len * H)
+    tl.store(Out + (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
 @triton.jit
@@ -835,12 +816,11 @@ def mla_tree_verify(
         return o
     wide = 0 < config.combine_wide_rows <= bs * rows
     block_d = D_LATENT if wide else config.combine_block_d
-    block_s = max(1, config.combine_block_s * config.combine_block_d // block_d)
-    merge_only = split_draft or draft_kernel
     _combine_kernel[(rows, bs, D_LATENT // block_d)](
-        *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n, BLOCK_S=block_s, BLOCK_D=block_d,
-        BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask, PDL=pdl, DRAFT_SLOT=merge_only,
-        ONE_STEP=merge_only and ns <= block_s,
+        *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n,
+        BLOCK_S=max(1, config.combine_block_s * config.combine_block_d // block_d), BLOCK_D=block_d,
+        BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask, PDL=pdl,
+        DRAFT_SLOT=split_draft or draft_kernel,
         num_warps=config.combine_warps * (2 if wide else 1), **launch,
     )
     return o
