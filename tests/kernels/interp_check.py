@@ -100,6 +100,9 @@ def cases() -> list[dict]:
                     dtype="float32"))
     out.append(dict(bs=1, heads=8, q_len=5, prefix_lens=[90], page_size=1, tree=True, nsplit=4,
                     layout="indptr", seed=46, config=dict(draft_rows=1), dtype="float16"))
+    # split_draft where the Gluon kernel cannot run (here: CPU): the slot is reserved, the combine attends the tree
+    out.append(dict(bs=1, heads=4, q_len=6, prefix_lens=[70], page_size=1, tree=True, nsplit=4,
+                    layout="indptr", seed=47, config=dict(split_draft=True), dtype="float32"))
     # half-precision partial outputs (the interpreter cannot do bf16: fp16 stands in) and other combine tiles
     out.append(dict(bs=2, heads=4, q_len=9, prefix_lens=[200, 77], page_size=64, tree=True, nsplit=8,
                     layout="indptr", seed=25, dtype="float32",

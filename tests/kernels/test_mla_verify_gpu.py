@@ -57,7 +57,7 @@ FULL = [
     (4, 16, 16, [0, 100, 30000, 65536], 64, 64, "indptr", True, 4.0),
     (2, 8, 16, [4096, 4095], 64, 16, "req_to_token", True, 1.0),
     (1, 16, 1, [32768], 1, 128, "indptr", True, 1.0),
-    (1, 16, 9, [65536], 1, 64, "indptr", False, 1.0),     # wave-aware split: 44 partitions (43 used)
+    (1, 16, 9, [65536], 1, 64, "indptr", False, 1.0),     # one wave: 43 partitions + the draft programs
     (1, 8, 9, [4096], 1, 64, "indptr", False, 1.0),       # one wave: 64 partitions of wave_min_chunk=64 tokens
     (3, 8, 64, [5000, 1, 12000], 1, 32, "indptr", True, 2.0),
     (6, 16, 16, [3, 0, 17, 64, 63, 200], 64, 8, "indptr", True, 3.0),   # the draft tree dominates
@@ -83,8 +83,9 @@ def test_float16_and_no_mask_chain():
 
 @pytest.mark.parametrize("overrides", [{}, {"pdl": True}, {"pdl": False, "wave_sms": 0},
                                        {"sm90": False}, {"sm90_ws": False}, {"combine_rows": 1},
-                                       {"draft_rows": 1, "combine_rows": 0},
-                                       {"draft_rows": 1, "combine_rows": 0, "pdl": False}])
+                                       {"combine_rows": 0}, {"combine_rows": 0, "pdl": False},
+                                       {"draft_rows": 1, "combine_rows": 0, "split_draft": False},
+                                       {"draft_rows": 1, "combine_rows": 0, "split_draft": False, "pdl": False}])
 def test_cuda_graph_capture_and_replay_give_identical_output(overrides):
     bs, heads, q_len, max_ctx, nsplit = 4, 16, 16, 65536, 64
     config = mv.with_config(mv.default_config(DEV), **overrides)
@@ -270,16 +271,29 @@ def test_row_block_combine(bs, heads, q_len, prefixes, page, nsplit, layout, tre
     check(out, run_reference(prob, SCALE))
 
 
-@pytest.mark.parametrize("pdl", [True, False])
+class _NotLaunched:
+    """Stands in for a kernel that must not run: ``kernel[grid](...)`` fails the test."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("launched")
+
+
+@pytest.mark.parametrize(("split", "pdl"), [(False, True), (False, False), (True, True), (True, False)])
 @pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes", "page", "nsplit", "layout", "tree", "q_scale"),
                          [c for c in FULL if c[5] != 128] + [(1, 16, 16, [65536], 1, 64, "indptr", True, 3.0)])
-def test_draft_kernel(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_scale, pdl):
-    """draft_rows: the draft tree in its own kernel beside the split kernel, its partial in slot ns (asserted
-    written: the workspace is poisoned first), the combine merging only partials (every launch here)."""
+def test_draft_kernel(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_scale, split, pdl, monkeypatch):
+    """The draft tree's partial in slot ns (asserted written: the workspace is poisoned first), the combine
+    merging only partials (every launch here): from its own kernel (draft_rows), or (split_draft) from the
+    warp-specialised split kernel's programs of partition ns, with _draft_kernel asserted not launched."""
     prob = make_problem(bs, heads, q_len, prefixes, page_size=page, tree=tree, dtype=torch.bfloat16, device=DEV,
                         seed=bs * 100 + q_len + 13, layout=layout, q_scale=q_scale)
     rows = q_len * heads
-    config = mv.with_config(mv.GPU_CONFIG, draft_rows=1, combine_rows=0, pdl=pdl)
+    config = mv.with_config(mv.GPU_CONFIG, draft_rows=0 if split else 1, combine_rows=0, pdl=pdl,
+                            split_draft=split)
+    if split:
+        if mv._sm90_split_kernel(config, prob["q"], prob["kv_buffer"]) is None:
+            pytest.skip("split_draft runs in the sm_90 Gluon kernel")
+        monkeypatch.setattr(mv, "_draft_kernel", _NotLaunched())
     assert mv.draft_slots(bs, rows, config) == 1
     ns = mv.effective_nsplit(nsplit, bs, rows, config)
     ws = mv.Workspace.for_batches(bs, rows, nsplit, config, DEV)
@@ -290,14 +304,23 @@ def test_draft_kernel(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_
     assert (draft_lse != 12345.0).all() and torch.isfinite(draft_lse).all()
 
 
-def test_default_config_uses_the_draft_kernel_from_256_rows():
-    """GPU_CONFIG: bs=1 H=16 Q=16 (256 rows) runs the draft kernel, fewer rows and row-block-combine launches not."""
+@pytest.mark.parametrize(("rows", "ns_want"), [(256, 32), (144, 43), (72, 64)])
+def test_default_config_attends_the_draft_tree_in_the_split_kernel(rows, ns_want, monkeypatch):
+    """GPU_CONFIG: per-row-combine launches keep a draft slot (row-block-combine launches not), one partition
+    fewer where the draft programs would otherwise take a second wave; on Hopper the split kernel's draft
+    programs write it (_draft_kernel not launched)."""
     cfg = mv.GPU_CONFIG
-    assert [mv.draft_slots(bs, rows, cfg) for bs, rows in [(1, 256), (1, 144), (1, 72), (2, 256), (8, 72)]] == [
-        1, 0, 0, 0, 0]
-    prob = make_problem(1, 16, 16, [30000], page_size=1, tree=True, dtype=torch.bfloat16, device=DEV, seed=77)
-    ws = mv.Workspace.for_batches(1, 256, 64, cfg, DEV)
+    assert [mv.draft_slots(bs, r, cfg) for bs, r in [(1, 256), (1, 144), (1, 72), (2, 256), (8, 72)]] == [
+        1, 1, 1, 0, 0]
+    heads = 16 if rows != 72 else 8
+    prob = make_problem(1, heads, rows // heads, [30000], page_size=1, tree=True, dtype=torch.bfloat16, device=DEV,
+                        seed=77)
+    if mv._sm90_split_kernel(cfg, prob["q"], prob["kv_buffer"]) is not None:
+        monkeypatch.setattr(mv, "_draft_kernel", _NotLaunched())
+    ns = mv.effective_nsplit(64, 1, rows, cfg)
+    if mv._sms_now() == 132:
+        assert ns == ns_want
+    ws = mv.Workspace.for_batches(1, rows, 64, cfg, DEV)
     ws.part_lse.fill_(12345.0)
     check(run_kernel(prob, SCALE, 64, workspace=ws, out=poisoned(prob)), run_reference(prob, SCALE))
-    ns = mv.effective_nsplit(64, 1, 256, cfg)
-    assert (ws.views(1, ns + 1)[1][0, ns, :256] != 12345.0).all()
+    assert (ws.views(1, ns + 1)[1][0, ns, :rows] != 12345.0).all()

@@ -74,16 +74,23 @@ class KernelConfig:
     multiprocessors rather than a few long ones, where several waves would pay each program's fixed cost
     again; ``combine_wide_rows`` (> 0): a launch of at least that many (token, head) rows in all combines
     with one program per row for all 512 channels (twice ``combine_warps``), attending the draft tree once
-    per row instead of once per ``combine_block_d`` channels — smaller launches keep the narrower programs
-    for parallelism; ``combine_rows`` (> 0): a launch of at least that many rows combines 16 rows x 128 channels
-    per program instead (``_combine_rows_kernel``: the draft tree as one tensor-core tile; its partitions are
-    merged four at a time, so it suits launches of few partitions per request, i.e. large batches);
+    per row instead of once per ``combine_block_d`` channels, and merging proportionally fewer partitions per
+    step than ``combine_block_s`` (the same tile of partials: 64 x 256 channels was slower as 64 x 512) —
+    smaller launches keep the narrower programs for parallelism; ``combine_rows`` (> 0): a launch of at least
+    that many rows combines 16 rows x 128 channels per program instead (``_combine_rows_kernel``: the draft
+    tree as one tensor-core tile; its partitions are merged four at a time, so it suits launches of few
+    partitions per request, i.e. large batches);
     ``sm90_ws``: the warp-specialised Gluon split kernel (producer warps for the copies); ``draft_rows``
     (> 0): a launch of at least that many rows that combines with the per-row kernel (below ``combine_rows``)
     attends the draft tree in its own kernel (``_draft_kernel``: 16 rows per program, the scores on the tensor
     cores), launched (PDL) right after the split kernel, into one more partition slot per request; the combine
     then only merges partials. From 256 rows (bs=1 H=16 Q=16) the wide per-row combine's tree attention (fp32,
-    one row per program) cost more than the extra launch; below, the extra launch costs more than it saves."""
+    one row per program) cost more than the extra launch; below, the extra launch costs more than it saves.
+    ``split_draft``: every launch that combines with the per-row kernel reserves that slot, and where the
+    warp-specialised Gluon kernel runs (``q_len`` <= 64) its grid has one more partition whose programs attend
+    the draft tree into it (one masked tile each): no launch of its own, and the combine's critical path loses
+    the tree attention; the launch uses one partition fewer where that keeps its programs in one wave. Where
+    that kernel does not run, ``draft_rows`` decides as without ``split_draft`` (the slot may stay unused)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -107,6 +114,7 @@ class KernelConfig:
     sm90_ws: bool = False
     combine_rows: int = 0
     draft_rows: int = 0
+    split_draft: bool = False
 
     def describe(self) -> str:
         return (f"block_m={self.block_m} block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} "
@@ -115,7 +123,8 @@ class KernelConfig:
                 f"pdl={int(self.pdl)} partials={self.partial_dtype} "
                 f"combine=s{self.combine_block_s}/d{self.combine_block_d}/w{self.combine_warps} "
                 f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} sm90={int(self.sm90)} "
-                f"sm90_ws={int(self.sm90_ws)} combine_rows={self.combine_rows} draft_rows={self.draft_rows}")
+                f"sm90_ws={int(self.sm90_ws)} combine_rows={self.combine_rows} draft_rows={self.draft_rows} "
+                f"split_draft={int(self.split_draft)}")
 
 
 # Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
@@ -142,8 +151,13 @@ class KernelConfig:
 # Fifth pass (same day; bench/results/kernel-h200-pass5-*): launches of 256-511 rows (bs=1 H=16 Q=16) attend the
 # draft tree in their own kernel (draft_rows; the combine only merges): 3-10% faster there (one call: 28.3 -> 25.2 us
 # at 4k, 101.3 -> 98.0 us at 64k); on every bs=1 launch it was 0.5-2 us slower at H=8 and H=16 Q=9.
+# Sixth pass (same day; bench/results/kernel-h200-pass6-*): on Hopper every launch the per-row combine merges
+# attends the draft tree in the split kernel's programs of one more partition (split_draft; draft_rows then only
+# matters off Hopper), and that combine merges 64 partitions per step, loading the draft partial beside them:
+# the 16 bs=1 shapes' replay geomean 40.9 -> 38.0 us in one call (bs=1 H=8 Q=9 64k 58.1 -> 54.1 us).
 GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256, tail_m=16, sm90=True,
-                          sm90_ws=True, min_chunk=512, max_ctas=-1, combine_rows=512, draft_rows=256)
+                          sm90_ws=True, min_chunk=512, max_ctas=-1, combine_rows=512, draft_rows=256,
+                          split_draft=True, combine_block_s=64)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -327,8 +341,9 @@ def _combine_kernel(
     PDL: tl.constexpr, DRAFT_SLOT: tl.constexpr,
 ):
     """One (token, head) row x BLOCK_D output channels: attention over the draft tree (done here, once per
-    row, in fp32; the tree mask is read only here — or, DRAFT_SLOT, by ``_draft_kernel`` into partition slot
-    ``nsplit``), merged with the non-empty prefix partitions by their log2-sum-exp; writes the output."""
+    row, in fp32; the tree mask is read only here — or, DRAFT_SLOT, by the split kernel's draft programs or
+    ``_draft_kernel`` into partition slot ``nsplit``), merged with the non-empty prefix partitions by their
+    log2-sum-exp; writes the output."""
     row = tl.program_id(0)
     b = tl.program_id(1)
     d0 = tl.program_id(2) * BLOCK_D
@@ -344,15 +359,15 @@ def _combine_kernel(
     offs_d = d0 + tl.arange(0, BLOCK_D)
 
     if DRAFT_SLOT:
-        # ---- the draft tree's partial, written by _draft_kernel (weight 0 when the row sees no draft key)
+        # ---- the draft tree's partial: loaded here, merged after the prefix partitions, so that its loads are
+        # in flight with theirs (one round trip after the wait, not two)
         if PDL:
-            tl.extra.cuda.gdc_wait()               # the draft kernel (and so the split kernel) has finished
+            tl.extra.cuda.gdc_wait()               # the kernel that wrote it (and so the split kernel) has finished
         lse_d = tl.load(PartLse + b.to(tl.int64) * stride_lb + nsplit * stride_ls + row)
-        seen_d = lse_d > float("-inf")
-        m_run = lse_d
-        w_run = tl.where(seen_d, 1.0, 0.0)
         part_d = tl.load(PartO + b.to(tl.int64) * stride_pb + nsplit * stride_ps + row * stride_pr + offs_d)
-        acc = tl.where(seen_d, part_d.to(tl.float32), 0.0)
+        m_run = tl.full([], float("-inf"), dtype=tl.float32)
+        w_run = tl.zeros([], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     else:
         # ---- the draft tree: this row's token sees the draft tokens its mask row allows (itself, ancestors)
         q_row = Q + (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
@@ -405,6 +420,14 @@ def _combine_kernel(
         acc = acc * alpha + tl.sum(w[:, None] * part, 0)
         w_run = w_run * alpha + tl.sum(w, 0)
         m_run = m_new
+    if DRAFT_SLOT:
+        seen_d = lse_d > float("-inf")             # weight 0 (and a NaN partial) when the row sees no draft key
+        m_new = tl.maximum(m_run, lse_d)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)
+        w = tl.where(seen_d, tl.exp2(lse_d - m_use), 0.0)
+        acc = acc * alpha + w * tl.where(seen_d, part_d.to(tl.float32), 0.0)
+        w_run = w_run * alpha + w
     out = acc / tl.where(w_run > 0.0, w_run, 1.0)
     tl.store(Out + (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
@@ -652,15 +675,22 @@ def effective_nsplit(nsplit: int, bs: int, rows: int, config: KernelConfig) -> i
     if cap <= 0:
         return nsplit
     blocks = max(bs * _cdiv(rows, config.block_m) * config.dv_split, 1)
-    ns = max(1, min(nsplit, cap // blocks))
+    ns = max(1, min(nsplit, cap // blocks - _split_draft(bs, rows, config)))
     sms = _wave_sms(config)
     return _wave_nsplit(ns, blocks, sms) if sms > 0 else ns
 
 
+def _split_draft(bs: int, rows: int, config: KernelConfig) -> bool:
+    """``split_draft`` applies: a launch the per-row combine merges (static sizes only)."""
+    return config.split_draft and not 0 < config.combine_rows <= bs * rows
+
+
 def draft_slots(bs: int, rows: int, config: KernelConfig) -> int:
-    """Partition slots per request a launch uses beyond its prefix partitions: 1 when ``_draft_kernel`` attends
-    the draft tree (``draft_rows``, on launches the per-row combine merges), else 0 (static sizes only)."""
-    return int(0 < config.draft_rows <= bs * rows and not 0 < config.combine_rows <= bs * rows)
+    """Partition slots per request a launch uses beyond its prefix partitions: 1 for the draft tree's partial
+    (``draft_rows`` or ``split_draft``, on launches the per-row combine merges; written by the split kernel's
+    draft programs or ``_draft_kernel``, see ``mla_tree_verify``), else 0 (static sizes only)."""
+    per_row = not 0 < config.combine_rows <= bs * rows
+    return int(per_row and (0 < config.draft_rows <= bs * rows or config.split_draft))
 
 
 def launch_min_chunk(ns: int, bs: int, rows: int, config: KernelConfig) -> int:
@@ -747,8 +777,17 @@ def mla_tree_verify(
                   part_lse.stride(0), part_lse.stride(1))
     grid = (_cdiv(rows, config.block_m) * config.dv_split, ns, bs)
     sm90 = _sm90_split_kernel(config, q, kbuf)
+    # the draft tree's partial in slot ns: from the warp-specialised kernel's programs of partition ns, else from
+    # _draft_kernel (draft_rows); where neither applies the combine attends the tree itself (the slot stays unused)
+    split_draft = bool(draft) and config.split_draft and config.sm90_ws and sm90 is not None and max_q_len <= 64
+    draft_kernel = bool(draft) and not split_draft and 0 < config.draft_rows <= bs * rows
     if sm90 is not None:
-        extra = {"LOAD_WARPS": 4, "LOAD_REGS": 40} if config.sm90_ws else {}
+        extra = {}
+        if config.sm90_ws:
+            extra = dict(KExt=kext, VExt=vext, Mask=mask, MaskIndptr=mindptr, stride_ket=kext.stride(0),
+                         stride_vet=vext.stride(0), LOAD_WARPS=4, LOAD_REGS=40, DRAFT=split_draft,
+                         HAS_MASK=has_mask)
+            grid = (grid[0], ns + split_draft, bs)
         sm90[grid](*split_args, H=heads, DL=D_LATENT, DR=D_ROPE, KV_INDPTR=use_indptr, PDL=pdl,
                    num_warps=config.num_warps, **extra)
     else:
@@ -758,7 +797,7 @@ def mla_tree_verify(
             TAIL_M=launch_tail_m(rows, config), num_warps=config.num_warps,
             num_stages=config.num_stages)
     launch = {"launch_pdl": True} if pdl else {}
-    if draft:
+    if draft_kernel:
         _draft_kernel[(_cdiv(rows, 16), bs, 2)](
             q, kext, vext, mask, mindptr, part_o, part_lse, qo_indptr, kv_start, kv_lens, qk_scale, ns, q.stride(0),
             q.stride(1), kext.stride(0), vext.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
@@ -778,9 +817,11 @@ def mla_tree_verify(
     wide = 0 < config.combine_wide_rows <= bs * rows
     block_d = D_LATENT if wide else config.combine_block_d
     _combine_kernel[(rows, bs, D_LATENT // block_d)](
-        *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n, BLOCK_S=config.combine_block_s,
-        BLOCK_D=block_d, BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask,
-        PDL=pdl, DRAFT_SLOT=bool(draft), num_warps=config.combine_warps * (2 if wide else 1), **launch,
+        *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n,
+        BLOCK_S=max(1, config.combine_block_s * config.combine_block_d // block_d), BLOCK_D=block_d,
+        BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask, PDL=pdl,
+        DRAFT_SLOT=split_draft or draft_kernel,
+        num_warps=config.combine_warps * (2 if wide else 1), **launch,
     )
     return o
 

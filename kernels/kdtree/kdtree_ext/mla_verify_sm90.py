@@ -81,29 +81,36 @@ def _program(QoIndptr, KvStart, KvLens, nsplit, min_chunk, kv_start_mult, H: gl.
     end = gl.minimum(start + chunk, prefix)
     if row0 >= rows:
         end = start
-    return b, split, q_start, rows, row0, kv_base, start, end
+    return b, split, q_start, rows, row0, kv_base, prefix, start, end
 
 
 @gluon.jit
-def _tile(q_lat, q_rope, kl, kr, p_smem, acc, m_i, l_part, n0, end, qk_scale, S_L: gl.constexpr,
+def _keys_below(n0, end, BN: gl.constexpr, S_L: gl.constexpr):
+    """[1, BN] in the score layout: which keys n0 .. n0 + BN of a prefix tile are < end."""
+    return (n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L)) < end)[None, :]
+
+
+@gluon.jit
+def _tile(q_lat, q_rope, kl, kr, vl, p_smem, acc, m_i, l_part, keep, qk_scale, S_L: gl.constexpr,
           O_L: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-    """One key tile already in shared memory (kl = its c_kv rows, also the values; kr = k_rope; keys >= end
-    masked): each warp group's ``Q Kᵀ`` for its 32 keys, the online softmax, p through shared memory, ``P V`` for
-    its 256 channels. Returns (acc, row max, per-thread row sums)."""
+    """One key tile already in shared memory (kl = its c_kv rows, kr = k_rope, vl = the values: kl itself for
+    prefix keys; the scores where ``keep`` is false are masked): each warp group's ``Q Kᵀ`` for its 32 keys, the
+    online softmax (a row that keeps no key so far stays at max -inf, sums 0), p through shared memory, ``P V``
+    for its 256 channels. Returns (acc, row max, per-thread row sums)."""
     s = gl.zeros([BM, BN], gl.float32, layout=S_L)
     s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s])
-    offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
-    s = gl.where((offs_n < end)[None, :], s * qk_scale, float("-inf"))
+    s = gl.where(keep, s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[:, None])
     p_smem.store(p.to(kl.dtype))
     fence_async_shared()
     gl.thread_barrier()                            # both halves of p are in shared memory
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-    acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
+    acc = warpgroup_mma(p_smem, vl, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=[acc])
     return acc, m_new, l_part * alpha[:, None] + p
 
@@ -142,8 +149,8 @@ def split_kernel_sm90(
     GL_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-    b, split, q_start, rows, row0, kv_base, start, end = _program(QoIndptr, KvStart, KvLens, nsplit, min_chunk,
-                                                                  kv_start_mult, H, KV_INDPTR, PDL, BM, BN)
+    b, split, q_start, rows, row0, kv_base, _, start, end = _program(QoIndptr, KvStart, KvLens, nsplit, min_chunk,
+                                                                     kv_start_mult, H, KV_INDPTR, PDL, BM, BN)
     if start >= end:
         return
 
@@ -186,8 +193,8 @@ def split_kernel_sm90(
         async_copy.commit_group()
         loc_l = _slots(KvIdx, kv_base, n0 + 2 * BN, end, BN, gl.SliceLayout(1, GL_LAT))
         loc_r = _slots(KvIdx, kv_base, n0 + 2 * BN, end, BN, gl.SliceLayout(1, GL_ROPE))
-        acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(buf), k_rope.index(buf), p_smem, acc, m_i, l_part, n0,
-                                 end, qk_scale, S_L, O_L, BM, BN)
+        acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(buf), k_rope.index(buf), k_lat.index(buf), p_smem, acc,
+                                 m_i, l_part, _keys_below(n0, end, BN, S_L), qk_scale, S_L, O_L, BM, BN)
     async_copy.wait_group(0)
     _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
                    stride_lb, stride_ls, DL, BM, S_L, O_L)
@@ -196,11 +203,14 @@ def split_kernel_sm90(
 # ------------------------------------------------------------------------------------ warp-specialised variant
 
 @gluon.jit
-def _ws_loader(Q, KBuf, KvIdx, q_lat, q_rope, k_lat, k_rope, ready, empty, q_start, rows, row0, kv_base, start, end,
-               stride_qt, stride_qh, stride_kb, H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr,
-               BM: gl.constexpr, BN: gl.constexpr, LOAD_WARPS: gl.constexpr):
+def _ws_loader(Q, KBuf, KvIdx, KExt, VExt, q_lat, q_rope, k_lat, k_rope, ready, empty, q_start, rows, row0, kv_base,
+               start, end, d_len, stride_qt, stride_qh, stride_kb, stride_ket, stride_vet, H: gl.constexpr,
+               DL: gl.constexpr, DR: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, LOAD_WARPS: gl.constexpr,
+               DRAFT: gl.constexpr):
     """Producer warps: the query rows, then each key tile into ring slot i % 2 once the compute warps have freed
-    it (``empty``); every thread's copies arrive on ``ready`` when they land (cp.async.mbarrier.arrive.noinc)."""
+    it (``empty``); every thread's copies arrive on ``ready`` when they land (cp.async.mbarrier.arrive.noinc).
+    The draft program (``d_len`` > 0) loads, instead, the request's draft keys into slot 0 and their values into
+    slot 1's c_kv part: one tile."""
     # 4 rows x 64 channels per warp: each thread copies 16-byte pieces of 4 rows (one slot each), so a tile needs
     # only 4 row addresses per thread (a row's pieces are immediate offsets of them)
     GL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
@@ -210,6 +220,14 @@ def _ws_loader(Q, KBuf, KvIdx, q_lat, q_rope, k_lat, k_rope, ready, empty, q_sta
     d_r = gl.arange(0, DR, layout=gl.SliceLayout(0, GL))
     async_copy.async_copy_global_to_shared(q_lat, q_row + d_l[None, :], mask=(m < rows)[:, None])
     async_copy.async_copy_global_to_shared(q_rope, q_row + DL + d_r[None, :], mask=(m < rows)[:, None])
+    if DRAFT:  # noqa: SIM102 (a constexpr branch: launches without a draft program compile none of this)
+        if d_len > 0:
+            j = gl.arange(0, BN, layout=gl.SliceLayout(1, GL))
+            loc_d = (q_start + j).to(gl.int64)
+            _issue_tile(k_lat.index(0), k_rope.index(0), KExt, loc_d, loc_d, 0, d_len, stride_ket, DL, DR, BN, GL, GL)
+            async_copy.async_copy_global_to_shared(k_lat.index(1), VExt + loc_d[:, None] * stride_vet + d_l[None, :],
+                                                   mask=(j < d_len)[:, None])
+            async_copy.mbarrier_arrive(ready.index(0), increment_count=False)
     loc = _slots(KvIdx, kv_base, start, end, BN, gl.SliceLayout(1, GL))
     n_tiles = gl.cdiv(end - start, BN)
     for i in range(n_tiles):
@@ -222,11 +240,27 @@ def _ws_loader(Q, KBuf, KvIdx, q_lat, q_rope, k_lat, k_rope, ready, empty, q_sta
 
 
 @gluon.jit
-def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, rows, row0, b, split, start, end,
-                qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
-                DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+def _draft_keep(Mask, MaskIndptr, b, row0, q_len, prefix, H: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                S_L: gl.constexpr, HAS_MASK: gl.constexpr):
+    """[BM, BN] in the score layout: row m's token sees draft key j (the tree mask row, SGLang's layout: after the
+    prefix columns; without a mask, a chain: j <= token)."""
+    tok = (row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))) // H
+    j = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+    ok = (tok < q_len)[:, None] & (j < q_len)[None, :]
+    if HAS_MASK:
+        mask_row = Mask + gl.load(MaskIndptr + b).to(gl.int64) + tok.to(gl.int64) * (prefix + q_len) + prefix
+        return gl.load(mask_row[:, None] + j[None, :], mask=ok, other=0) != 0
+    return ok & (j[None, :] <= tok[:, None])
+
+
+@gluon.jit
+def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, Mask, MaskIndptr, rows, row0, b,
+                split, prefix, start, end, d_len, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
+                H: gl.constexpr, DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DRAFT: gl.constexpr,
+                HAS_MASK: gl.constexpr):
     """The 8 compute warps: as in ``split_kernel_sm90``, without the copies (they wait on ``ready`` and free a
-    ring slot on ``empty`` once both warp groups' ``P V`` has read it)."""
+    ring slot on ``empty`` once both warp groups' ``P V`` has read it); the draft program runs its one tile with
+    the tree mask (keys in slot 0, values in slot 1)."""
     S_L: gl.constexpr = S_LAYOUT
     O_L: gl.constexpr = O_LAYOUT
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -237,10 +271,18 @@ def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartL
         buf = i % 2
         mbarrier.wait(ready.index(buf), (i // 2) & 1)
         fence_async_shared()                       # cp.async wrote through the generic proxy; wgmma reads async
-        acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(buf), k_rope.index(buf), p_smem, acc, m_i, l_part,
-                                 start + i * BN, end, qk_scale, S_L, O_L, BM, BN)
+        n0 = start + i * BN
+        acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(buf), k_rope.index(buf), k_lat.index(buf), p_smem, acc,
+                                 m_i, l_part, _keys_below(n0, end, BN, S_L), qk_scale, S_L, O_L, BM, BN)
         gl.thread_barrier()                        # both warp groups are done with slot buf and with p
         mbarrier.arrive(empty.index(buf), count=1)
+    if DRAFT:  # noqa: SIM102 (a constexpr branch; after the loop, which the draft program skips: 0 prefix tiles)
+        if d_len > 0:
+            keep = _draft_keep(Mask, MaskIndptr, b, row0, d_len, prefix, H, BM, BN, S_L, HAS_MASK)
+            mbarrier.wait(ready.index(0), 0)
+            fence_async_shared()
+            acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(0), k_rope.index(0), k_lat.index(1), p_smem, acc,
+                                     m_i, l_part, keep, qk_scale, S_L, O_L, BM, BN)
     _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
                    stride_lb, stride_ls, DL, BM, S_L, O_L)
 
@@ -251,18 +293,26 @@ def split_kernel_sm90_ws(
     qk_scale, nsplit, min_chunk, kv_start_mult,
     stride_qt, stride_qh, stride_kb,
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
+    KExt, VExt, Mask, MaskIndptr, stride_ket, stride_vet,
     H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, KV_INDPTR: gl.constexpr, PDL: gl.constexpr,
-    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, DRAFT: gl.constexpr, HAS_MASK: gl.constexpr,
 ):
     """``split_kernel_sm90`` with its copies in their own warps (``gl.warp_specialize``): LOAD_WARPS producer
     warps gather the query and key tiles into a two-slot ring, signalled by mbarriers, while the 8 compute warps
-    run the tiles; same arguments, grid and output."""
+    run the tiles; same arguments, grid and output. ``DRAFT``: the grid has one more partition, ``nsplit``,
+    whose programs attend the draft tree (one masked tile: ``q_len`` <= 64) into partition slot ``nsplit``
+    instead of a prefix partition — what ``_draft_kernel`` does, without a launch of its own (the combine then
+    only merges partials)."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    b, split, q_start, rows, row0, kv_base, start, end = _program(QoIndptr, KvStart, KvLens, nsplit, min_chunk,
-                                                                  kv_start_mult, H, KV_INDPTR, PDL, BM, BN)
-    if start >= end:
+    b, split, q_start, rows, row0, kv_base, prefix, start, end = _program(
+        QoIndptr, KvStart, KvLens, nsplit, min_chunk, kv_start_mult, H, KV_INDPTR, PDL, BM, BN)
+    d_len = 0
+    if DRAFT:  # noqa: SIM102 (a constexpr branch)
+        if split == nsplit and row0 < rows:
+            d_len = rows // H
+    if start >= end and d_len == 0:
         return
 
     dt: gl.constexpr = KBuf.dtype.element_ty
@@ -278,8 +328,10 @@ def split_kernel_sm90_ws(
         mbarrier.init(empty.index(j), count=1)
     gl.warp_specialize([
         (_ws_compute,
-         (q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, rows, row0, b, split, start, end,
-          qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, DL, BM, BN)),
-        (_ws_loader, (Q, KBuf, KvIdx, q_lat, q_rope, k_lat, k_rope, ready, empty, q_start, rows, row0, kv_base,
-                      start, end, stride_qt, stride_qh, stride_kb, H, DL, DR, BM, BN, LOAD_WARPS)),
+         (q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, Mask, MaskIndptr, rows, row0, b, split,
+          prefix, start, end, d_len, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, H, DL, BM, BN,
+          DRAFT, HAS_MASK)),
+        (_ws_loader, (Q, KBuf, KvIdx, KExt, VExt, q_lat, q_rope, k_lat, k_rope, ready, empty, q_start, rows, row0,
+                      kv_base, start, end, d_len, stride_qt, stride_qh, stride_kb, stride_ket, stride_vet, H, DL, DR,
+                      BM, BN, LOAD_WARPS, DRAFT)),
     ], [LOAD_WARPS], [LOAD_REGS])
