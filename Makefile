@@ -50,7 +50,7 @@ lint: venv
 	$(BIN)/ruff check kdeploy tests kernels
 
 test: venv lint ci-tools
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 demo: venv
 	$(BIN)/python -m kdeploy.lab.sglang_env
