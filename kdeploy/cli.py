@@ -4,7 +4,6 @@ Every failure ends as one line on stderr and a documented exit code; ``--debug``
 With ``--json`` the only thing on stdout is one JSON document.
 """
 
-
 import json
 import logging
 import os
