@@ -30,6 +30,7 @@ from kdeploy.inventory import HostConfig
 from kdeploy.report import Cancelled
 from kdeploy.sshconfig import Hop, Target
 
+INPUT_FAILED_WAIT = 30.0  # seconds a command whose input was cut short gets to clean up and exit
 SEND_CHUNK = 256 * 1024  # an upload notices Ctrl-C within one chunk (~20 ms at paramiko's ~15 MB/s)
 # AES-GCM first: its tag is checked inside `cryptography`, while paramiko's default (aes128-ctr +
 # hmac-sha2-256) verifies every received packet's MAC in Python. Hosts without GCM get the rest, in
@@ -512,17 +513,22 @@ class Remote:
 
         ``cancel`` is checked between chunks of ``stdin``: when it is set the channel is closed (the command
         sees its input end early and cleans up) and :class:`Cancelled` is raised within a chunk's time. A
-        chunk source that fails (OSError) closes the channel the same way and raises :class:`InputFailed`.
+        chunk source that fails (OSError) ends the command's input and raises :class:`InputFailed` once the
+        command has exited (it cleans up first: a caller that reports the host unchanged must find it so).
         """
         try:
             channel = self.transport.open_session(timeout=timeout)
             channel.settimeout(timeout)
             channel.exec_command(command)
-            for chunk in _chunks(channel, stdin):
-                if cancel is not None and cancel.is_set():
-                    channel.close()
-                    raise Cancelled("interrupted while uploading: nothing was switched")
-                channel.sendall(chunk)
+            try:
+                for chunk in _chunks(stdin):
+                    if cancel is not None and cancel.is_set():
+                        channel.close()
+                        raise Cancelled("interrupted while uploading: nothing was switched")
+                    channel.sendall(chunk)
+            except InputFailed:
+                _cut_short(channel, INPUT_FAILED_WAIT)
+                raise
             channel.shutdown_write()
             stdout, stderr = _drain(channel)
             rc = channel.recv_exit_status()
@@ -564,8 +570,8 @@ class InputFailed(Exception):
     """Reading what ``Remote.run`` streams to a command's stdin failed (a local file vanished or shrank)."""
 
 
-def _chunks(channel: paramiko.Channel, stdin: bytes | Iterable[bytes] | None) -> Iterator[bytes]:
-    """``stdin`` in pieces of at most ``SEND_CHUNK`` bytes; a failing source closes ``channel``."""
+def _chunks(stdin: bytes | Iterable[bytes] | None) -> Iterator[bytes]:
+    """``stdin`` in pieces of at most ``SEND_CHUNK`` bytes; a failing source raises :class:`InputFailed`."""
     if stdin is None:
         return
     pieces = iter([stdin]) if isinstance(stdin, bytes) else iter(stdin)
@@ -573,12 +579,21 @@ def _chunks(channel: paramiko.Channel, stdin: bytes | Iterable[bytes] | None) ->
         try:
             piece = next(pieces, None)
         except OSError as exc:
-            channel.close()
             raise InputFailed(str(exc)) from None
         if piece is None:
             return
         for start in range(0, len(piece), SEND_CHUNK):
             yield piece[start:start + SEND_CHUNK]
+
+
+def _cut_short(channel: paramiko.Channel, wait: float) -> None:
+    """End the command's input early and give it up to ``wait`` s to exit (its cleanup), then close."""
+    with contextlib.suppress(OSError, paramiko.SSHException, EOFError):
+        channel.shutdown_write()
+        channel.settimeout(wait)
+        _drain(channel)
+        channel.status_event.wait(wait)
+    channel.close()
 
 
 def _drain(channel: paramiko.Channel) -> tuple[bytes, bytes]:
