@@ -147,22 +147,18 @@ def open_routers(inventory: Inventory, names: list[str], opts: Options, batch: i
     """The router client of each host that has one, after the router preflight: every worker healthy, each
     host registered (or ``--router-add-missing``), and someone left serving while a batch is out. A refusal
     raises (exit 7) before any host is touched."""
-    routed = [name for name in names if inventory.hosts[name].router is not None]
-    if not routed:
+    configs = {name: config for name in names if (config := inventory.hosts[name].router) is not None}
+    if not configs:
         return {}
     from kdeploy import router as routing  # httpx: ~60 ms of start-up that a fleet without routers skips
 
     groups: dict[tuple, list[str]] = {}
-    for name in routed:
-        config = inventory.hosts[name].router
-        assert config is not None
+    for name, config in configs.items():
         groups.setdefault(routing.key_of(config), []).append(name)
     clients: dict[str, routing.RouterClient] = {}
     try:
         for members in groups.values():
-            config = inventory.hosts[members[0]].router
-            assert config is not None
-            client = routing.connect(inventory, config, accept_new_host_keys=opts.accept_new_host_keys,
+            client = routing.connect(inventory, configs[members[0]], accept_new_host_keys=opts.accept_new_host_keys,
                                      ssh_config=opts.ssh_config)
             clients.update(dict.fromkeys(members, client))
             wanted = {m: str(inventory.hosts[m].worker_url) for m in members}

@@ -479,6 +479,12 @@ def parse_yaml(text: str, path: Path,
     return data
 
 
+def checked(document: Any, text: str, path: Path) -> CommentedMap:
+    """The document ``ansible.detect`` parsed from ``text``, as :func:`parse_yaml` would return it (``text`` is
+    parsed again only where it is no mapping: empty, or to report what is wrong with it)."""
+    return document if isinstance(document, dict) else parse_yaml(text, path)
+
+
 def load(path: Path | str = DEFAULT_INVENTORY, service: Path | str | None = None) -> Inventory:
     """A kdeploy inventory, or an Ansible one (INI or YAML) with the kdeploy service file ``service``."""
     from kdeploy import ansible  # it builds on this module
@@ -490,7 +496,7 @@ def load(path: Path | str = DEFAULT_INVENTORY, service: Path | str | None = None
         return ansible.load(path, text, fmt, Path(service) if service is not None else None)
     if service is not None:
         raise service_without_ansible(path)
-    return parse(document if isinstance(document, dict) else parse_yaml(text, path), path)
+    return parse(checked(document, text, path), path)
 
 
 def service_without_ansible(path: Path) -> InvalidInput:

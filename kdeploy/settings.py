@@ -122,12 +122,12 @@ def _child(node: CommentedMap, key: str) -> CommentedMap:
 def _apply(path: Path, scope: str | None, change: Callable[[CommentedMap, str], None],
            service: Path | None = None) -> Edit:
     before = inventory.read_text(path)  # read once: the edit, its checks and its undo all start from this text
-    fmt, _ = ansible.detect(path, before)
+    fmt, document = ansible.detect(path, before)
     if fmt is not None:
         return _apply_service(path, before, fmt, service, scope, change)
     if service is not None:
         raise inventory.service_without_ansible(path)
-    original = inventory.parse_yaml(before, path)
+    original = inventory.checked(document, before, path)
     old = inventory.parse(original, path)
     doc = _yaml().load(before)
     level, name = _level(doc, old, scope)
