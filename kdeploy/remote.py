@@ -587,12 +587,16 @@ def _chunks(stdin: bytes | Iterable[bytes] | None) -> Iterator[bytes]:
 
 
 def _cut_short(channel: paramiko.Channel, wait: float) -> None:
-    """End the command's input early and give it up to ``wait`` s to exit (its cleanup), then close."""
+    """End the command's input early and give it up to ``wait`` s in all to exit (its cleanup), reading
+    its output meanwhile so that it cannot block on a full window, then close."""
+    deadline = time.monotonic() + wait
     with contextlib.suppress(OSError, paramiko.SSHException, EOFError):
         channel.shutdown_write()
-        channel.settimeout(wait)
-        _drain(channel)
-        channel.status_event.wait(wait)
+        while (left := deadline - time.monotonic()) > 0:
+            channel.settimeout(left)
+            if not channel.recv(65536):
+                break
+        channel.status_event.wait(max(0.0, deadline - time.monotonic()))
     channel.close()
 
 
