@@ -357,7 +357,9 @@ def summarise(report: dict) -> None:
     by_p = sorted({r["parallel"] for r in runs.values() if r["hosts"] == top})
     sizes = sorted({r["hosts"] for r in runs.values()})
     for metric in ("threads", "fds", "sockets"):
-        by_n = {n: runs[key][metric] for n in sizes if (key := f"full/{n}/{DEFAULT_PARALLEL}") in runs}
+        # Below --parallel every host runs at once: the bound is the fleet size there, so only N >= it count.
+        by_n = {n: runs[key][metric] for n in sizes
+                if n >= DEFAULT_PARALLEL and (key := f"full/{n}/{DEFAULT_PARALLEL}") in runs}
         if len(by_n) < 2:
             continue
         vals = {p: runs[f"full/{top}/{p}"][metric] for p in by_p if f"full/{top}/{p}" in runs}
