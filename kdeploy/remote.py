@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import random
+import select
 import socket
 import threading
 import time
@@ -592,19 +593,29 @@ def _cut_short(channel: paramiko.Channel, wait: float) -> None:
     deadline = time.monotonic() + wait
     with contextlib.suppress(OSError, paramiko.SSHException, EOFError):
         channel.shutdown_write()
-        while (left := deadline - time.monotonic()) > 0:
-            channel.settimeout(left)
-            if not channel.recv(65536):
-                break
+        _drain(channel, deadline)
         channel.status_event.wait(max(0.0, deadline - time.monotonic()))
     channel.close()
 
 
-def _drain(channel: paramiko.Channel) -> tuple[bytes, bytes]:
-    """All of stdout, then all of stderr (paramiko buffers stderr while stdout is read)."""
+def _drain(channel: paramiko.Channel, deadline: float | None = None) -> tuple[bytes, bytes]:
+    """All of stdout and all of stderr, each read as it comes: unread output holds the channel's window, so
+    a command that wrote more than that to one stream while the other was being read would stall.
+    ``TimeoutError`` after the channel's timeout without output, or once past ``deadline``."""
     out, err = bytearray(), bytearray()
-    while chunk := channel.recv(65536):
-        out += chunk
-    while chunk := channel.recv_stderr(65536):
-        err += chunk
-    return bytes(out), bytes(err)
+    poller = select.poll()
+    poller.register(channel.fileno(), select.POLLIN)  # readable while either stream has data, and at EOF
+    while True:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError
+        eof = channel.eof_received or channel.closed  # read first: all output arrives before the EOF
+        if channel.recv_stderr_ready():
+            err += channel.recv_stderr(65536)
+        elif channel.recv_ready():
+            out += channel.recv(65536)
+        elif eof:
+            return bytes(out), bytes(err)
+        else:
+            wait = channel.gettimeout() if deadline is None else max(0.0, deadline - time.monotonic())
+            if not poller.poll(None if wait is None else wait * 1000):
+                raise TimeoutError

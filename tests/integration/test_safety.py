@@ -370,6 +370,15 @@ def test_a_slow_remote_command_is_a_timeout_not_unreachable(deployment: Deployme
         assert remote.run("echo still here", timeout=10).stdout == "still here\n"
 
 
+def test_a_command_that_writes_megabytes_to_stderr_before_stdout_finishes(deployment: Deployment) -> None:
+    """Both streams are read as they come: unread stderr must not fill the channel's window and stall."""
+    inv = deployment.load()
+    host = inv.hosts["h1"]
+    with Remote.connect(host, sshconfig.target_for(inv, host)) as remote:
+        out = remote.run("head -c 5000000 /dev/zero | tr '\\0' e >&2; echo done", timeout=20)
+    assert (out.rc, out.stdout, len(out.stderr)) == (0, "done\n", 5_000_000)
+
+
 def test_host_files_are_root_only_except_what_the_service_reads(deployment: Deployment,
                                                               capsys: pytest.CaptureFixture[str],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
