@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import random
-import select
 import socket
 import threading
 import time
@@ -31,6 +30,7 @@ from kdeploy.inventory import HostConfig
 from kdeploy.report import Cancelled
 from kdeploy.sshconfig import Hop, Target
 
+STDERR_POLL = 0.1  # seconds between looks at a command's stderr while its stdout is awaited
 INPUT_FAILED_WAIT = 30.0  # seconds a command whose input was cut short gets to clean up and exit
 SEND_CHUNK = 256 * 1024  # an upload notices Ctrl-C within one chunk (~20 ms at paramiko's ~15 MB/s)
 # AES-GCM first: its tag is checked inside `cryptography`, while paramiko's default (aes128-ctr +
@@ -599,23 +599,30 @@ def _cut_short(channel: paramiko.Channel, wait: float) -> None:
 
 
 def _drain(channel: paramiko.Channel, deadline: float | None = None) -> tuple[bytes, bytes]:
-    """All of stdout and all of stderr, each read as it comes: unread output holds the channel's window, so
-    a command that wrote more than that to one stream while the other was being read would stall.
+    """All of stdout and all of stderr. Unread stderr holds the channel's window, so a command that wrote more
+    than that to it would stall before its stdout ends: stderr is taken whenever it has something, and
+    at least every ``STDERR_POLL`` s while stdout is awaited (no pipe or thread per command for it).
     ``TimeoutError`` after the channel's timeout without output, or once past ``deadline``."""
     out, err = bytearray(), bytearray()
-    poller = select.poll()
-    poller.register(channel.fileno(), select.POLLIN)  # readable while either stream has data, and at EOF
+    timeout = channel.gettimeout()
+    heard = time.monotonic()
     while True:
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError
-        eof = channel.eof_received or channel.closed  # read first: all output arrives before the EOF
         if channel.recv_stderr_ready():
             err += channel.recv_stderr(65536)
-        elif channel.recv_ready():
-            out += channel.recv(65536)
-        elif eof:
+            heard = time.monotonic()
+            continue
+        limit = deadline if deadline is not None else None if timeout is None else heard + timeout
+        wait = STDERR_POLL if limit is None else min(STDERR_POLL, limit - time.monotonic())
+        if wait <= 0:
+            raise TimeoutError
+        channel.settimeout(wait)
+        try:
+            chunk = channel.recv(65536)
+        except TimeoutError:
+            continue
+        if not chunk:  # stdout and stderr end together (one EOF): the rest of stderr is already here
+            while chunk := channel.recv_stderr(65536):
+                err += chunk
             return bytes(out), bytes(err)
-        else:
-            wait = channel.gettimeout() if deadline is None else max(0.0, deadline - time.monotonic())
-            if not poller.poll(None if wait is None else wait * 1000):
-                raise TimeoutError
+        out += chunk
+        heard = time.monotonic()
