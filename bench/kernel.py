@@ -79,6 +79,9 @@ TILE_CONFIGS = [   # all compile without spills for sm_90 (checked offline: regi
 # one wave of programs (max_ctas=-1) and the row-block combine (combine_rows); it tried a pipelined wgmma schedule
 # (Q K^T of tile i + 1 before P V of tile i: 13% slower) and a device-side wave rule for partitions shortened by
 # min_chunk (superseded by max_ctas=-1): not kept.
+# the seventh pass (2026-12-01, bench/results/kernel-h200-pass7-*) attended the draft tree in the split kernel's
+# programs on row-block-combine launches too (split_draft_rows); it tried _draft_kernel there (draft_kernel_rows)
+# and two waves of shorter partitions at bs=8 H=16 4k (max_ctas=264, min_chunk=256): not kept.
 # wave_sms=-1: the partition count that fills the last wave of programs best (the default since run 3); 0: off
 SPLIT_RULES = [dict(min_chunk=mc, max_ctas=cap, wave_sms=w) for mc in (256, 512) for cap in (256, 512, 768)
                for w in (-1, 0)]

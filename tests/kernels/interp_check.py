@@ -103,6 +103,15 @@ def cases() -> list[dict]:
     # split_draft where the Gluon kernel cannot run (here: CPU): the slot is reserved, the combine attends the tree
     out.append(dict(bs=1, heads=4, q_len=6, prefix_lens=[70], page_size=1, tree=True, nsplit=4,
                     layout="indptr", seed=47, config=dict(split_draft=True), dtype="float32"))
+    # the row-block combine merging the draft slot (draft_kernel_rows: _draft_kernel writes it; split_draft_rows
+    # off Hopper: reserved, not written, the combine attends the tree)
+    out.append(dict(bs=2, heads=4, q_len=9, prefix_lens=[120, 0], page_size=1, tree=True, nsplit=4,
+                    layout="indptr", seed=48, config=dict(combine_rows=1, draft_kernel_rows=True), dtype="float32"))
+    out.append(dict(bs=2, heads=3, q_len=7, prefix_lens=[40, 70], page_size=64, tree=False, nsplit=8,
+                    layout="req_to_token", seed=49, mask=False, config=dict(combine_rows=1, draft_kernel_rows=True),
+                    dtype="float16"))
+    out.append(dict(bs=2, heads=4, q_len=5, prefix_lens=[33, 80], page_size=1, tree=True, nsplit=4,
+                    layout="indptr", seed=50, config=dict(combine_rows=1, split_draft_rows=True), dtype="float32"))
     # half-precision partial outputs (the interpreter cannot do bf16: fp16 stands in) and other combine tiles
     out.append(dict(bs=2, heads=4, q_len=9, prefix_lens=[200, 77], page_size=64, tree=True, nsplit=8,
                     layout="indptr", seed=25, dtype="float32",

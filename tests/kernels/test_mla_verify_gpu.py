@@ -85,7 +85,9 @@ def test_float16_and_no_mask_chain():
                                        {"sm90": False}, {"sm90_ws": False}, {"combine_rows": 1},
                                        {"combine_rows": 0}, {"combine_rows": 0, "pdl": False},
                                        {"draft_rows": 1, "combine_rows": 0, "split_draft": False},
-                                       {"draft_rows": 1, "combine_rows": 0, "split_draft": False, "pdl": False}])
+                                       {"draft_rows": 1, "combine_rows": 0, "split_draft": False, "pdl": False},
+                                       {"split_draft_rows": True}, {"split_draft_rows": True, "pdl": False},
+                                       {"split_draft_rows": False, "draft_kernel_rows": True}])
 def test_cuda_graph_capture_and_replay_give_identical_output(overrides):
     bs, heads, q_len, max_ctx, nsplit = 4, 16, 16, 65536, 64
     config = mv.with_config(mv.default_config(DEV), **overrides)
@@ -263,10 +265,11 @@ def test_other_tile_configs(config):
 @pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes", "page", "nsplit", "layout", "tree", "q_scale"),
                          [c for c in FULL if c[5] != 128] + [(8, 16, 9, [4096] * 8, 1, 64, "indptr", False, 1.0)])
 def test_row_block_combine(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_scale):
-    """combine_rows: 16 rows per combine program, the draft tree on the tensor cores (every launch here)."""
+    """combine_rows: 16 rows per combine program, the draft tree on the tensor cores (every launch here; with
+    split_draft_rows the split kernel attends it instead: test_draft_kernel)."""
     prob = make_problem(bs, heads, q_len, prefixes, page_size=page, tree=tree, dtype=torch.bfloat16, device=DEV,
                         seed=bs * 100 + q_len + 11, layout=layout, q_scale=q_scale)
-    config = mv.with_config(mv.GPU_CONFIG, combine_rows=1)
+    config = mv.with_config(mv.GPU_CONFIG, combine_rows=1, split_draft_rows=False)
     out = run_kernel(prob, SCALE, nsplit, config=config, out=poisoned(prob))
     check(out, run_reference(prob, SCALE))
 
@@ -278,18 +281,26 @@ class _NotLaunched:
         raise AssertionError("launched")
 
 
-@pytest.mark.parametrize(("split", "pdl"), [(False, True), (False, False), (True, True), (True, False)])
+@pytest.mark.parametrize(("split", "pdl", "row_block"), [(False, True, False), (False, False, False),
+                                                         (True, True, False), (True, False, False),
+                                                         (True, True, True), (True, False, True),
+                                                         (False, True, True), (False, False, True)])
 @pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes", "page", "nsplit", "layout", "tree", "q_scale"),
-                         [c for c in FULL if c[5] != 128] + [(1, 16, 16, [65536], 1, 64, "indptr", True, 3.0)])
-def test_draft_kernel(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_scale, split, pdl, monkeypatch):
+                         [c for c in FULL if c[5] != 128] + [(1, 16, 16, [65536], 1, 64, "indptr", True, 3.0),
+                                                              (8, 16, 9, [4096] * 8, 1, 64, "indptr", False, 1.0)])
+def test_draft_kernel(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_scale, split, pdl, row_block,
+                      monkeypatch):
     """The draft tree's partial in slot ns (asserted written: the workspace is poisoned first), the combine
     merging only partials (every launch here): from its own kernel (draft_rows), or (split_draft) from the
-    warp-specialised split kernel's programs of partition ns, with _draft_kernel asserted not launched."""
+    warp-specialised split kernel's programs of partition ns, with _draft_kernel asserted not launched; the
+    per-row combine, or (row_block: split_draft_rows / draft_kernel_rows) the row-block combine, the split
+    kernel's draft programs last in launch order."""
     prob = make_problem(bs, heads, q_len, prefixes, page_size=page, tree=tree, dtype=torch.bfloat16, device=DEV,
                         seed=bs * 100 + q_len + 13, layout=layout, q_scale=q_scale)
     rows = q_len * heads
-    config = mv.with_config(mv.GPU_CONFIG, draft_rows=0 if split else 1, combine_rows=0, pdl=pdl,
-                            split_draft=split)
+    config = mv.with_config(mv.GPU_CONFIG, draft_rows=0 if split else 1, combine_rows=int(row_block), pdl=pdl,
+                            split_draft=split and not row_block, split_draft_rows=split and row_block,
+                            draft_kernel_rows=row_block and not split)
     if split:
         if mv._sm90_split_kernel(config, prob["q"], prob["kv_buffer"]) is None:
             pytest.skip("split_draft runs in the sm_90 Gluon kernel")
@@ -306,12 +317,13 @@ def test_draft_kernel(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_
 
 @pytest.mark.parametrize(("rows", "ns_want"), [(256, 32), (144, 43), (72, 64)])
 def test_default_config_attends_the_draft_tree_in_the_split_kernel(rows, ns_want, monkeypatch):
-    """GPU_CONFIG: per-row-combine launches keep a draft slot (row-block-combine launches not), one partition
-    fewer where the draft programs would otherwise take a second wave; on Hopper the split kernel's draft
-    programs write it (_draft_kernel not launched)."""
+    """GPU_CONFIG: per-row-combine launches keep a draft slot (row-block-combine launches with split_draft_rows),
+    one partition fewer where the draft programs would otherwise take a second wave; on Hopper the split
+    kernel's draft programs write it (_draft_kernel not launched)."""
     cfg = mv.GPU_CONFIG
+    on_rows = int(cfg.split_draft_rows)
     assert [mv.draft_slots(bs, r, cfg) for bs, r in [(1, 256), (1, 144), (1, 72), (2, 256), (8, 72)]] == [
-        1, 1, 1, 0, 0]
+        1, 1, 1, on_rows, on_rows]
     heads = 16 if rows != 72 else 8
     prob = make_problem(1, heads, rows // heads, [30000], page_size=1, tree=True, dtype=torch.bfloat16, device=DEV,
                         seed=77)

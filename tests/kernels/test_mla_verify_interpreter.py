@@ -53,11 +53,13 @@ def test_covers_trees_chains_pages_layouts_and_splits(interp: Script):
     assert any(c.get("config", {}).get("sm90_ws") for c in cases)                # the Gluon kernels: Triton on CPU
     rows_combine = [c for c in cases if c.get("config", {}).get("combine_rows")]  # 16 rows per combine program
     assert {c["tree"] for c in rows_combine} == {True, False} and max(c["q_len"] for c in rows_combine) > 16
-    drafted = [c for c in interp.cases if c["case"].get("config", {}).get("draft_rows")]   # its own kernel, slot ns
-    assert {c["case"]["tree"] for c in drafted} == {True, False} and all(c["draft_written"] for c in drafted)
-    # split_draft off Hopper: a slot reserved, not written (the combine attends the tree; outputs checked above)
-    split = [c for c in interp.cases if c["case"].get("config", {}).get("split_draft")]
-    assert split and all(c["draft_slots"] == 1 and c["draft_written"] is False for c in split)
+    for key in ("draft_rows", "draft_kernel_rows"):       # its own kernel, slot ns (per-row / row-block combine)
+        drafted = [c for c in interp.cases if c["case"].get("config", {}).get(key)]
+        assert {c["case"]["tree"] for c in drafted} == {True, False} and all(c["draft_written"] for c in drafted)
+    # split_draft(_rows) off Hopper: a slot reserved, not written (the combine attends the tree; outputs checked above)
+    for key in ("split_draft", "split_draft_rows"):
+        split = [c for c in interp.cases if c["case"].get("config", {}).get(key)]
+        assert split and all(c["draft_slots"] == 1 and c["draft_written"] is False for c in split)
 
 
 def test_empty_partitions_exit_early(interp: Script):

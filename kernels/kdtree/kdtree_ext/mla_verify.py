@@ -31,7 +31,9 @@ How (two launches, no host sync, no allocation, grid from static maxima — CUDA
    ``q_len`` draft keys), merges that with the non-empty prefix partitions by their LSE and writes ``o``
    (``[tokens, H, 512]``, the input dtype). Partials are fp32 (``partial_dtype`` can make them bf16). Large
    launches (``KernelConfig.combine_rows``) use ``_combine_rows_kernel`` instead: 16 rows x 128 channels per
-   program, the draft-tree scores of those rows as one tensor-core tile (bf16 products, fp32 sums).
+   program, the draft-tree scores of those rows as one tensor-core tile (bf16 products, fp32 sums). On Hopper
+   both combines usually only merge: the split kernel's programs of one more partition attend the draft tree into
+   its slot (``KernelConfig.split_draft``, ``split_draft_rows``).
 
 On a Hopper GPU the split kernel is ``mla_verify_sm90.split_kernel_sm90_ws`` (Gluon: same arguments, grid and
 output; the two warp groups split the score tile instead of both computing it, and four producer warps do the
@@ -90,7 +92,13 @@ class KernelConfig:
     warp-specialised Gluon kernel runs (``q_len`` <= 64) its grid has one more partition whose programs attend
     the draft tree into it (one masked tile each): no launch of its own, and the combine's critical path loses
     the tree attention; the launch uses one partition fewer where that keeps its programs in one wave. Where
-    that kernel does not run, ``draft_rows`` decides as without ``split_draft`` (the slot may stay unused)."""
+    that kernel does not run, ``draft_rows`` decides as without ``split_draft`` (the slot may stay unused).
+    ``split_draft_rows``: the same on launches the row-block combine merges (``combine_rows``), whose combine
+    then only merges partials; there the launch keeps its partition count and the draft programs come last in
+    launch order, on the multiprocessors the prefix programs leave free (a large batch rarely fills the last
+    wave: bs=8 H=16 Q=9, 24 row blocks x 5 partitions, leaves 12 of 132). ``draft_kernel_rows``: on those
+    launches, where ``split_draft_rows`` does not apply, ``_draft_kernel`` fills the slot (its small programs run
+    on the multiprocessors the split kernel leaves free)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -115,6 +123,8 @@ class KernelConfig:
     combine_rows: int = 0
     draft_rows: int = 0
     split_draft: bool = False
+    split_draft_rows: bool = False
+    draft_kernel_rows: bool = False
 
     def describe(self) -> str:
         return (f"block_m={self.block_m} block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} "
@@ -124,7 +134,8 @@ class KernelConfig:
                 f"combine=s{self.combine_block_s}/d{self.combine_block_d}/w{self.combine_warps} "
                 f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} sm90={int(self.sm90)} "
                 f"sm90_ws={int(self.sm90_ws)} combine_rows={self.combine_rows} draft_rows={self.draft_rows} "
-                f"split_draft={int(self.split_draft)}")
+                f"split_draft={int(self.split_draft)} split_draft_rows={int(self.split_draft_rows)} "
+                f"draft_kernel_rows={int(self.draft_kernel_rows)}")
 
 
 # Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
@@ -155,9 +166,14 @@ class KernelConfig:
 # attends the draft tree in the split kernel's programs of one more partition (split_draft; draft_rows then only
 # matters off Hopper), and that combine merges 64 partitions per step, loading the draft partial beside them:
 # the 16 bs=1 shapes' replay geomean 40.9 -> 38.0 us in one call (bs=1 H=8 Q=9 64k 58.1 -> 54.1 us).
+# Seventh pass (bench/results/kernel-h200-pass7-*): launches the row-block combine merges (bs=8) attend the draft tree
+# in the split kernel's programs too (split_draft_rows; their draft programs last in launch order, on the
+# multiprocessors the prefix programs leave free), that combine only merges: the 16 bs=8 shapes' replay geomean
+# 163.0 -> 155.2 us in one call (bs=8 H=16 Q=9 4k 56.2 -> 49.8 us); _draft_kernel there instead
+# (draft_kernel_rows) 157.7 us.
 GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256, tail_m=16, sm90=True,
                           sm90_ws=True, min_chunk=512, max_ctas=-1, combine_rows=512, draft_rows=256,
-                          split_draft=True, combine_block_s=64)
+                          split_draft=True, combine_block_s=64, split_draft_rows=True)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -331,6 +347,27 @@ def _split_kernel(
 
 
 @triton.jit
+def _merge(m_run, w_run, acc, lse, part, REDUCE: tl.constexpr):
+    """Fold weighted rows into a running softmax state, log2 domain: the maximum ``m_run`` (-inf: nothing yet),
+    the weight sum ``w_run`` and the unnormalised output ``acc``, both relative to 2^max. ``lse`` are the new
+    rows' log2 weights (-inf: weight 0; their ``part`` must be finite), ``part`` the rows: prefix partitions'
+    normalised outputs by their log2-sum-exp, or draft keys' values by their scaled scores. REDUCE: ``lse`` [N],
+    ``part`` [N, D], N rows for one output row; else one per output row (``lse`` shaped like ``m_run``, ``part``
+    like ``acc``). Returns (m_run, w_run, acc). The one merge step of both combines."""
+    m_new = tl.maximum(m_run, tl.max(lse, 0) if REDUCE else lse)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing seen yet: the weights stay 0, no NaN
+    alpha = tl.exp2(m_run - m_use)
+    w = tl.exp2(lse - m_use)
+    if REDUCE:
+        w_run = w_run * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
+    else:
+        w_run = w_run * alpha + w
+        acc = acc * tl.expand_dims(alpha, -1) + tl.expand_dims(w, -1) * part
+    return m_new, w_run, acc
+
+
+@triton.jit
 def _combine_kernel(
     Q, KExt, VExt, Mask, MaskIndptr, PartO, PartLse, Out, QoIndptr, KvStart, KvLens,
     qk_scale, nsplit, min_chunk,
@@ -390,15 +427,9 @@ def _combine_kernel(
             else:
                 seen = j_ok & (offs_j <= tok)
             s = tl.where(seen, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_run, tl.max(s, 0))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_run - m_use)
-            p = tl.exp2(s - m_use)
             v = tl.load(VExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_vet + offs_d[None, :],
                         mask=j_ok[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-            w_run = w_run * alpha + tl.sum(p, 0)
-            m_run = m_new
+            m_run, w_run, acc = _merge(m_run, w_run, acc, s, v, True)
 
         if PDL:
             tl.extra.cuda.gdc_wait()                   # the split kernel has finished and its writes are visible
@@ -413,21 +444,9 @@ def _combine_kernel(
         lse = tl.load(base_l + offs_s * stride_ls, mask=s_ok, other=float("-inf"))
         part = tl.load(base_o + offs_s.to(tl.int64)[:, None] * stride_ps + offs_d[None, :], mask=s_ok[:, None],
                        other=0.0).to(tl.float32)
-        m_new = tl.maximum(m_run, tl.max(lse, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_use)
-        w = tl.exp2(lse - m_use)
-        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
-        w_run = w_run * alpha + tl.sum(w, 0)
-        m_run = m_new
-    if DRAFT_SLOT:
-        seen_d = lse_d > float("-inf")             # weight 0 (and a NaN partial) when the row sees no draft key
-        m_new = tl.maximum(m_run, lse_d)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_use)
-        w = tl.where(seen_d, tl.exp2(lse_d - m_use), 0.0)
-        acc = acc * alpha + w * tl.where(seen_d, part_d.to(tl.float32), 0.0)
-        w_run = w_run * alpha + w
+        m_run, w_run, acc = _merge(m_run, w_run, acc, lse, part, True)
+    if DRAFT_SLOT:                                 # a row that sees no draft key: LSE -inf, partial 0
+        m_run, w_run, acc = _merge(m_run, w_run, acc, lse_d, part_d.to(tl.float32), False)
     out = acc / tl.where(w_run > 0.0, w_run, 1.0)
     tl.store(Out + (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
@@ -472,13 +491,15 @@ def _combine_rows_kernel(
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, stride_ot, stride_oh,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, KV_INDPTR: tl.constexpr,
-    HAS_MASK: tl.constexpr, PDL: tl.constexpr,
+    HAS_MASK: tl.constexpr, PDL: tl.constexpr, DRAFT_SLOT: tl.constexpr,
 ):
     """BLOCK_R (token, head) rows of one request x BLOCK_D output channels (``combine_rows``): the draft tree as
     one [BLOCK_R, BLOCK_J] score tile on the tensor cores (every row of a request sees the same draft keys; the
-    mask picks, per row, its token's ancestors), merged with the prefix partitions BLOCK_S at a time. Rows per
-    program instead of one: the per-row kernel's programs are few per multiprocessor (registers) and each waits
-    through a chain of dependent loads, so a batch of thousands of rows took 30-80 us."""
+    mask picks, per row, its token's ancestors) — or, DRAFT_SLOT, its partial from partition slot ``nsplit``,
+    written by the split kernel's draft programs or ``_draft_kernel`` (``split_draft_rows``, ``draft_kernel_rows``)
+    — merged with the prefix partitions BLOCK_S at a time. Rows per program instead of one: the per-row kernel's
+    programs are few per multiprocessor (registers) and each waits through a chain of dependent loads, so a batch
+    of thousands of rows took 30-80 us."""
     rb = tl.program_id(0)
     b = tl.program_id(1)
     d0 = tl.program_id(2) * BLOCK_D
@@ -494,30 +515,36 @@ def _combine_rows_kernel(
     head = r % H
     offs_d = d0 + tl.arange(0, BLOCK_D)
 
-    # ---- the draft tree
-    m_run, w_run, acc = _draft_tile(Q, KExt, VExt, Mask, MaskIndptr, b, q_start, q_len, prefix, r_ok, tok, head,
-                                    offs_d, qk_scale, stride_qt, stride_qh, stride_ket, stride_vet,
-                                    DL, DR, BLOCK_R, BLOCK_J, HAS_MASK)
-
-    # ---- the prefix partitions, BLOCK_S at a time (their loads issued together)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    n_act = tl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, BLOCK_N))
     base_o = PartO + b.to(tl.int64) * stride_pb
     base_l = PartLse + b.to(tl.int64) * stride_lb
     offs_o = r[:, None] * stride_pr + offs_d[None, :]
+    if DRAFT_SLOT:
+        # ---- the draft tree's partial: loaded right after the wait, merged after the prefix partitions
+        if PDL:
+            tl.extra.cuda.gdc_wait()               # the kernel that wrote it (and so the split kernel) has finished
+        lse_d = tl.load(base_l + nsplit * stride_ls + r, mask=r_ok, other=float("-inf"))
+        part_d = tl.load(base_o + nsplit * stride_ps + offs_o, mask=r_ok[:, None], other=0.0)
+        m_run = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        w_run = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    else:
+        # ---- the draft tree
+        m_run, w_run, acc = _draft_tile(Q, KExt, VExt, Mask, MaskIndptr, b, q_start, q_len, prefix, r_ok, tok,
+                                        head, offs_d, qk_scale, stride_qt, stride_qh, stride_ket, stride_vet,
+                                        DL, DR, BLOCK_R, BLOCK_J, HAS_MASK)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+
+    # ---- the prefix partitions, BLOCK_S at a time (their loads issued together)
+    n_act = tl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, BLOCK_N))
     for s0 in range(0, n_act, BLOCK_S):
         for k in tl.static_range(BLOCK_S):
             ok = r_ok & (s0 + k + tl.zeros_like(r) < n_act)
             lse = tl.load(base_l + (s0 + k) * stride_ls + r, mask=ok, other=float("-inf"))
             part = tl.load(base_o + (s0 + k) * stride_ps + offs_o, mask=ok[:, None], other=0.0).to(tl.float32)
-            m_new = tl.maximum(m_run, lse)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_run - m_use)
-            w = tl.exp2(lse - m_use)
-            acc = acc * alpha[:, None] + w[:, None] * part
-            w_run = w_run * alpha + w
-            m_run = m_new
+            m_run, w_run, acc = _merge(m_run, w_run, acc, lse, part, False)
+    if DRAFT_SLOT:                                 # a row that sees no draft key: LSE -inf, partial 0
+        m_run, w_run, acc = _merge(m_run, w_run, acc, lse_d, part_d.to(tl.float32), False)
     out = acc / tl.where(w_run > 0.0, w_run, 1.0)[:, None]
     tl.store(Out + (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=r_ok[:, None])
@@ -687,10 +714,12 @@ def _split_draft(bs: int, rows: int, config: KernelConfig) -> bool:
 
 def draft_slots(bs: int, rows: int, config: KernelConfig) -> int:
     """Partition slots per request a launch uses beyond its prefix partitions: 1 for the draft tree's partial
-    (``draft_rows`` or ``split_draft``, on launches the per-row combine merges; written by the split kernel's
-    draft programs or ``_draft_kernel``, see ``mla_tree_verify``), else 0 (static sizes only)."""
-    per_row = not 0 < config.combine_rows <= bs * rows
-    return int(per_row and (0 < config.draft_rows <= bs * rows or config.split_draft))
+    (``draft_rows`` or ``split_draft`` on launches the per-row combine merges, ``split_draft_rows`` or
+    ``draft_kernel_rows`` on the others; written by the split kernel's draft programs or ``_draft_kernel``, see
+    ``mla_tree_verify``), else 0 (static sizes only)."""
+    if 0 < config.combine_rows <= bs * rows:
+        return int(config.split_draft_rows or config.draft_kernel_rows)
+    return int(0 < config.draft_rows <= bs * rows or config.split_draft)
 
 
 def launch_min_chunk(ns: int, bs: int, rows: int, config: KernelConfig) -> int:
@@ -778,9 +807,13 @@ def mla_tree_verify(
     grid = (_cdiv(rows, config.block_m) * config.dv_split, ns, bs)
     sm90 = _sm90_split_kernel(config, q, kbuf)
     # the draft tree's partial in slot ns: from the warp-specialised kernel's programs of partition ns, else from
-    # _draft_kernel (draft_rows); where neither applies the combine attends the tree itself (the slot stays unused)
-    split_draft = bool(draft) and config.split_draft and config.sm90_ws and sm90 is not None and max_q_len <= 64
-    draft_kernel = bool(draft) and not split_draft and 0 < config.draft_rows <= bs * rows
+    # _draft_kernel (draft_rows, draft_kernel_rows); where neither applies the combine attends the tree itself (the
+    # slot stays unused)
+    row_block = 0 < config.combine_rows <= bs * rows
+    split_draft = (bool(draft) and (config.split_draft_rows if row_block else config.split_draft)
+                   and config.sm90_ws and sm90 is not None and max_q_len <= 64)
+    draft_kernel = bool(draft) and not split_draft and (config.draft_kernel_rows if row_block
+                                                        else 0 < config.draft_rows <= bs * rows)
     if sm90 is not None:
         extra = {}
         if config.sm90_ws:
@@ -808,11 +841,12 @@ def mla_tree_verify(
                     min_chunk, q.stride(0), q.stride(1), kext.stride(0), vext.stride(0), part_o.stride(0),
                     part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1), o3.stride(0),
                     o3.stride(1))
-    if 0 < config.combine_rows <= bs * rows:
+    if row_block:
         block_j = max(16, triton.next_power_of_2(max_q_len))
         _combine_rows_kernel[(_cdiv(rows, 16), bs, D_LATENT // 128)](
             *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n, BLOCK_R=16, BLOCK_S=4,
-            BLOCK_D=128, BLOCK_J=block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask, PDL=pdl, num_warps=4, **launch)
+            BLOCK_D=128, BLOCK_J=block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask, PDL=pdl,
+            DRAFT_SLOT=split_draft or draft_kernel, num_warps=4, **launch)
         return o
     wide = 0 < config.combine_wide_rows <= bs * rows
     block_d = D_LATENT if wide else config.combine_block_d

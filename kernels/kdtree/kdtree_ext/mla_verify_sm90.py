@@ -64,15 +64,28 @@ def _issue_tile(k_lat, k_rope, KBuf, loc_l, loc_r, n0, end, stride_kb,
 
 @gluon.jit
 def _program(QoIndptr, KvStart, KvLens, nsplit, min_chunk, kv_start_mult, H: gl.constexpr, KV_INDPTR: gl.constexpr,
-             PDL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+             PDL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DRAFT: gl.constexpr = False):
     """This program's request b, partition, query rows and prefix keys [start, end) (start == end: nothing to
-    do — rows past the request's, or a partition past its prefix)."""
+    do — rows past the request's, or a partition past its prefix). DRAFT (grid (row blocks, nsplit + 1, bs)):
+    the programs of partition ``nsplit`` (the draft tree's) come last in launch order, after every request's
+    prefix programs, so that they run on the multiprocessors those leave free (or after them) rather than
+    pushing a later request's prefix programs into a second wave (with one request: the grid's own order)."""
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    row0 = gl.program_id(0) * BM
+    rb = gl.program_id(0)
     split = gl.program_id(1)
     b = gl.program_id(2)
+    if DRAFT:
+        blocks = gl.num_programs(0)
+        per_b = blocks * nsplit                    # prefix programs per request
+        lin = rb + blocks * (split + (nsplit + 1) * b)
+        n_pre = per_b * gl.num_programs(2)
+        d = lin - n_pre
+        b = gl.where(lin < n_pre, lin // per_b, d // blocks)
+        split = gl.where(lin < n_pre, (lin % per_b) // blocks, nsplit)
+        rb = gl.where(lin < n_pre, lin % blocks, d % blocks)
+    row0 = rb * BM
     q_start = gl.load(QoIndptr + b)
     rows = (gl.load(QoIndptr + b + 1) - q_start) * H
     kv_base, prefix = _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR)
@@ -119,9 +132,10 @@ def _tile(q_lat, q_rope, kl, kr, vl, p_smem, acc, m_i, l_part, keep, qk_scale, S
 def _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
                    stride_lb, stride_ls, DL: gl.constexpr, BM: gl.constexpr, S_L: gl.constexpr,
                    O_L: gl.constexpr):
-    """The normalised partial output and its log2-sum-exp (every partition has >= 1 key: the row sums are > 0)."""
+    """The normalised partial output and its log2-sum-exp (every prefix partition has >= 1 key: the row sums are
+    > 0; a draft-tree row that sees no draft key gets zeros and LSE -inf, which the combines' merge weighs 0)."""
     l_i = gl.sum(l_part, 1)
-    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_L))[:, None]
+    out = acc / gl.convert_layout(gl.where(l_i > 0.0, l_i, 1.0), gl.SliceLayout(1, O_L))[:, None]
     m_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
     d_o = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
     part = b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
@@ -302,12 +316,12 @@ def split_kernel_sm90_ws(
     run the tiles; same arguments, grid and output. ``DRAFT``: the grid has one more partition, ``nsplit``,
     whose programs attend the draft tree (one masked tile: ``q_len`` <= 64) into partition slot ``nsplit``
     instead of a prefix partition — what ``_draft_kernel`` does, without a launch of its own (the combine then
-    only merges partials)."""
+    only merges partials); they come last in launch order (``_program``)."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     b, split, q_start, rows, row0, kv_base, prefix, start, end = _program(
-        QoIndptr, KvStart, KvLens, nsplit, min_chunk, kv_start_mult, H, KV_INDPTR, PDL, BM, BN)
+        QoIndptr, KvStart, KvLens, nsplit, min_chunk, kv_start_mult, H, KV_INDPTR, PDL, BM, BN, DRAFT)
     d_len = 0
     if DRAFT:  # noqa: SIM102 (a constexpr branch)
         if split == nsplit and row0 < rows:
