@@ -88,8 +88,8 @@ def test_float16_and_no_mask_chain():
                                        {"draft_rows": 1, "combine_rows": 0, "split_draft": False, "pdl": False},
                                        {"split_draft_rows": True}, {"split_draft_rows": True, "pdl": False},
                                        {"split_draft_rows": False, "draft_kernel_rows": True},
-                                       {"fused_combine": True, "combine_rows": 0},
-                                       {"fused_combine": True, "combine_rows": 0, "fused_coop": False}])
+                                       {"stage_partials": True}, {"stage_partials": True, "combine_rows": 0},
+                                       {"stage_partials": True, "partial_dtype": "bfloat16"}])
 def test_cuda_graph_capture_and_replay_give_identical_output(overrides):
     bs, heads, q_len, max_ctx, nsplit = 4, 16, 16, 65536, 64
     config = mv.with_config(mv.default_config(DEV), **overrides)
@@ -155,13 +155,6 @@ def test_cuda_graph_capture_and_replay_give_identical_output(overrides):
     launch()
     assert torch.equal(replayed, out)
     check(replayed, run_reference(view(second, offset), SCALE))
-    assert (ws.sync[:, 0] == 0).all()               # fused_combine's barriers reset themselves
-    if mv.fused_combine(bs, q_len * heads, mv.effective_nsplit(nsplit, bs, q_len * heads, config), config) and \
-            mv._sm90_split_kernel(config, static["q"], static["kv_buffer"]) is not None:
-        graph.replay()                               # the third pass through each barrier: still the same answer
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, out)
-        assert (ws.sync[:bs, 1] == 6).all() and (ws.sync[:, 0] == 0).all()
 
 
 def _sglang():
@@ -324,34 +317,27 @@ def test_draft_kernel(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_
     assert (draft_lse != 12345.0).all() and torch.isfinite(draft_lse).all()
 
 
-@pytest.mark.parametrize("coop", [True, False])
+@pytest.mark.parametrize(("stage", "dtype"), [(True, "float32"), (True, "bfloat16"), (False, "bfloat16")])
 @pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes", "page", "nsplit", "layout", "tree", "q_scale"),
                          [*FULL, (1, 16, 16, [65536], 1, 64, "indptr", True, 3.0),
-                          (2, 8, 9, [4096, 0], 1, 64, "req_to_token", False, 1.0)])
-def test_fused_combine(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_scale, coop, monkeypatch):
-    """fused_combine (per-row-combine launches here: combine_rows off): where every program of the launch fits in
-    one wave, the split kernel's programs merge the partials themselves after a barrier in memory — no combine
-    launch (asserted) — and the barriers are left reset (arrivals 0, generation 1 per request); elsewhere the
-    combine runs as before."""
+                          (8, 16, 9, [4096] * 8, 1, 64, "indptr", False, 1.0)])
+def test_staged_and_bf16_partials(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_scale, stage, dtype):
+    """stage_partials (the warp-specialised Gluon kernel stores its partial through shared memory) and
+    partial_dtype bfloat16, with GPU_CONFIG's kernels: every FULL problem (both combines; draft programs on every
+    launch here), the draft slot asserted written."""
     prob = make_problem(bs, heads, q_len, prefixes, page_size=page, tree=tree, dtype=torch.bfloat16, device=DEV,
-                        seed=bs * 100 + q_len + 29, layout=layout, q_scale=q_scale)
+                        seed=bs * 100 + q_len + 41, layout=layout, q_scale=q_scale)
     rows = q_len * heads
-    config = mv.with_config(mv.GPU_CONFIG, combine_rows=0, fused_combine=True, fused_coop=coop,
+    config = mv.with_config(mv.GPU_CONFIG, stage_partials=stage, partial_dtype=dtype,
                             max_ctas=0 if nsplit == 128 else -1)
-    if mv._sm90_split_kernel(config, prob["q"], prob["kv_buffer"]) is None:
-        pytest.skip("fused_combine runs in the sm_90 Gluon kernel")
-    ns = mv.effective_nsplit(nsplit, bs, rows, config)
-    fused = mv.fused_combine(bs, rows, ns, config) and q_len <= 64
-    if fused:
-        monkeypatch.setattr(mv, "_combine_kernel", _NotLaunched())
     ws = mv.Workspace.for_batches(bs, rows, nsplit, config, DEV)
+    assert ws.part_o.dtype == getattr(torch, dtype)
+    ws.part_lse.fill_(12345.0)
     out = run_kernel(prob, SCALE, nsplit, config=config, workspace=ws, out=poisoned(prob))
     check(out, run_reference(prob, SCALE))
-    torch.cuda.synchronize()
-    assert (ws.sync[:, 0] == 0).all()
-    assert (ws.sync[:bs, 1] == int(fused)).all()
-    if (bs, heads, q_len) in [(1, 8, 9), (1, 16, 9), (1, 16, 16)] and mv._sms_now() == 132:
-        assert fused                                  # the table's bs=1 launches take it
+    if mv.draft_slots(bs, rows, config) and mv._sm90_split_kernel(config, prob["q"], prob["kv_buffer"]) is not None:
+        ns = mv.effective_nsplit(nsplit, bs, rows, config)
+        assert (ws.views(bs, ns + 1)[1][:, ns, :rows] != 12345.0).all()
 
 
 @pytest.mark.parametrize(("rows", "ns_want"), [(256, 32), (144, 43), (72, 64)])

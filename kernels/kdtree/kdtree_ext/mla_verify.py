@@ -98,12 +98,9 @@ class KernelConfig:
     launch order, on the multiprocessors the prefix programs leave free (a large batch rarely fills the last
     wave: bs=8 H=16 Q=9, 24 row blocks x 5 partitions, leaves 12 of 132). ``draft_kernel_rows``: on those
     launches, where ``split_draft_rows`` does not apply, ``_draft_kernel`` fills the slot (its small programs run
-    on the multiprocessors the split kernel leaves free).
-    ``fused_combine``: where ``split_draft`` applies and the launch is one wave (bs=1), no combine launch: the
-    warp-specialised split kernel's programs of a request meet at a barrier in memory after storing their partials
-    and then merge them themselves, each a share of the request's (row, channels) items (``_grid_combine``);
-    ``fused_coop`` launches it cooperatively (CUDA guarantees that every program is resident, which the barrier
-    needs; off: the one-wave grid alone, no guarantee)."""
+    on the multiprocessors the split kernel leaves free). ``stage_partials``: the warp-specialised kernel stores its
+    partial through the key ring's shared memory (16-byte stores, whole rows a warp) instead of straight from the
+    accumulator's registers."""
 
     block_m: int = 64
     block_n: int = 64
@@ -130,8 +127,7 @@ class KernelConfig:
     split_draft: bool = False
     split_draft_rows: bool = False
     draft_kernel_rows: bool = False
-    fused_combine: bool = False
-    fused_coop: bool = True
+    stage_partials: bool = False
 
     def describe(self) -> str:
         return (f"block_m={self.block_m} block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} "
@@ -142,8 +138,7 @@ class KernelConfig:
                 f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} sm90={int(self.sm90)} "
                 f"sm90_ws={int(self.sm90_ws)} combine_rows={self.combine_rows} draft_rows={self.draft_rows} "
                 f"split_draft={int(self.split_draft)} split_draft_rows={int(self.split_draft_rows)} "
-                f"draft_kernel_rows={int(self.draft_kernel_rows)} fused_combine={int(self.fused_combine)}"
-                f"{'' if self.fused_coop else '/plain'}")
+                f"draft_kernel_rows={int(self.draft_kernel_rows)} stage_partials={int(self.stage_partials)}")
 
 
 # Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
@@ -616,8 +611,6 @@ class Workspace:
         self.slots, self.max_rows = slots, max_rows
         self.part_o = torch.empty((slots, max_rows, dv), dtype=getattr(torch, dtype), device=device)
         self.part_lse = torch.empty((slots, max_rows), dtype=torch.float32, device=device)
-        # fused_combine's barrier per request (arrivals, generation): zero once, reset by the kernel itself
-        self.sync = torch.zeros((slots, 2), dtype=torch.int32, device=device)
 
     @classmethod
     def for_batches(cls, max_bs: int, rows: int, nsplit: int, config: KernelConfig, device) -> Workspace:
@@ -637,7 +630,7 @@ class Workspace:
 
     @property
     def nbytes(self) -> int:
-        return self.part_o.numel() * self.part_o.element_size() + self.part_lse.numel() * 4 + self.sync.numel() * 4
+        return self.part_o.numel() * self.part_o.element_size() + self.part_lse.numel() * 4
 
 
 @functools.lru_cache(maxsize=8)
@@ -720,14 +713,6 @@ def effective_nsplit(nsplit: int, bs: int, rows: int, config: KernelConfig) -> i
 def _split_draft(bs: int, rows: int, config: KernelConfig) -> bool:
     """``split_draft`` applies: a launch the per-row combine merges (static sizes only)."""
     return config.split_draft and not 0 < config.combine_rows <= bs * rows
-
-
-def fused_combine(bs: int, rows: int, ns: int, config: KernelConfig) -> bool:
-    """``fused_combine`` applies to a launch of ``ns`` prefix partitions that the split kernel's draft programs
-    and the per-row combine would serve: its programs, draft programs included, fit in one wave (static sizes
-    only; the sm_90 kernel must run it too, see ``mla_tree_verify``)."""
-    return (config.fused_combine and _split_draft(bs, rows, config)
-            and bs * _cdiv(rows, config.block_m) * config.dv_split * (ns + 1) <= _sms_now())
 
 
 def draft_slots(bs: int, rows: int, config: KernelConfig) -> int:
@@ -832,22 +817,15 @@ def mla_tree_verify(
                    and config.sm90_ws and sm90 is not None and max_q_len <= 64)
     draft_kernel = bool(draft) and not split_draft and (config.draft_kernel_rows if row_block
                                                         else 0 < config.draft_rows <= bs * rows)
-    fused = False
     if sm90 is not None:
         extra = {}
         if config.sm90_ws:
-            grid = (grid[0], ns + split_draft, bs)
-            fused = split_draft and not row_block and fused_combine(bs, rows, ns, config)
             extra = dict(KExt=kext, VExt=vext, Mask=mask, MaskIndptr=mindptr, stride_ket=kext.stride(0),
-                         stride_vet=vext.stride(0), Out=o3, Sync=workspace.sync, stride_ot=o3.stride(0),
-                         stride_oh=o3.stride(1), LOAD_WARPS=4, LOAD_REGS=40, DRAFT=split_draft, HAS_MASK=has_mask,
-                         FUSE=fused)
-            if fused and config.fused_coop:
-                extra["launch_cooperative_grid"] = True
+                         stride_vet=vext.stride(0), LOAD_WARPS=4, LOAD_REGS=40, DRAFT=split_draft,
+                         HAS_MASK=has_mask, STAGE=config.stage_partials)
+            grid = (grid[0], ns + split_draft, bs)
         sm90[grid](*split_args, H=heads, DL=D_LATENT, DR=D_ROPE, KV_INDPTR=use_indptr, PDL=pdl,
                    num_warps=config.num_warps, **extra)
-    if fused:
-        return o
     else:
         _split_kernel[grid](
             *split_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=config.block_m, BLOCK_N=config.block_n,

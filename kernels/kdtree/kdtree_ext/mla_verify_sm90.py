@@ -131,16 +131,26 @@ def _tile(q_lat, q_rope, kl, kr, vl, p_smem, acc, m_i, l_part, keep, qk_scale, S
 @gluon.jit
 def _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
                    stride_lb, stride_ls, DL: gl.constexpr, BM: gl.constexpr, S_L: gl.constexpr,
-                   O_L: gl.constexpr):
+                   O_L: gl.constexpr, stage=None):
     """The normalised partial output and its log2-sum-exp (every prefix partition has >= 1 key: the row sums are
-    > 0; a draft-tree row that sees no draft key gets zeros and LSE -inf, which the combines' merge weighs 0)."""
+    > 0; a draft-tree row that sees no draft key gets zeros and LSE -inf, which the combines' merge weighs 0).
+    ``stage``: a free [BM, DL] shared buffer of the partials' dtype to store them through (16-byte stores)."""
     l_i = gl.sum(l_part, 1)
     out = acc / gl.convert_layout(gl.where(l_i > 0.0, l_i, 1.0), gl.SliceLayout(1, O_L))[:, None]
-    m_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
-    d_o = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
     part = b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
-    gl.store(PartO + part + m_o[:, None] * stride_pr + d_o[None, :], out.to(PartO.dtype.element_ty),
-             mask=(m_o < rows)[:, None])
+    if stage is None:
+        m_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
+        d_o = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
+        gl.store(PartO + part + m_o[:, None] * stride_pr + d_o[None, :], out.to(PartO.dtype.element_ty),
+                 mask=(m_o < rows)[:, None])
+    else:
+        stage.store(out.to(PartO.dtype.element_ty))
+        gl.thread_barrier()
+        VEC: gl.constexpr = 128 // PartO.dtype.element_ty.primitive_bitwidth          # 16 bytes
+        ST: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [8, 1], [1, 0])   # the 8 compute warps
+        m_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ST))
+        d_o = gl.arange(0, DL, layout=gl.SliceLayout(0, ST))
+        gl.store(PartO + part + m_o[:, None] * stride_pr + d_o[None, :], stage.load(ST), mask=(m_o < rows)[:, None])
     m_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
     gl.store(PartLse + b.to(gl.int64) * stride_lb + split.to(gl.int64) * stride_ls + m_s, m_i + gl.log2(l_i),
              mask=m_s < rows)
@@ -270,12 +280,11 @@ def _draft_keep(Mask, MaskIndptr, b, row0, q_len, prefix, H: gl.constexpr, BM: g
 @gluon.jit
 def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, Mask, MaskIndptr, rows, row0, b,
                 split, prefix, start, end, d_len, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
-                Out, Sync, q_start, n_blocks, nsplit, min_chunk, stride_ot, stride_oh,
                 H: gl.constexpr, DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DRAFT: gl.constexpr,
-                HAS_MASK: gl.constexpr, FUSE: gl.constexpr, BS: gl.constexpr):
+                HAS_MASK: gl.constexpr, STAGE: gl.constexpr):
     """The 8 compute warps: as in ``split_kernel_sm90``, without the copies (they wait on ``ready`` and free a
     ring slot on ``empty`` once both warp groups' ``P V`` has read it); the draft program runs its one tile with
-    the tree mask (keys in slot 0, values in slot 1). FUSE: then the combine (``_grid_combine``)."""
+    the tree mask (keys in slot 0, values in slot 1)."""
     S_L: gl.constexpr = S_LAYOUT
     O_L: gl.constexpr = O_LAYOUT
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -298,65 +307,19 @@ def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartL
             fence_async_shared()
             acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(0), k_rope.index(0), k_lat.index(1), p_smem, acc,
                                      m_i, l_part, keep, qk_scale, S_L, O_L, BM, BN)
-    _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
-                   stride_lb, stride_ls, DL, BM, S_L, O_L)
-    if FUSE:
-        _grid_combine(PartO, PartLse, Out, Sync, b, row0 // BM + n_blocks * split, n_blocks * (nsplit + 1), q_start,
-                      rows, prefix, nsplit, min_chunk, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
-                      stride_ot, stride_oh, H, DL, BN, BS)
-
-
-@gluon.jit
-def _grid_combine(PartO, PartLse, Out, Sync, b, j, n_prog, q_start, rows, prefix, nsplit, min_chunk,
-                  stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, stride_ot, stride_oh, H: gl.constexpr,
-                  DL: gl.constexpr, BN: gl.constexpr, BS: gl.constexpr):
-    """The combine inside the split kernel (``KernelConfig.fused_combine``; a cooperative launch, so every program
-    is resident): the ``n_prog`` programs of request ``b`` meet at a barrier once their partials are stored, then
-    program ``j`` of them merges the request's rows j, j + n_prog, ... (all 512 channels; a one-wave launch has
-    at least as many programs as rows but at H=16) — the draft slot and the prefix partitions, BS at a time, by
-    their log2-sum-exp — and writes the output. The barrier is a sense-reversing one
-    (``Sync[b]`` = arrivals, generation): the last program to arrive resets the count and bumps the generation,
-    so the buffer is ready for the next launch without a memset (CUDA-graph replay)."""
-    # the 512 channels over the 8 warps, the partitions over 2 lanes and registers: the merge's sums over the
-    # partitions stay inside each warp (no shared memory: the ring and the query take all of it)
-    L: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [1, 8], [1, 0])
-    count = Sync + 2 * b
-    gen = gl.atomic_add(count + 1, 0, sem="relaxed", scope="gpu")
-    gl.thread_barrier()                            # every compute warp has issued its partial's stores
-    if gl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
-        gl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-        gl.atomic_add(count + 1, 1, sem="release", scope="gpu")
+    if STAGE:
+        # the partial through the key ring, free now: 16-byte stores a thread and whole rows a warp (from the
+        # accumulator's layout a thread stores 8 bytes of fp32 or 4 of a 16-bit partial, 32 or 16 bytes a row)
+        gl.thread_barrier()                        # both warp groups are done with the ring
+        if PartO.dtype.element_ty == k_lat.dtype:
+            stage = k_lat.index(0)
+        else:                                      # fp32: both slots, [BM, DL] fp32 (swizzled: no bank conflicts)
+            stage = k_lat._reinterpret(gl.float32, [BM, DL], gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
+        _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
+                       stride_lb, stride_ls, DL, BM, S_L, O_L, stage)
     else:
-        cur = gen
-        while cur == gen:
-            cur = gl.atomic_add(count + 1, 0, sem="acquire", scope="gpu")
-    gl.thread_barrier()
-
-    n_act = gl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, BN))
-    offs_s = gl.arange(0, BS, layout=gl.SliceLayout(1, L))
-    offs_d = gl.arange(0, DL, layout=gl.SliceLayout(0, L))
-    base_o = PartO + b.to(gl.int64) * stride_pb
-    base_l = PartLse + b.to(gl.int64) * stride_lb
-    for row in range(j, rows, n_prog):
-        # the draft slot first (a row that sees no draft key: LSE -inf, partial 0), then the partitions
-        m_run = gl.load(base_l + nsplit * stride_ls + row, cache_modifier=".cg")
-        acc = gl.load(base_o + nsplit * stride_ps + row * stride_pr + offs_d, cache_modifier=".cg")
-        w_run = gl.where(m_run == float("-inf"), 0.0, 1.0)
-        for s0 in range(0, n_act, BS):
-            s = s0 + offs_s
-            lse = gl.load(base_l + s * stride_ls + row, mask=s < n_act, other=float("-inf"), cache_modifier=".cg")
-            part = gl.load(base_o + s.to(gl.int64)[:, None] * stride_ps + row * stride_pr + offs_d[None, :],
-                           mask=(s < n_act)[:, None], other=0.0, cache_modifier=".cg")
-            m_new = gl.maximum(m_run, gl.max(lse, 0))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_run - m_use)
-            w = gl.exp2(lse - m_use)
-            w_run = w_run * alpha + gl.sum(w, 0)
-            acc = acc * alpha + gl.sum(w[:, None] * part, 0)
-            m_run = m_new
-        out = acc / gl.where(w_run > 0.0, w_run, 1.0)
-        gl.store(Out + (q_start + row // H).to(gl.int64) * stride_ot + (row % H) * stride_oh + offs_d,
-                 out.to(Out.dtype.element_ty))
+        _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
+                       stride_lb, stride_ls, DL, BM, S_L, O_L)
 
 
 @gluon.jit
@@ -365,10 +328,10 @@ def split_kernel_sm90_ws(
     qk_scale, nsplit, min_chunk, kv_start_mult,
     stride_qt, stride_qh, stride_kb,
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
-    KExt, VExt, Mask, MaskIndptr, stride_ket, stride_vet, Out, Sync, stride_ot, stride_oh,
+    KExt, VExt, Mask, MaskIndptr, stride_ket, stride_vet,
     H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, KV_INDPTR: gl.constexpr, PDL: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, DRAFT: gl.constexpr, HAS_MASK: gl.constexpr,
-    FUSE: gl.constexpr = False, BS: gl.constexpr = 64,
+    STAGE: gl.constexpr = False,
 ):
     """``split_kernel_sm90`` with its copies in their own warps (``gl.warp_specialize``): LOAD_WARPS producer
     warps gather the query and key tiles into a two-slot ring, signalled by mbarriers, while the 8 compute warps
@@ -385,9 +348,8 @@ def split_kernel_sm90_ws(
     if DRAFT:  # noqa: SIM102 (a constexpr branch)
         if split == nsplit and row0 < rows:
             d_len = rows // H
-    if not FUSE:  # noqa: SIM102 (a constexpr branch: a fused program with nothing to store still combines)
-        if start >= end and d_len == 0:
-            return
+    if start >= end and d_len == 0:
+        return
 
     dt: gl.constexpr = KBuf.dtype.element_ty
     q_lat = gl.allocate_shared_memory(dt, [BM, DL], SH)
@@ -403,9 +365,8 @@ def split_kernel_sm90_ws(
     gl.warp_specialize([
         (_ws_compute,
          (q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, Mask, MaskIndptr, rows, row0, b, split,
-          prefix, start, end, d_len, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, Out, Sync,
-          q_start, gl.num_programs(0), nsplit, min_chunk, stride_ot, stride_oh, H, DL, BM, BN, DRAFT, HAS_MASK, FUSE,
-          BS)),
+          prefix, start, end, d_len, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, H, DL, BM, BN,
+          DRAFT, HAS_MASK, STAGE)),
         (_ws_loader, (Q, KBuf, KvIdx, KExt, VExt, q_lat, q_rope, k_lat, k_rope, ready, empty, q_start, rows, row0,
                       kv_base, start, end, d_len, stride_qt, stride_qh, stride_kb, stride_ket, stride_vet, H, DL, DR,
                       BM, BN, LOAD_WARPS, DRAFT)),
