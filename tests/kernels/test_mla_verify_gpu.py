@@ -87,9 +87,7 @@ def test_float16_and_no_mask_chain():
                                        {"draft_rows": 1, "combine_rows": 0, "split_draft": False},
                                        {"draft_rows": 1, "combine_rows": 0, "split_draft": False, "pdl": False},
                                        {"split_draft_rows": True}, {"split_draft_rows": True, "pdl": False},
-                                       {"split_draft_rows": False, "draft_kernel_rows": True},
-                                       {"stage_partials": True}, {"stage_partials": True, "combine_rows": 0},
-                                       {"stage_partials": True, "partial_dtype": "bfloat16"}])
+                                       {"split_draft_rows": False, "draft_kernel_rows": True}])
 def test_cuda_graph_capture_and_replay_give_identical_output(overrides):
     bs, heads, q_len, max_ctx, nsplit = 4, 16, 16, 65536, 64
     config = mv.with_config(mv.default_config(DEV), **overrides)
@@ -315,29 +313,6 @@ def test_draft_kernel(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_
     check(out, run_reference(prob, SCALE))
     draft_lse = ws.views(bs, ns + 1)[1][:, ns, :rows]
     assert (draft_lse != 12345.0).all() and torch.isfinite(draft_lse).all()
-
-
-@pytest.mark.parametrize(("stage", "dtype"), [(True, "float32"), (True, "bfloat16"), (False, "bfloat16")])
-@pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes", "page", "nsplit", "layout", "tree", "q_scale"),
-                         [*FULL, (1, 16, 16, [65536], 1, 64, "indptr", True, 3.0),
-                          (8, 16, 9, [4096] * 8, 1, 64, "indptr", False, 1.0)])
-def test_staged_and_bf16_partials(bs, heads, q_len, prefixes, page, nsplit, layout, tree, q_scale, stage, dtype):
-    """stage_partials (the warp-specialised Gluon kernel stores its partial through shared memory) and
-    partial_dtype bfloat16, with GPU_CONFIG's kernels: every FULL problem (both combines; draft programs on every
-    launch here), the draft slot asserted written."""
-    prob = make_problem(bs, heads, q_len, prefixes, page_size=page, tree=tree, dtype=torch.bfloat16, device=DEV,
-                        seed=bs * 100 + q_len + 41, layout=layout, q_scale=q_scale)
-    rows = q_len * heads
-    config = mv.with_config(mv.GPU_CONFIG, stage_partials=stage, partial_dtype=dtype,
-                            max_ctas=0 if nsplit == 128 else -1)
-    ws = mv.Workspace.for_batches(bs, rows, nsplit, config, DEV)
-    assert ws.part_o.dtype == getattr(torch, dtype)
-    ws.part_lse.fill_(12345.0)
-    out = run_kernel(prob, SCALE, nsplit, config=config, workspace=ws, out=poisoned(prob))
-    check(out, run_reference(prob, SCALE))
-    if mv.draft_slots(bs, rows, config) and mv._sm90_split_kernel(config, prob["q"], prob["kv_buffer"]) is not None:
-        ns = mv.effective_nsplit(nsplit, bs, rows, config)
-        assert (ws.views(bs, ns + 1)[1][:, ns, :rows] != 12345.0).all()
 
 
 @pytest.mark.parametrize(("rows", "ns_want"), [(256, 32), (144, 43), (72, 64)])

@@ -98,9 +98,7 @@ class KernelConfig:
     launch order, on the multiprocessors the prefix programs leave free (a large batch rarely fills the last
     wave: bs=8 H=16 Q=9, 24 row blocks x 5 partitions, leaves 12 of 132). ``draft_kernel_rows``: on those
     launches, where ``split_draft_rows`` does not apply, ``_draft_kernel`` fills the slot (its small programs run
-    on the multiprocessors the split kernel leaves free). ``stage_partials``: the warp-specialised kernel stores its
-    partial through the key ring's shared memory (16-byte stores, whole rows a warp) instead of straight from the
-    accumulator's registers."""
+    on the multiprocessors the split kernel leaves free)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -127,7 +125,6 @@ class KernelConfig:
     split_draft: bool = False
     split_draft_rows: bool = False
     draft_kernel_rows: bool = False
-    stage_partials: bool = False
 
     def describe(self) -> str:
         return (f"block_m={self.block_m} block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} "
@@ -138,7 +135,7 @@ class KernelConfig:
                 f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} sm90={int(self.sm90)} "
                 f"sm90_ws={int(self.sm90_ws)} combine_rows={self.combine_rows} draft_rows={self.draft_rows} "
                 f"split_draft={int(self.split_draft)} split_draft_rows={int(self.split_draft_rows)} "
-                f"draft_kernel_rows={int(self.draft_kernel_rows)} stage_partials={int(self.stage_partials)}")
+                f"draft_kernel_rows={int(self.draft_kernel_rows)}")
 
 
 # Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
@@ -822,7 +819,7 @@ def mla_tree_verify(
         if config.sm90_ws:
             extra = dict(KExt=kext, VExt=vext, Mask=mask, MaskIndptr=mindptr, stride_ket=kext.stride(0),
                          stride_vet=vext.stride(0), LOAD_WARPS=4, LOAD_REGS=40, DRAFT=split_draft,
-                         HAS_MASK=has_mask, STAGE=config.stage_partials)
+                         HAS_MASK=has_mask)
             grid = (grid[0], ns + split_draft, bs)
         sm90[grid](*split_args, H=heads, DL=D_LATENT, DR=D_ROPE, KV_INDPTR=use_indptr, PDL=pdl,
                    num_warps=config.num_warps, **extra)

@@ -131,26 +131,16 @@ def _tile(q_lat, q_rope, kl, kr, vl, p_smem, acc, m_i, l_part, keep, qk_scale, S
 @gluon.jit
 def _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
                    stride_lb, stride_ls, DL: gl.constexpr, BM: gl.constexpr, S_L: gl.constexpr,
-                   O_L: gl.constexpr, stage=None):
+                   O_L: gl.constexpr):
     """The normalised partial output and its log2-sum-exp (every prefix partition has >= 1 key: the row sums are
-    > 0; a draft-tree row that sees no draft key gets zeros and LSE -inf, which the combines' merge weighs 0).
-    ``stage``: a free [BM, DL] shared buffer of the partials' dtype to store them through (16-byte stores)."""
+    > 0; a draft-tree row that sees no draft key gets zeros and LSE -inf, which the combines' merge weighs 0)."""
     l_i = gl.sum(l_part, 1)
     out = acc / gl.convert_layout(gl.where(l_i > 0.0, l_i, 1.0), gl.SliceLayout(1, O_L))[:, None]
+    m_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
+    d_o = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
     part = b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
-    if stage is None:
-        m_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
-        d_o = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
-        gl.store(PartO + part + m_o[:, None] * stride_pr + d_o[None, :], out.to(PartO.dtype.element_ty),
-                 mask=(m_o < rows)[:, None])
-    else:
-        stage.store(out.to(PartO.dtype.element_ty))
-        gl.thread_barrier()
-        VEC: gl.constexpr = 128 // PartO.dtype.element_ty.primitive_bitwidth          # 16 bytes
-        ST: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [8, 1], [1, 0])   # the 8 compute warps
-        m_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ST))
-        d_o = gl.arange(0, DL, layout=gl.SliceLayout(0, ST))
-        gl.store(PartO + part + m_o[:, None] * stride_pr + d_o[None, :], stage.load(ST), mask=(m_o < rows)[:, None])
+    gl.store(PartO + part + m_o[:, None] * stride_pr + d_o[None, :], out.to(PartO.dtype.element_ty),
+             mask=(m_o < rows)[:, None])
     m_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
     gl.store(PartLse + b.to(gl.int64) * stride_lb + split.to(gl.int64) * stride_ls + m_s, m_i + gl.log2(l_i),
              mask=m_s < rows)
@@ -281,7 +271,7 @@ def _draft_keep(Mask, MaskIndptr, b, row0, q_len, prefix, H: gl.constexpr, BM: g
 def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, Mask, MaskIndptr, rows, row0, b,
                 split, prefix, start, end, d_len, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
                 H: gl.constexpr, DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DRAFT: gl.constexpr,
-                HAS_MASK: gl.constexpr, STAGE: gl.constexpr):
+                HAS_MASK: gl.constexpr):
     """The 8 compute warps: as in ``split_kernel_sm90``, without the copies (they wait on ``ready`` and free a
     ring slot on ``empty`` once both warp groups' ``P V`` has read it); the draft program runs its one tile with
     the tree mask (keys in slot 0, values in slot 1)."""
@@ -307,19 +297,8 @@ def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartL
             fence_async_shared()
             acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(0), k_rope.index(0), k_lat.index(1), p_smem, acc,
                                      m_i, l_part, keep, qk_scale, S_L, O_L, BM, BN)
-    if STAGE:
-        # the partial through the key ring, free now: 16-byte stores a thread and whole rows a warp (from the
-        # accumulator's layout a thread stores 8 bytes of fp32 or 4 of a 16-bit partial, 32 or 16 bytes a row)
-        gl.thread_barrier()                        # both warp groups are done with the ring
-        if PartO.dtype.element_ty == k_lat.dtype:
-            stage = k_lat.index(0)
-        else:                                      # fp32: both slots, [BM, DL] fp32 (swizzled: no bank conflicts)
-            stage = k_lat._reinterpret(gl.float32, [BM, DL], gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
-        _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
-                       stride_lb, stride_ls, DL, BM, S_L, O_L, stage)
-    else:
-        _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
-                       stride_lb, stride_ls, DL, BM, S_L, O_L)
+    _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, b, split, stride_pb, stride_ps, stride_pr,
+                   stride_lb, stride_ls, DL, BM, S_L, O_L)
 
 
 @gluon.jit
@@ -331,7 +310,6 @@ def split_kernel_sm90_ws(
     KExt, VExt, Mask, MaskIndptr, stride_ket, stride_vet,
     H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, KV_INDPTR: gl.constexpr, PDL: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, DRAFT: gl.constexpr, HAS_MASK: gl.constexpr,
-    STAGE: gl.constexpr = False,
 ):
     """``split_kernel_sm90`` with its copies in their own warps (``gl.warp_specialize``): LOAD_WARPS producer
     warps gather the query and key tiles into a two-slot ring, signalled by mbarriers, while the 8 compute warps
@@ -366,7 +344,7 @@ def split_kernel_sm90_ws(
         (_ws_compute,
          (q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, Mask, MaskIndptr, rows, row0, b, split,
           prefix, start, end, d_len, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, H, DL, BM, BN,
-          DRAFT, HAS_MASK, STAGE)),
+          DRAFT, HAS_MASK)),
         (_ws_loader, (Q, KBuf, KvIdx, KExt, VExt, q_lat, q_rope, k_lat, k_rope, ready, empty, q_start, rows, row0,
                       kv_base, start, end, d_len, stride_qt, stride_qh, stride_kb, stride_ket, stride_vet, H, DL, DR,
                       BM, BN, LOAD_WARPS, DRAFT)),
