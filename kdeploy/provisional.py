@@ -31,13 +31,15 @@ PENDING = "pending"
 SCRIPT = ".revert.sh"  # beside it: systemd would expand $ and % in a command line given to systemd-run
 NONE = "-"  # no confirmed release yet (a first deploy)
 MARGIN = 60.0  # seconds beyond restart + gate before the host acts on its own
+HOLDER_WAIT = 60  # seconds a fired revert waits for a held deploy lock (at most revert_after) before ending its holder
 TRANSIENT_DIR = "/run/systemd/transient"  # where systemd keeps the unit files of systemd-run's units
 
 # Runs on the host as a transient service: $1 service dir, $2 unit file, $3 token, $4 first-deploy policy,
-# $5 the environment file kdeploy writes secrets into ("-": none; its last confirmed content is put back).
-_REVERT = r"""d=$1 unit=$2 token=$3 policy=$4 envfile=$5
+# $5 the environment file kdeploy writes secrets into ("-": none; its last confirmed content is put back),
+# $6 how long to wait for a held deploy lock before ending its holder.
+_REVERT = r"""d=$1 unit=$2 token=$3 policy=$4 envfile=$5 wait=$6
 exec 9>>"$d/.lock" || exit 1
-if ! flock -w 60 9; then  # a live controller confirms or re-arms long before: the holder's link is dead
+if ! flock -w "$wait" 9; then  # a live controller confirms or re-arms long before: the holder's link is dead
   pid=$(sed -n 's/.*"remote_pid": *\([0-9]*\).*/\1/p' "$d/lock.json" 2>/dev/null)
   [ -n "$pid" ] && { pkill -TERM -P "$pid"; kill -TERM "$pid"; }
   flock -w 30 9 || exit 1
@@ -132,13 +134,15 @@ def stop_revert_service(timer: str) -> str:
 def arm_script(service_dir: str, unit_file: str, timer: str, pending: Pending, policy: str,
                environment_file: str | None = None) -> str:
     """Lines for the activation script: replace any armed revert, record ``pending``, arm the timer.
-    ``environment_file``: where kdeploy writes the service's secrets (the revert restores them too)."""
+    ``environment_file``: where kdeploy writes the service's secrets (the revert restores them too).
+    Once fired, the revert waits for a held lock at most as long as the deadline was (``HOLDER_WAIT`` at
+    most): a holder still there by then has a dead link, and a short ``revert_after`` means a quick revert."""
     d = shlex.quote(service_dir)
     seconds = max(1, int(pending.deadline - time.time()))
     argv = ["systemd-run", "--quiet", "--collect", f"--unit={timer}", f"--on-active={seconds}",
             "--timer-property=AccuracySec=1s", f"--description=kdeploy: revert {unit_file} unless confirmed",
             "/bin/sh", f"{service_dir}/{SCRIPT}", service_dir, unit_file, pending.token, policy,
-            environment_file or NONE]
+            environment_file or NONE, str(min(HOLDER_WAIT, seconds))]
     return "\n".join([
         _stop(timer),
         f"printf '%s\\n' {shlex.quote(_REVERT)} > {d}/{SCRIPT}",

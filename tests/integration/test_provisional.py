@@ -67,10 +67,14 @@ def _deployed(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> str:
     return doc["hosts"][0]["release"]
 
 
+def _gate(revert_after: float = REVERT_AFTER) -> dict:
+    return {"workers": 8, "poll_interval": 0.25, "markers": ["[kdeploy-testplugin] loaded"], "timeout": 60,
+            "revert_after": revert_after}
+
+
 @pytest.fixture
 def quick(deployment: Deployment) -> Deployment:
-    deployment.set_service(gate={"workers": 8, "poll_interval": 0.25, "markers": ["[kdeploy-testplugin] loaded"],
-                                 "timeout": 60, "revert_after": REVERT_AFTER})
+    deployment.set_service(gate=_gate())
     return deployment
 
 
@@ -175,8 +179,7 @@ def test_gate_failure_rolls_back_with_the_old_release_config(quick: Deployment,
     service = quick.load().hosts["h1"].service
     quick.set_service(env={"REFSERVER_WRONG_ANSWER": "1"},
                       sglang={**service.sglang.model_dump(exclude_none=True), "port": quick.port + 500, "tp": 4},
-                      gate={"workers": 4, "poll_interval": 0.25, "markers": ["[kdeploy-testplugin] loaded"],
-                            "timeout": 60, "revert_after": REVERT_AFTER})
+                      gate={**_gate(), "workers": 4})
     code, doc = quick.json(capsys, "push", "test", "--workers", "4")
     host = doc["hosts"][0]
     assert code == 4 and host["result"] == "rolled_back", host
@@ -192,11 +195,11 @@ def test_gate_failure_rolls_back_with_the_old_release_config(quick: Deployment,
 
 def test_link_lost_after_the_switch_reconnects_relocks_and_rolls_back(quick: Deployment,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    """The controller's link dies during the gate (blackholed long enough for TCP to give up), then heals:
-    kdeploy reconnects, ends its own orphaned lock holder, takes the lock and rolls back, or finds that the
-    host already went back by itself. Either way the host ends on its old release, healthy."""
+    """The controller's link dies during the gate (blackholed long enough for TCP to give up), then heals
+    before the host's deadline: kdeploy reconnects, ends its own orphaned lock holder, takes the lock and
+    rolls back; the host ends on its old release, healthy."""
     old = _deployed(quick, capsys)
-    quick.set_service(env={"REFSERVER_SLOW_START": "60"})
+    quick.set_service(env={"REFSERVER_SLOW_START": "60"}, gate=_gate(revert_after=90))
     healed = threading.Event()
 
     def heal_later() -> None:
@@ -218,6 +221,7 @@ def test_link_lost_after_the_switch_reconnects_relocks_and_rolls_back(quick: Dep
     assert host.result == "rolled_back", (host.error, [(p.name, p.detail) for p in host.phases])
     assert host.release == old == _current(quick)
     assert any(p.name == "relock" and p.ok for p in host.phases), host.phases
+    assert any(p.name == "rollback" and p.ok for p in host.phases), host.phases
     deadline = time.monotonic() + 30
     while quick.show("h1", "ActiveState") != "active" and time.monotonic() < deadline:
         time.sleep(0.25)

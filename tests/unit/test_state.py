@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,14 @@ def test_pending_line_round_trips():
     assert provisional.parse_pending("a b c notanumber") is None
     again = provisional.new_pending(R2, R2, 30, p.token)
     assert again.token == p.token
+
+
+@pytest.mark.parametrize(("seconds", "wait"), [(1140, provisional.HOLDER_WAIT), (12, 12), (0, 1)])
+def test_a_fired_revert_waits_for_the_lock_at_most_as_long_as_its_deadline_was(seconds, wait):
+    p = provisional.Pending("tok", "R2", "R3", int(time.time()) + seconds + 1)
+    argv = shlex.split(provisional.arm_script("/srv/kd/x", "x.service", "kdeploy-revert-x", p, "stop").splitlines()[-1])
+    assert argv[-1] == str(wait) and argv[-2] == "-"
+    assert f"--on-active={max(1, seconds)}" in argv or f"--on-active={max(1, seconds + 1)}" in argv
 
 
 def test_arm_and_confirm_scripts_quote_and_name_the_unit():
