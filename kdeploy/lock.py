@@ -150,14 +150,15 @@ def acquire(remote: Remote, service_dir: str, *, command: str, wait: float = 0, 
         raise Unreachable(f"{remote.host.name}: connection lost while taking the deploy lock: {exc}") from None
     sections = split_sections(text)
     if "held" in sections or READY not in text:
-        rc = process.wait()
+        rc = process.wait(RELEASE_WAIT)  # exits at once when the lock is held: never wait on a live holder
         err = process.stderr().strip()
         process.close()
         if rc == HELD_RC:
             holder = parse_info(sections.get("held", ""))
             who = holder.describe() if holder else "unknown holder"
             raise LockHeld(f"{remote.host.name}: deploy lock held by {who}")
-        raise Unreachable(f"{remote.host.name}: cannot take the deploy lock: {err or f'exit status {rc}'}")
+        why = err or (f"exit status {rc}" if rc is not None else "unexpected output: " + " ".join(text.split())[:120])
+        raise Unreachable(f"{remote.host.name}: cannot take the deploy lock: {why}")
     process.no_timeout()
     pid = sections.get("holder", "").strip()
     return HeldLock(process, text, parse_info(sections.get("stale", "")), int(pid) if pid.isdigit() else None)

@@ -379,6 +379,25 @@ def test_a_command_that_writes_megabytes_to_stderr_before_stdout_finishes(deploy
     assert (out.rc, out.stdout, len(out.stderr)) == (0, "done\n", 5_000_000)
 
 
+def test_a_login_shell_that_prints_a_banner_changes_no_result(deployment: Deployment,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Debian's bash reads root's .bashrc for commands run over SSH: whatever it prints (a banner, a
+    warning) lands in front of every command's output, which kdeploy must not take for its own."""
+    rc = "/root/.bashrc"
+    deployment.sh("h1", f"cp -a {rc} {rc}.kdeploy-test 2>/dev/null || : > {rc}.kdeploy-test; "
+                        f"printf 'echo Welcome to gpu-01\\necho banner >&2\\n' >> {rc}")
+    try:
+        results = []
+        for args in (("push", "test"), ("push", "test"), ("status", "test"), ("verify", "test"),
+                     ("history", "test"), ("lock", "status", "test")):
+            code, doc = deployment.json(capsys, *args)
+            results.append((args[0], code, doc["hosts"][0]["result"]))
+        assert results == [("push", 0, "deployed"), ("push", 0, "unchanged"), ("status", 0, "ok"),
+                           ("verify", 0, "healthy"), ("history", 0, "ok"), ("lock", 0, "ok")]
+    finally:
+        deployment.sh("h1", f"mv -f {rc}.kdeploy-test {rc}")
+
+
 def test_host_files_are_root_only_except_what_the_service_reads(deployment: Deployment,
                                                               capsys: pytest.CaptureFixture[str],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
