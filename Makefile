@@ -7,7 +7,7 @@ SANDBOX_INVENTORY ?= .sandbox/inventory.yaml
 .PHONY: system-deps venv ci-tools lint test demo demo-down bench bench-rollout bench-scale clean
 
 # Installs only what is missing: systemd-nspawn, sshd/ssh, ip/tc, nsenter/flock, Debian's python3 + venv,
-# rsync and npm (gitlab-ci-local runs the CI example).
+# rsync, npm (gitlab-ci-local runs the CI example) and zsh (a sandbox host's root may log in with it).
 system-deps:
 	@missing=""; \
 	command -v systemd-nspawn >/dev/null || missing="$$missing systemd-container"; \
@@ -20,6 +20,7 @@ system-deps:
 	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
 	command -v rsync >/dev/null || missing="$$missing rsync"; \
 	command -v npm >/dev/null || missing="$$missing npm"; \
+	command -v zsh >/dev/null || missing="$$missing zsh"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \

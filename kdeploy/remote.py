@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import random
+import shlex
 import socket
 import threading
 import time
@@ -520,7 +521,7 @@ class Remote:
         try:
             channel = self.transport.open_session(timeout=timeout)
             channel.settimeout(timeout)
-            channel.exec_command(command)
+            channel.exec_command(posix(command))
             try:
                 for chunk in _chunks(stdin):
                     if cancel is not None and cancel.is_set():
@@ -549,7 +550,7 @@ class Remote:
         try:
             channel = self.transport.open_session(timeout=timeout)
             channel.settimeout(timeout)
-            channel.exec_command(command)
+            channel.exec_command(posix(command))
         except (OSError, paramiko.SSHException, EOFError) as exc:
             raise Unreachable(f"{self.host.name}: connection lost: {exc or type(exc).__name__}") from None
         return Process(self.host.name, channel)
@@ -569,6 +570,13 @@ class Remote:
 
 class InputFailed(Exception):
     """Reading what ``Remote.run`` streams to a command's stdin failed (a local file vanished or shrank)."""
+
+
+def posix(command: str) -> str:
+    """What sshd hands root's login shell: ``command`` run by ``/bin/sh`` whatever that shell is (zsh, say,
+    fails on a glob that matches nothing, where kdeploy's POSIX scripts expect it kept as it is). The login
+    shell still sets the environment up first; ``exec`` keeps the PID, which the lock holder reports."""
+    return "exec /bin/sh -c " + shlex.quote(command)
 
 
 def _chunks(stdin: bytes | Iterable[bytes] | None) -> Iterator[bytes]:

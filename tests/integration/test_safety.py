@@ -379,23 +379,23 @@ def test_a_command_that_writes_megabytes_to_stderr_before_stdout_finishes(deploy
     assert (out.rc, out.stdout, len(out.stderr)) == (0, "done\n", 5_000_000)
 
 
-def test_a_login_shell_that_prints_a_banner_changes_no_result(deployment: Deployment,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """Debian's bash reads root's .bashrc for commands run over SSH: whatever it prints (a banner, a
-    warning) lands in front of every command's output, which kdeploy must not take for its own."""
-    rc = "/root/.bashrc"
-    deployment.sh("h1", f"cp -a {rc} {rc}.kdeploy-test 2>/dev/null || : > {rc}.kdeploy-test; "
-                        f"printf 'echo Welcome to gpu-01\\necho banner >&2\\n' >> {rc}")
+def test_root_with_a_zsh_login_shell_that_prints_a_banner_changes_no_result(deployment: Deployment,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """sshd hands every command to root's login shell: zsh stops at a glob that matches nothing (kdeploy's
+    scripts are POSIX sh, so they run under /bin/sh), and what its .zshenv prints (a banner, a warning)
+    lands in front of every command's output, which kdeploy must not take for its own."""
+    deployment.sh("h1", "cp -a /etc/passwd /etc/passwd.kdeploy-test && usermod -s /usr/bin/zsh root && "
+                        "printf 'echo Welcome to gpu-01\\necho banner >&2\\n' > /root/.zshenv")
     try:
         results = []
         for args in (("push", "test"), ("push", "test"), ("status", "test"), ("verify", "test"),
                      ("history", "test"), ("lock", "status", "test")):
             code, doc = deployment.json(capsys, *args)
-            results.append((args[0], code, doc["hosts"][0]["result"]))
-        assert results == [("push", 0, "deployed"), ("push", 0, "unchanged"), ("status", 0, "ok"),
-                           ("verify", 0, "healthy"), ("history", 0, "ok"), ("lock", 0, "ok")]
+            results.append((args[0], code, doc["hosts"][0]["result"], doc["hosts"][0].get("error")))
+        assert results == [("push", 0, "deployed", None), ("push", 0, "unchanged", None), ("status", 0, "ok", None),
+                           ("verify", 0, "healthy", None), ("history", 0, "ok", None), ("lock", 0, "ok", None)]
     finally:
-        deployment.sh("h1", f"mv -f {rc}.kdeploy-test {rc}")
+        deployment.sh("h1", "mv -f /etc/passwd.kdeploy-test /etc/passwd; rm -f /root/.zshenv")
 
 
 def test_host_files_are_root_only_except_what_the_service_reads(deployment: Deployment,

@@ -11,7 +11,7 @@ RECORD = {"time": "2025-01-02T03:04:05Z", "user": "alice", "release": "20250102T
 
 
 def sh(command: str) -> str:
-    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=True, timeout=30).stdout
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True, timeout=30).stdout
 
 
 def test_append_and_read_round_trip(tmp_path):

@@ -1,4 +1,4 @@
-"""kdeploy/lock.py: the holder script RUN for real with bash and flock in a temp service dir.
+"""kdeploy/lock.py: the holder script RUN for real with sh (as on a host) and flock in a temp service dir.
 
 Each holder is started in its own process group, so a test can SIGKILL exactly it (the shell and its
 `cat`, which inherits the flock'd descriptor) and every holder left running is ended at teardown.
@@ -40,7 +40,7 @@ SAFETY = 20.0   # seconds: only ever a bound on waiting for output that should c
 
 class Holder:
     def __init__(self, script: str) -> None:
-        self.proc = subprocess.Popen(["bash", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(["sh", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
         self.out = b""
 
@@ -68,7 +68,7 @@ class Holder:
         return self.proc.returncode, self.out.decode()
 
     def kill(self) -> None:
-        """SIGKILL the holder's whole process group: bash and its `cat`."""
+        """SIGKILL the holder's whole process group: sh and its `cat`."""
         os.killpg(self.pid, signal.SIGKILL)
         self.proc.wait(timeout=SAFETY)
 
@@ -92,7 +92,7 @@ def holders():
 
 
 def status(sdir: Path) -> LockStatus:
-    out = subprocess.run(["bash", "-c", status_command(str(sdir))], capture_output=True, text=True, timeout=SAFETY,
+    out = subprocess.run(["sh", "-c", status_command(str(sdir))], capture_output=True, text=True, timeout=SAFETY,
                          check=True).stdout
     return parse_status(out)
 
@@ -214,7 +214,7 @@ def test_killed_holder_leaves_a_stale_lock(tmp_path, holders):
 def release(sdir: Path, force: bool, wait: float = 2.0) -> tuple[LockStatus, str | None]:
     """Run release_command as ``lock release [--force]`` does: (the status it ends with, why still held)."""
     st = status(sdir)
-    out = subprocess.run(["bash", "-c", release_command(str(sdir), st, force, wait=wait)], capture_output=True,
+    out = subprocess.run(["sh", "-c", release_command(str(sdir), st, force, wait=wait)], capture_output=True,
                          text=True, timeout=SAFETY, check=True).stdout
     return parse_status(out), release_failure(out, st.info)
 
@@ -292,7 +292,7 @@ def test_command_with_shell_metacharacters_is_recorded_verbatim(tmp_path, holder
 def test_unwritable_service_dir_exits_70(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a dir")
-    proc = subprocess.run(["bash", "-c", holder_script(str(blocker / "svc"), INFO)], input=b"",
+    proc = subprocess.run(["sh", "-c", holder_script(str(blocker / "svc"), INFO)], input=b"",
                           capture_output=True, timeout=SAFETY, check=False)
     assert proc.returncode == 70
 

@@ -1,5 +1,5 @@
 """kdeploy/release.py: manifests, deltas, release ids, pruning, and the stage/activate scripts RUN for real
-with bash in a temp dir that plays the service dir (only systemctl is a fake that records its arguments)."""
+with sh (as on a host) in a temp dir playing the service dir (only systemctl is a fake that records its arguments)."""
 
 from __future__ import annotations
 
@@ -295,7 +295,7 @@ def stage(sdir: Path, payload_root: Path, *, unit_text: str = "[Unit]\nDescripti
 
 
 def run_script(script: str, stdin: bytes = b"", env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", script], input=stdin, capture_output=True, timeout=60, check=False,
+    return subprocess.run(["sh", "-c", script], input=stdin, capture_output=True, timeout=60, check=False,
                           env=env)
 
 
