@@ -615,15 +615,15 @@ def _drain(channel: paramiko.Channel, deadline: float | None = None) -> tuple[by
     timeout = channel.gettimeout()
     heard = time.monotonic()
     while True:
+        limit = deadline if deadline is not None else None if timeout is None else heard + timeout
+        left = None if limit is None else limit - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError
         if channel.recv_stderr_ready():
             err += channel.recv_stderr(65536)
             heard = time.monotonic()
             continue
-        limit = deadline if deadline is not None else None if timeout is None else heard + timeout
-        wait = STDERR_POLL if limit is None else min(STDERR_POLL, limit - time.monotonic())
-        if wait <= 0:
-            raise TimeoutError
-        channel.settimeout(wait)
+        channel.settimeout(STDERR_POLL if left is None else min(STDERR_POLL, left))
         try:
             chunk = channel.recv(65536)
         except TimeoutError:

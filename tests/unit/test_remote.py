@@ -12,11 +12,11 @@ from kdeploy import remote
 class StandInChannel:
     """The part of a paramiko channel that ``_drain`` and ``_cut_short`` use. ``stdout``/``stderr``: what the
     command prints, one piece per read. Its stderr shows up ``stderr_after`` s after it started, and its
-    stdout cannot go on while stderr is unread (a full window). ``endless``: it keeps printing to stdout and
-    never exits."""
+    stdout cannot go on while stderr is unread (a full window). ``endless``: it keeps printing to that stream
+    and never exits."""
 
     def __init__(self, stdout: list[bytes], stderr: list[bytes], *, stderr_after: float = 0.0,
-                 endless: bool = False) -> None:
+                 endless: str = "") -> None:
         self.stdout, self.stderr, self.endless = stdout, stderr, endless
         self.stderr_at = time.monotonic() + stderr_after
         self.status_event = threading.Event()
@@ -33,10 +33,10 @@ class StandInChannel:
         self.input_ended = True
 
     def recv_stderr_ready(self) -> bool:
-        return bool(self.stderr) and time.monotonic() >= self.stderr_at
+        return self.endless == "stderr" or (bool(self.stderr) and time.monotonic() >= self.stderr_at)
 
     def recv(self, size: int) -> bytes:
-        if self.endless:
+        if self.endless == "stdout":
             time.sleep(0.005)
             return b"still cleaning up\n"
         if self.stderr:
@@ -46,6 +46,9 @@ class StandInChannel:
         return self.stdout.pop(0) if self.stdout else b""
 
     def recv_stderr(self, size: int) -> bytes:
+        if self.endless == "stderr":
+            time.sleep(0.005)
+            return b"warning: still cleaning up\n"
         return self.stderr.pop(0) if self.stderr else b""
 
     def close(self) -> None:
@@ -64,8 +67,9 @@ def test_no_output_for_the_channel_timeout_is_a_timeout() -> None:
         remote._drain(channel)  # type: ignore[arg-type]
 
 
-def test_a_command_that_keeps_printing_is_given_up_after_the_wait_in_all() -> None:
-    channel = StandInChannel([], [], endless=True)
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_a_command_that_keeps_printing_is_given_up_after_the_wait_in_all(stream: str) -> None:
+    channel = StandInChannel([], [], endless=stream)
     started = time.monotonic()
     remote._cut_short(channel, 0.3)  # type: ignore[arg-type]
     assert channel.input_ended and channel.closed
