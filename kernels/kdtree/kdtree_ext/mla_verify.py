@@ -707,9 +707,14 @@ def effective_nsplit(nsplit: int, bs: int, rows: int, config: KernelConfig) -> i
     return _wave_nsplit(ns, blocks, sms) if sms > 0 else ns
 
 
+def _row_block(bs: int, rows: int, config: KernelConfig) -> bool:
+    """The row-block combine merges this launch (``combine_rows``), not the per-row one (static sizes only)."""
+    return 0 < config.combine_rows <= bs * rows
+
+
 def _split_draft(bs: int, rows: int, config: KernelConfig) -> bool:
     """``split_draft`` applies: a launch the per-row combine merges (static sizes only)."""
-    return config.split_draft and not 0 < config.combine_rows <= bs * rows
+    return config.split_draft and not _row_block(bs, rows, config)
 
 
 def draft_slots(bs: int, rows: int, config: KernelConfig) -> int:
@@ -717,7 +722,7 @@ def draft_slots(bs: int, rows: int, config: KernelConfig) -> int:
     (``draft_rows`` or ``split_draft`` on launches the per-row combine merges, ``split_draft_rows`` or
     ``draft_kernel_rows`` on the others; written by the split kernel's draft programs or ``_draft_kernel``, see
     ``mla_tree_verify``), else 0 (static sizes only)."""
-    if 0 < config.combine_rows <= bs * rows:
+    if _row_block(bs, rows, config):
         return int(config.split_draft_rows or config.draft_kernel_rows)
     return int(0 < config.draft_rows <= bs * rows or config.split_draft)
 
@@ -809,7 +814,7 @@ def mla_tree_verify(
     # the draft tree's partial in slot ns: from the warp-specialised kernel's programs of partition ns, else from
     # _draft_kernel (draft_rows, draft_kernel_rows); where neither applies the combine attends the tree itself (the
     # slot stays unused)
-    row_block = 0 < config.combine_rows <= bs * rows
+    row_block = _row_block(bs, rows, config)
     split_draft = (bool(draft) and (config.split_draft_rows if row_block else config.split_draft)
                    and config.sm90_ws and sm90 is not None and max_q_len <= 64)
     draft_kernel = bool(draft) and not split_draft and (config.draft_kernel_rows if row_block
