@@ -362,9 +362,7 @@ def test_state_parser_reads_a_fresh_host(deployment: Deployment) -> None:
 
 
 def test_a_slow_remote_command_is_a_timeout_not_unreachable(deployment: Deployment) -> None:
-    inv = deployment.load()
-    host = inv.hosts["h1"]
-    with Remote.connect(host, sshconfig.target_for(inv, host)) as remote:
+    with _connect(deployment) as remote:
         with pytest.raises(RemoteTimeout, match=r"did not finish within 0\.5s"):
             remote.run("sleep 3", timeout=0.5)
         assert remote.run("echo still here", timeout=10).stdout == "still here\n"
@@ -372,9 +370,7 @@ def test_a_slow_remote_command_is_a_timeout_not_unreachable(deployment: Deployme
 
 def test_a_command_that_writes_megabytes_to_stderr_before_stdout_finishes(deployment: Deployment) -> None:
     """Both streams are read as they come: unread stderr must not fill the channel's window and stall."""
-    inv = deployment.load()
-    host = inv.hosts["h1"]
-    with Remote.connect(host, sshconfig.target_for(inv, host)) as remote:
+    with _connect(deployment) as remote:
         out = remote.run("head -c 5000000 /dev/zero | tr '\\0' e >&2; echo done", timeout=20)
     assert (out.rc, out.stdout, len(out.stderr)) == (0, "done\n", 5_000_000)
 
