@@ -25,11 +25,13 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from kdeploy import __version__, fleet, junit, logs, progress, settings
 from kdeploy import inventory as inv
 from kdeploy.deploy import History, LockView, Options, Plan, StatusView
 from kdeploy.errors import ExitCode, InvalidInput, KdeployError
+from kdeploy.history import columns as history_columns
 from kdeploy.probe import ProbeReport
 from kdeploy.render import render_unit
 from kdeploy.report import HostResult, Listener, Report
@@ -75,9 +77,12 @@ AcceptOpt = Annotated[bool, typer.Option("--accept-new-host-keys", help="Trust a
 ParallelOpt = Annotated[int, typer.Option("--parallel", min=1, envvar="KDEPLOY_PARALLEL",
                                           help="Hosts worked on at once.")]
 WorkersOpt = Annotated[int | None, typer.Option("--workers", min=1, help="TP workers that must show each marker.")]
-TimeoutOpt = Annotated[float | None, typer.Option("--timeout", min=0.1, help="Gate timeout in seconds.")]
-LockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, envvar="KDEPLOY_LOCK_WAIT",
-                                            help="Wait this long for a held lock.")]
+
+
+TimeoutOpt = Annotated[float | None, typer.Option("--timeout", min=0.1, max=inv.WEEK,
+                                                  help="Gate timeout in seconds.")]
+LockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, max=inv.WEEK,
+                                            envvar="KDEPLOY_LOCK_WAIT", help="Wait this long for a held lock.")]
 # Anywhere on the command line (main() moves them before the subcommand), so `kdeploy push all --debug` works.
 GLOBAL_FLAGS = ("--debug", "--quiet", "-q")
 
@@ -112,10 +117,22 @@ def root(version: Annotated[bool, typer.Option("--version", callback=_version, i
     _flags.quiet = quiet
 
 
+def _check_writable(path: Path, option: str) -> None:
+    """A report file is checked before any host is touched: after a deploy it would be too late to say so."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidInput(f"{option} {path}: cannot create its directory: {exc.strerror}") from None
+    if path.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InvalidInput(f"{option} {path}: not a writable file")
+
+
 class Ui:
     """Human output on stderr (a live view when it is a TTY, plain lines in CI), JSON on stdout, JUnit to a file."""
 
     def __init__(self, as_json: bool, junit: Path | None = None) -> None:
+        if junit is not None:
+            _check_writable(junit, "--junit")
         self.as_json, self.junit, self.quiet = as_json, junit, _flags.quiet
         self.started, self.clock = datetime.now(UTC), time.monotonic()
         self.plain = progress.plain_wanted(os.environ, Console(stderr=True).is_terminal)
@@ -165,13 +182,12 @@ class Ui:
 
         ``--quiet`` leaves out the extra view and every host that ended well.
         """
-        if self.as_json:
-            sys.stdout.write(json.dumps(report.as_json(), indent=2, default=str) + "\n")
-        if self.junit:
+        if self.junit:  # before the JSON: a write that still fails must not follow a document that says ok
             services = {name: h.service.name for name, h in inventory.hosts.items()} if inventory else {}
-            self.junit.parent.mkdir(parents=True, exist_ok=True)
             self.junit.write_text(junit.build(report, services, started=self.started,
                                               seconds=time.monotonic() - self.clock))
+        if self.as_json:
+            sys.stdout.write(json.dumps(report.as_json(), indent=2, default=str) + "\n")
         if extra and not self.quiet:
             extra(report)
         if self.plain or self.quiet:
@@ -402,8 +418,7 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
         table = ui.table("deploy history", "host", "time", "user", "controller", "release", "result", "seconds")
         for host in rep.hosts:
             for rec in host.details.records if isinstance(host.details, History) else []:
-                table.add_row(host.host, rec.get("time", ""), rec.get("user", ""), rec.get("controller", ""),
-                              rec.get("release") or "-", rec.get("result", ""), str(rec.get("duration", "")))
+                table.add_row(host.host, *map(Text, history_columns(rec)))  # Text: no markup from the host's file
         ui.err.print(table)
 
     ui.report(report, show, table=False)
@@ -445,7 +460,7 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
 
 ScopeOpt = Annotated[str | None, typer.Option("--target", "-t", help="Host or group to write at (default: defaults).")]
 NoApplyOpt = Annotated[bool, typer.Option("--no-apply", help="Only edit the inventory; do not roll out.")]
-EditLockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0,
+EditLockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, max=inv.WEEK,
                                                 help="Wait this long for the inventory's and the hosts' locks.")]
 
 

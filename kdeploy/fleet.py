@@ -407,5 +407,6 @@ def _revert(edit: settings.Edit, report: Report, opts: Options, parallel: int, l
         for host, restored in zip(moved, back, strict=True):
             match = next(h for h in report.hosts if h.host == host)
             match.restored = restored.result
+            match.release = restored.release or match.release  # what the host runs after the command
             if not restored.ok:
                 match.finish("rollback_failed", f"put back to the old config failed: {restored.error}")

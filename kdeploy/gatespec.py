@@ -82,6 +82,8 @@ def load_payload_gate(payload_dir: Path) -> PayloadGate | None:
         return None
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise InvalidInput(f"{path}: invalid payload gate manifest: not UTF-8 text") from None
     try:
         gate = PayloadGate.model_validate(json.loads(text))
     except (ValueError, ValidationError) as exc:

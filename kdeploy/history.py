@@ -26,3 +26,11 @@ def parse(text: str) -> list[dict]:
         if isinstance(record, dict):
             records.append(record)
     return records
+
+
+def columns(record: dict) -> list[str]:
+    """A record's time, user, controller, release, result and seconds as text: the file is the host's and may
+    hold any JSON value where kdeploy writes strings."""
+    cells = [record.get(k) for k in ("time", "user", "controller")]
+    cells += [record.get("release") or "-", record.get("result"), record.get("duration")]
+    return ["" if c is None else str(c) for c in cells]

@@ -97,7 +97,10 @@ MemLayout = Literal["layer_first", "page_first", "page_first_direct", "page_firs
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+WEEK = 7 * 24 * 3600  # the longest wait kdeploy or a unit setting takes: a bound that still catches typos and .inf
 
 
 def _doc(description: str, default: Any = ..., *, shown: str | None = None, **constraints: Any) -> Any:
@@ -181,12 +184,12 @@ class Gate(_Strict):
         shown="what the payload's `kdeploy-gate.json` requires")
     ready_path: SafeStr = _doc("polled until it answers 200", "/health")
     timeout: float | None = _doc("seconds the gate may take in total (`--timeout` overrides it)", None, gt=0,
-                                 shown="`unit.timeout_start_sec`")
+                                 le=WEEK, shown="`unit.timeout_start_sec`")
     poll_interval: float = _doc("seconds between polls of the unit state, readiness and markers", 0.5, gt=0, le=30)
     revert_after: float | None = _doc(
         "seconds after a switch at which the host goes back to its last confirmed release by itself unless "
         "kdeploy confirmed it (docs/push.md, provisional activation); keep it above the restart and gate time",
-        None, gt=0, shown="`unit.timeout_stop_sec + 60 + gate timeout + 60`")
+        None, gt=0, le=WEEK, shown="`unit.timeout_stop_sec + 60 + gate timeout + 60`")
 
 
 class UnitSettings(_Strict):
@@ -194,12 +197,12 @@ class UnitSettings(_Strict):
 
     description: SafeStr | None = _doc("`Description=`", None, shown="`SGLang <served_model_name or name>`")
     user: SafeStr | None = _doc("`User=`", None, shown="none (root)")
-    timeout_start_sec: int = _doc("`TimeoutStartSec=`; also the default gate timeout", 900, gt=0)
+    timeout_start_sec: int = _doc("`TimeoutStartSec=`; also the default gate timeout", 900, gt=0, le=WEEK)
     timeout_stop_sec: int = _doc("`TimeoutStopSec=`; a push waits up to this + 60 s for the old run to stop", 120,
-                                 gt=0)
-    restart_sec: int = _doc("`RestartSec=`", 5, ge=0)
+                                 gt=0, le=WEEK)
+    restart_sec: int = _doc("`RestartSec=`", 5, ge=0, le=WEEK)
     kill_mode: Literal["control-group", "mixed", "process"] = _doc("`KillMode=`", "mixed")
-    limit_nofile: int = _doc("`LimitNOFILE=`", 1048576, gt=0)
+    limit_nofile: int = _doc("`LimitNOFILE=`", 1048576, gt=0, le=2**30)  # the kernel's fs.nr_open maximum
 
 
 def _secret_env(value: str) -> str:
@@ -329,7 +332,7 @@ class Router(_Strict):
         "`service.sglang.port`, `{name}` its name; it must match the URL the router lists the worker under",
         "http://{address}:{port}")
     drain_timeout: float = _doc("seconds a drained host may take to finish its requests before the restart goes "
-                                "ahead anyway", 120, gt=0)
+                                "ahead anyway", 120, gt=0, le=WEEK)
     api_key_env: Annotated[str, AfterValidator(_api_key_env)] | None = _doc(
         "the name of an environment variable of the controller holding the router's API key (sent as "
         "`Authorization: Bearer`); the key itself never goes in the inventory", None)
@@ -374,7 +377,7 @@ class HostConfig(_Strict):
                                          "ssh_config's `IdentityFile`s, else the usual `~/.ssh/id_*` keys", None)
     known_hosts: SafeStr | None = _doc("host keys are always checked against this file (docs/push.md, host keys)",
                                        None, shown="`~/.ssh/known_hosts`")
-    connect_timeout: float = _doc("seconds for TCP connect, SSH banner and authentication", 10, gt=0)
+    connect_timeout: float = _doc("seconds for TCP connect, SSH banner and authentication", 10, gt=0, le=3600)
     proxy_jump: SafeStr | None = _doc("jump host(s): `[user@]host[:port]`, a comma list for several hops, or "
                                       "`none` (docs/ssh.md)", None)
     ssh_config: SafeStr | bool | None = _doc("the OpenSSH client config to read, or `false` for none; "
@@ -411,9 +414,12 @@ class Inventory:
         return self.path.parent
 
     def resolve(self, target: str | None) -> list[str]:
-        """Host names for TARGET (host | group | ``all`` | comma list), in inventory order."""
-        if target is None or not target.strip():
+        """Host names for TARGET (host | group | ``all`` | comma list), in inventory order. ``None`` (the library's
+        default) is ``all``; a blank TARGET is refused: ``kdeploy push "$UNSET"`` must not reach every host."""
+        if target is None:
             target = "all"
+        if not target.strip():
+            raise InvalidInput(f"target {target!r} is blank: name a host, a group, `all` or a comma list")
         wanted: set[str] = set()
         for part in (p.strip() for p in target.split(",")):
             if not part:
@@ -460,6 +466,9 @@ def read_text(path: Path, what: str = "inventory", option: str = "--inventory PA
         raise InvalidInput(f"{path}: {what} not found (pass {option})") from None
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot read {what}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise InvalidInput(f"{path}:{line}: {what} is not UTF-8 text ({exc.reason})") from None
 
 
 def parse_yaml(text: str, path: Path,
@@ -521,6 +530,8 @@ def parse(raw: dict, path: Path, locate: typing.Callable[[tuple], str] | None = 
     for name, host in raw_hosts.items():
         if not NAME.match(str(name)):
             errors.fail(("hosts", name), "host names use letters, digits and '_.-'")
+        if name == "all":
+            errors.fail(("hosts", name), "a host cannot be named 'all' (TARGET `all` is every host)")
         _mapping(host, ("hosts", name), errors)
         _check_keys(host, HostConfig, ("hosts", name), errors, {"name"})
     groups: dict[str, list[str]] = {}

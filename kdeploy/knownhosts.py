@@ -86,7 +86,7 @@ def load(paths: list[Path]) -> tuple[list[Entry], list[str]]:
     entries, warnings = [], []
     for path in paths:
         try:
-            text = path.read_text()
+            text = path.read_text(errors="replace")  # a line that is not UTF-8 is a bad line, as in OpenSSH
         except FileNotFoundError:
             continue
         except OSError as exc:

@@ -106,6 +106,9 @@ def scan_payload(root: Path) -> Payload:
         name = path.relative_to(root).as_posix()
         if any(c in name for c in "\n\r\\") or any(ord(c) < 32 for c in name):
             raise InvalidInput(f"{path}: payload file names may not contain control characters or backslashes")
+        if any("\udc80" <= c <= "\udcff" for c in name):  # bytes that are not UTF-8 (surrogate escapes)
+            raise InvalidInput(f"{root}: payload file name {name.encode(errors='surrogateescape')!r} is not UTF-8 "
+                               "(manifests, tar headers and the host's checks are UTF-8): rename it")
         mode = path.stat().st_mode
         if mode & (stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH):
             raise InvalidInput(f"{path}: mode {stat.S_IMODE(mode):04o}: setuid, setgid and world-writable files "

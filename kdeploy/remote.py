@@ -163,7 +163,7 @@ def _check_host_key(transport: _Transport, hop: Hop, entries: list[knownhosts.En
     path = hop.user_known_hosts[0]
     with _KNOWN_HOSTS_LOCK:
         path.parent.mkdir(parents=True, exist_ok=True)
-        text = path.read_text() if path.exists() else ""
+        text = path.read_text(errors="replace") if path.exists() else ""
         with path.open("a") as fh:
             fh.write(knownhosts.entry_line(name, key.get_name(), key.asbytes(), knownhosts.is_hashed(text)))
     return fingerprint(key)

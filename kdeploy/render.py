@@ -117,21 +117,28 @@ def render_unit(inventory: Inventory, host: HostConfig) -> str:
         template = _template(path.read_text())
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot read unit template: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"{path}: unit template is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except jinja2.TemplateSyntaxError as exc:
+        raise InvalidInput(f"{path}:{exc.lineno}: unit template: {exc.message}") from None
 
     def value(text: str | None, key: str) -> str | None:
         return None if text is None else unit_value(text, f"{host.name}: service.{key}")
 
     description = (value(service.unit.description, "unit.description")
                    or value(f"SGLang {service.sglang.served_model_name or service.name}", "sglang.served_model_name"))
-    return template.render(
-        host=host,
-        service=service,
-        unit=service.unit,
-        description=description,
-        user=value(service.unit.user, "unit.user"),
-        environment_file=value(service.environment_file, "environment_file"),
-        environment=[quote_env_assignment(k, v) for k, v in unit_env(service).items()],
-        exec_start=" ".join(quote_exec_arg(a) for a in launch_argv(service)),
-        working_directory=value(service_dir(service), "remote_root"),
-        template_name=Path(service.template).name,
-    )
+    try:
+        return template.render(
+            host=host,
+            service=service,
+            unit=service.unit,
+            description=description,
+            user=value(service.unit.user, "unit.user"),
+            environment_file=value(service.environment_file, "environment_file"),
+            environment=[quote_env_assignment(k, v) for k, v in unit_env(service).items()],
+            exec_start=" ".join(quote_exec_arg(a) for a in launch_argv(service)),
+            working_directory=value(service_dir(service), "remote_root"),
+            template_name=Path(service.template).name,
+        )
+    except jinja2.TemplateError as exc:  # an undefined name or attribute, a filter's own error
+        raise InvalidInput(f"{path}: unit template for {host.name}: {exc.message or type(exc).__name__}") from None

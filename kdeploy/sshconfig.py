@@ -72,18 +72,20 @@ class Target:
 
 
 def config_paths(inventory_value: str | bool | None, cli_value: str | None,
-                 environ: dict[str, str] | None = None) -> list[Path]:
+                 environ: dict[str, str] | None = None, base_dir: Path = Path()) -> list[Path]:
     """Which ssh_config files apply: --ssh-config > KDEPLOY_SSH_CONFIG > inventory > ~/.ssh/config +
-    /etc/ssh/ssh_config. ``false``/``none`` in any of them means no config at all."""
+    /etc/ssh/ssh_config. ``false``/``none`` in any of them means no config at all. A relative path is the
+    command line's (the current directory) from the option or the variable, the inventory's from the
+    inventory, as every path in it (``base_dir``)."""
     environ = os.environ if environ is None else environ
-    for value in (cli_value, environ.get(ENV_VAR), inventory_value):
+    for value, base in ((cli_value, Path()), (environ.get(ENV_VAR), Path()), (inventory_value, base_dir)):
         if value is None or value == "":
             continue
         if value is False or str(value).lower() in ("false", "none"):
             return []
         if value is True:
             break
-        return [Path(str(value)).expanduser()]
+        return [base / Path(str(value)).expanduser()]
     return [USER_CONFIG.expanduser(), SYSTEM_CONFIG]
 
 
@@ -95,7 +97,7 @@ _LOCK = threading.Lock()
 def target_for(inventory: Inventory, host: HostConfig, cli_value: str | None = None) -> Target:
     """The host's :class:`Target` under the ssh_config that applies (parsed once per file version); a
     setting kdeploy overrides (StrictHostKeyChecking no) is said once per process, on stderr."""
-    paths = config_paths(host.ssh_config, cli_value)
+    paths = config_paths(host.ssh_config, cli_value, base_dir=inventory.base_dir)
     required = paths != [USER_CONFIG.expanduser(), SYSTEM_CONFIG]
     config = _CONFIGS.get(paths, lambda: load(paths, required=required))
     target = resolve(host, config, base_dir=inventory.base_dir)

@@ -736,6 +736,10 @@ def _drain(state: _State, wake_fd: int, received: list[int], clear_wakeup) -> No
             return
 
 
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _server_args_line(args) -> str:
     fields = ", ".join(f"{k}={v!r}" for k, v in vars(args).items())
     return f"server_args=ServerArgs({fields})"
@@ -758,6 +762,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import multiprocessing
     import signal
+    import socket
     import threading
     from http.server import ThreadingHTTPServer
     from multiprocessing.connection import wait
@@ -767,6 +772,7 @@ def main(argv: list[str] | None = None) -> int:
     class Server(ThreadingHTTPServer):
         daemon_threads = True
         allow_reuse_address = True
+        address_family = socket.AF_INET6 if ":" in args.host else socket.AF_INET  # `--host ::` as SGLang takes it
 
         def handle_error(self, request, client_address):  # e.g. a client hanging up: one line, no traceback
             exc = sys.exc_info()[1]
@@ -775,13 +781,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         httpd = Server((args.host, args.port), _make_handler(state))
     except OSError as exc:
-        _log(f"ERROR: cannot listen on {args.host}:{args.port}: {exc}")
+        _log(f"ERROR: cannot listen on {_hostport(args.host, args.port)}: {exc}")
         return 1
     http_thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1},
                                    name="http", daemon=True)
     http_thread.start()
-    host, port = httpd.server_address[:2]
-    _log(f"HTTP server listening on http://{host}:{port} (health: 503 until ready)")
+    _log(f"HTTP server listening on http://{_hostport(*httpd.server_address[:2])} (health: 503 until ready)")
 
     # Signals: handlers only note the signal; the wakeup fd interrupts the supervision wait at once.
     received: list[int] = []

@@ -124,9 +124,10 @@ class RefServer:
     def plugin_pids(self) -> list[int]:
         return [int(m[1]) for m in map(PLUGIN_RE.search, self.text()) if m]
 
-    def request(self, method: str, path: str, body=None, raw: bytes | None = None) -> tuple[int | None, bytes]:
+    def request(self, method: str, path: str, body=None, raw: bytes | None = None,
+                host: str = "127.0.0.1") -> tuple[int | None, bytes]:
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
+        req = urllib.request.Request(f"http://{host}:{self.port}{path}", data=data, method=method,
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=3) as resp:
@@ -225,6 +226,18 @@ def test_tp8_workers_load_plugin_and_serve(start):
     assert status == 200 and json.loads(body)["tp_size"] == 8 and json.loads(body)["hicache_ratio"] == 4.0
     status, body = srv.request("POST", "/v1/completions", raw=b"{not json")
     assert status == 400 and json.loads(body)["code"] == 400
+
+
+def test_ipv6_host_as_sglang_takes_it(start):
+    """`--host ::` listens on IPv6 and, as on any Linux host with bindv6only=0, on IPv4 too; `::1` on IPv6 only."""
+    srv = start(tp=1, args=("--host", "::"))
+    srv.wait_for(READY)
+    assert srv.request("GET", "/health", host="[::1]")[0] == 200
+    assert srv.request("GET", "/health", host="127.0.0.1")[0] == 200
+    assert f"listening on http://[::]:{srv.port}" in "\n".join(srv.text())
+    only6 = start(tp=1, args=("--host", "::1"))
+    only6.wait_for(READY)
+    assert only6.request("GET", "/health", host="[::1]")[0] == 200
 
 
 def test_sigterm_stops_workers_and_exits_zero(start):

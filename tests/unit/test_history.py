@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 
-from kdeploy.history import append_command, parse, read_command
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kdeploy.history import append_command, columns, parse, read_command
 
 RECORD = {"time": "2025-01-02T03:04:05Z", "user": "alice", "release": "20250102T030405Z-abcdef01",
           "result": "deployed", "note": "it's $HOME `id` \"q\" \\ ü"}
@@ -39,3 +44,18 @@ def test_read_without_history(tmp_path):
 
 def test_parse_skips_junk():
     assert parse('{"a": 1}\nnot json\n[1, 2]\n\n{"b": 2}\n{"trunc') == [{"a": 1}, {"b": 2}]
+
+
+def test_columns_take_any_json_value_a_host_file_may_hold():
+    """A hand-edited or foreign line used to crash the table (exit 1 after the JSON said 0)."""
+    assert columns({**RECORD, "duration": 12.5}) == ["2025-01-02T03:04:05Z", "alice", "", RECORD["release"],
+                                                     "deployed", "12.5"]
+    odd = {"result": 5, "release": None, "user": ["x"], "controller": "[/]", "time": {"a": 1}}
+    assert columns(odd) == ["{'a': 1}", "['x']", "[/]", "-", "5", ""]
+    table = Table()
+    for _ in range(6):
+        table.add_column()
+    table.add_row(*map(Text, columns(odd)))  # as the CLI shows them: text, never markup
+    out = io.StringIO()
+    Console(file=out, width=120).print(table)
+    assert "[/]" in out.getvalue()

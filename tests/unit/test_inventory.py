@@ -167,7 +167,7 @@ def test_bad_lower_layer_value_overridden_by_host_is_fine(tmp_path):
     ("kimi", ["ct200", "ct201"]),
     ("all", ["ct200", "ct201"]),
     (None, ["ct200", "ct201"]),
-    ("", ["ct200", "ct201"]),
+    (None, ["ct200", "ct201"]),
     ("ct201,ct200", ["ct200", "ct201"]),          # inventory order, not argument order
     ("kimi,ct200,ddtree", ["ct200", "ct201"]),    # deduplicated
     (" ct201 , ddtree ", ["ct200", "ct201"]),
@@ -185,6 +185,14 @@ def test_resolve_unknown_suggests(example):
     with pytest.raises(InvalidInput) as exc:
         example.resolve("zzzzzz")
     assert "did you mean" not in str(exc.value)
+    assert exc.value.exit_code == ExitCode.INVALID
+
+
+@pytest.mark.parametrize("target", ["", " ", "\t"])
+def test_resolve_refuses_a_blank_target(example, target):
+    """`kdeploy push "$UNSET_VARIABLE"` must not act on every host."""
+    with pytest.raises(InvalidInput, match="is blank") as exc:
+        example.resolve(target)
     assert exc.value.exit_code == ExitCode.INVALID
 
 
@@ -249,6 +257,18 @@ BAD = [
                  "hosts.ct200.service.hicache.ratio", "Input should be greater than 0", id="ratio-zero"),
     pytest.param(host_a("      hicache: {ratio: -1.5}  # <-"),
                  "hosts.ct200.service.hicache.ratio", "Input should be greater than 0", id="ratio-negative"),
+    pytest.param(host_a("      hicache: {ratio: .inf}  # <-"),
+                 "hosts.ct200.service.hicache.ratio", "Input should be a finite number", id="ratio-inf"),
+    pytest.param(host_a("      gate: {revert_after: .inf}  # <-"),
+                 "hosts.ct200.service.gate.revert_after", "Input should be a finite number", id="revert-after-inf"),
+    pytest.param(host_a("      gate: {timeout: .nan}  # <-"),
+                 "hosts.ct200.service.gate.timeout", "Input should be a finite number", id="gate-timeout-nan"),
+    pytest.param(host_a("      gate: {revert_after: 1e300}  # <-"),  # systemd-run refused it: a false exit 5
+                 "hosts.ct200.service.gate.revert_after", "Input should be less than or equal to 604800",
+                 id="revert-after-huge"),
+    pytest.param(host_a("      unit: {timeout_stop_sec: 99999999999999999999}  # <-"),
+                 "hosts.ct200.service.unit.timeout_stop_sec", "Input should be less than or equal to 604800",
+                 id="timeout-stop-huge"),
     pytest.param(BASE.replace('        KDTREE_VERIFY: "on"', '        KDTREE_VERIFY: "on"\n        1BAD: "x"  # <-'),
                  "groups.ddtree.service.env.1BAD", "'1BAD' is not a valid environment variable name",
                  id="env-name-invalid"),
@@ -343,6 +363,8 @@ BAD = [
     pytest.param(BASE.replace("  ct201:\n    address: 10.0.0.2",
                               "  ct201: just-a-string  # <-\n  x:\n    address: 10.0.0.2"),
                  "hosts.ct201", "must be a mapping", id="host-not-mapping"),
+    pytest.param(BASE.replace("  ct201:\n    address: 10.0.0.2", "  all:  # <-\n    address: 10.0.0.2"),
+                 "hosts.all", "a host cannot be named 'all'", id="host-named-all"),
 ]
 
 
@@ -434,6 +456,14 @@ def test_missing_file(tmp_path, capsys):
     rc, line = render_cli(path, capsys)
     assert rc == 2
     assert line == f"kdeploy: {path}: inventory not found (pass --inventory PATH)"
+
+
+def test_inventory_that_is_not_utf8(tmp_path, capsys):
+    path = tmp_path / "inventory.yaml"
+    path.write_bytes("# fleet\n# caf\u00e9\nhosts: {}\n".encode("latin-1"))
+    rc, line = render_cli(path, capsys)
+    assert rc == 2
+    assert line.startswith(f"kdeploy: {path}:2: inventory is not UTF-8 text ("), line
 
 
 def test_directory_is_not_readable(tmp_path, capsys):

@@ -64,3 +64,17 @@ def test_junit_option_writes_the_file(monkeypatch, capsys, tmp_path, command):
     services = load(REPO / "inventory.yaml").hosts
     assert [(c.get("classname"), c.get("name")) for c in cases] == [(services[h].service.name, h)
                                                                     for h in ("ct200", "ct201")]
+
+
+@pytest.mark.parametrize("where", ["/proc/nope/junit.xml", "ro/junit.xml"])
+def test_an_unwritable_junit_path_is_refused_before_any_host_is_touched(monkeypatch, capsys, tmp_path, where):
+    """It was found only after the deploy: the JSON said exit 0, then the process exited 1."""
+    touched = []
+    monkeypatch.setattr(fleet, "push", lambda *a, **k: touched.append(a) or fake_push(*a, **k))
+    monkeypatch.chdir(REPO)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    monkeypatch.setattr(cli.os, "access", lambda p, mode: Path(p) != ro)  # root may write anywhere: stand-in
+    assert cli.main(["push", "all", "--json", "--junit", str(tmp_path / where)]) == 2
+    out, err = capsys.readouterr()
+    assert touched == [] and out == "" and err.startswith("kdeploy: --junit ")

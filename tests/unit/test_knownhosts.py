@@ -168,3 +168,12 @@ def test_table_is_parsed_once_and_again_when_the_file_changes(tmp_path: Path) ->
         fh.write(knownhosts.entry_line("b", "ssh-ed25519", key, True))
     again = knownhosts.table([path])
     assert again is not first and len(again.matching(["b"])) == 1
+
+
+def test_a_known_hosts_file_with_bytes_that_are_not_utf8_is_still_read(tmp_path: Path) -> None:
+    path = tmp_path / "known_hosts"
+    key = b"\x00\x00\x00\x0bssh-ed25519" + bytes(36)
+    path.write_bytes("# caf\u00e9 rack\nh\u00f6st ssh-ed25519 AAAA\n".encode("latin-1")
+                     + knownhosts.entry_line("a", "ssh-ed25519", key, False).encode())
+    table = knownhosts.table([path])  # raised UnicodeDecodeError (exit 1) before
+    assert len(table.matching(["a"])) == 1 and table.matching(["host"]) == []

@@ -141,6 +141,13 @@ def test_scan_payload_rejects_bad_names(tmp_path, name):
         scan_payload(root)
 
 
+def test_scan_payload_rejects_a_name_that_is_not_utf8(tmp_path):
+    root = make_tree(tmp_path / "p", {"ok.py": ""})
+    (root / os.fsdecode(b"\xff\xfe.txt")).write_text("x")
+    with pytest.raises(InvalidInput, match=r"b'\\xff\\xfe\.txt' is not UTF-8"):
+        scan_payload(root)
+
+
 def test_scan_payload_empty_or_missing(tmp_path):
     root = make_tree(tmp_path / "p", {"__pycache__/x.pyc": b""})
     with pytest.raises(InvalidInput, match="payload directory is empty"):

@@ -8,7 +8,6 @@ import re
 import subprocess
 from pathlib import Path
 
-import jinja2
 import pytest
 
 from kdeploy.errors import InvalidInput
@@ -305,15 +304,27 @@ def test_systemd_analyze_verify_can_fail(inv, tmp_path):
 # --- the template --------------------------------------------------------------------------------------
 
 
-def test_template_undefined_variable_raises(inv, tmp_path):
+@pytest.mark.parametrize(("text", "error"), [
+    ("[Service]\nExecStart={{ exec_start }}\nUser={{ no_such_variable }}\n", r"ct200: 'no_such_variable' is undefined"),
+    ("[Service]\nUser={{ unit.no_such_attribute }}\n", "has no attribute 'no_such_attribute'"),
+    ("[Service]\n{% if %}\n", r"bad.service.j2:2: unit template: Expected an expression"),
+    ("[Service]\nUser={{ host.name | no_such_filter }}\n", r"bad.service.j2:2: unit template: No filter named"),
+])
+def test_a_broken_template_is_invalid_input(inv, tmp_path, text, error):
+    """A mistake in the user's template is theirs to fix (exit 2, with the file and line), not a crash."""
     template = tmp_path / "bad.service.j2"
-    template.write_text("[Service]\nExecStart={{ exec_start }}\nUser={{ no_such_variable }}\n")
+    template.write_text(text)
     host = with_service(inv.hosts["ct200"], template=str(template))
-    with pytest.raises(jinja2.UndefinedError, match="no_such_variable"):
+    with pytest.raises(InvalidInput, match=error) as exc:
         render_unit(inv, host)
-    template.write_text("[Service]\nUser={{ unit.no_such_attribute }}\n")
-    with pytest.raises(jinja2.UndefinedError):
-        render_unit(inv, host)
+    assert exc.value.exit_code == 2
+
+
+def test_a_template_that_is_not_utf8_is_invalid_input(inv, tmp_path):
+    template = tmp_path / "latin1.service.j2"
+    template.write_bytes("[Unit]\nDescription=caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(InvalidInput, match=r"latin1\.service\.j2: unit template is not UTF-8 text"):
+        render_unit(inv, with_service(inv.hosts["ct200"], template=str(template)))
 
 
 def test_template_relative_to_inventory_and_missing(inv, tmp_path):

@@ -161,9 +161,9 @@ def fake_rollouts(monkeypatch: pytest.MonkeyPatch, results: dict[str, str],
                 **_: object) -> Report:
         calls.append((list(names), cancel))
         if len(calls) > 1:
-            return Report("push", [HostResult(n).finish("deployed") for n in names])
+            return Report("push", [HostResult(n, release=f"old-{n}").finish("deployed") for n in names])
         during()
-        return Report("push", [HostResult(n).finish(results[n]) for n in names])
+        return Report("push", [HostResult(n, release=f"new-{n}").finish(results[n]) for n in names])
 
     monkeypatch.setattr(fleet, "rollout", rollout)
     return calls
@@ -258,6 +258,16 @@ def test_after_ctrl_c_the_old_config_goes_back_with_a_cancel_state_of_its_own(
     assert first == ["h1", "h2"] and cancelled.is_set()
     assert back == ["h1"] and not restore.is_set()
     assert facts["restored_hosts"] == {"h1": "deployed"}
+
+
+def test_a_host_put_back_reports_the_release_it_runs_after_the_command(
+        path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not the new config's release it ran for a moment (the push of the old config replaced it)."""
+    calls = fake_rollouts(monkeypatch, {"h1": "deployed", "h2": "interrupted"}, lambda: calls[0][1].set())
+    capsys.readouterr()
+    assert cli.main(["set-env", "A=1", "--parallel", "1", "--inventory", str(path), "--json"]) == 130
+    hosts = {h["host"]: h for h in json.loads(capsys.readouterr().out)["hosts"]}
+    assert hosts["h1"]["release"] == "old-h1" and hosts["h1"]["restored"] == "deployed"
 
 
 def test_an_edit_leaves_long_lines_as_they_are(path: Path, capsys: pytest.CaptureFixture[str]) -> None:

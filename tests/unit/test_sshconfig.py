@@ -121,6 +121,10 @@ def test_config_file_precedence() -> None:
     assert sshconfig.config_paths("/inv/cfg", "/cli/cfg", {"KDEPLOY_SSH_CONFIG": "/env"}) == [Path("/cli/cfg")]
     assert sshconfig.config_paths(False, None, {}) == []
     assert sshconfig.config_paths("/inv/cfg", "none", {}) == []
+    # relative: the inventory's value against the inventory's directory, the others against the current one
+    assert sshconfig.config_paths("cfg", None, {}, base_dir=Path("/inv")) == [Path("/inv/cfg")]
+    assert sshconfig.config_paths("cfg", "c", {}, base_dir=Path("/inv")) == [Path("c")]
+    assert sshconfig.config_paths("cfg", None, {"KDEPLOY_SSH_CONFIG": "e"}, base_dir=Path("/inv")) == [Path("e")]
 
 
 def test_retries_back_off_with_jitter_within_the_window() -> None:
@@ -189,3 +193,19 @@ def test_jump_tunnel_never_sends_after_its_close() -> None:
     assert channel.events.count("close") == 1 and channel.events[-1] == "close"
     with pytest.raises(OSError):
         tunnel.send(b"late")
+
+
+def test_a_relative_ssh_config_in_the_inventory_is_found_beside_it(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """As every path in the inventory, whatever the current directory is."""
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir("/")
+    monkeypatch.delenv(sshconfig.ENV_VAR, raising=False)
+    (tmp_path / "ssh_config").write_text("Host gpu-a\n  HostName 192.0.2.7\n")
+    path = tmp_path / "inventory.yaml"
+    path.write_text(f"defaults:\n  ssh_config: ssh_config\n  service:\n    name: svc\n"
+                    f"    template: {repo}/templates/sglang.service.j2\n    payload: {repo}/tests/data/testplugin\n"
+                    f"    python: /usr/bin/python3\n"
+                    f"    sglang: {{model_path: /models/m}}\nhosts:\n  h1: {{address: gpu-a}}\n")
+    loaded = inventory.load(path)
+    assert sshconfig.target_for(loaded, loaded.hosts["h1"]).host.hostname == "192.0.2.7"
