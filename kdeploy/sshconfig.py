@@ -56,7 +56,8 @@ class Hop:
 
     @property
     def where(self) -> str:
-        return f"{self.user}@{self.hostname}:{self.port}"
+        host = f"[{self.hostname}]" if ":" in self.hostname else self.hostname  # an IPv6 address, as ssh writes it
+        return f"{self.user}@{host}:{self.port}"
 
     @property
     def key(self) -> tuple:

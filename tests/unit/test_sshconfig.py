@@ -84,6 +84,8 @@ def test_kdeploy_defaults_when_neither_sets_a_value(tmp_path: Path) -> None:
     assert (hop.hostname, hop.user, hop.port, hop.connect_timeout) == ("10.2.0.1", "root", 22, 10.0)
     assert hop.identity_agent is None and not hop.identities_only
     assert hop.user_known_hosts[0] == Path("~/.ssh/known_hosts").expanduser()
+    assert hop.where == "root@10.2.0.1:22"
+    assert sshconfig.resolve(host(address="::1", port=2222), empty, base_dir=tmp_path).host.where == "root@[::1]:2222"
 
 
 def test_match_host_and_proxy_jump_chain_from_the_inventory(config: sshconfig.paramiko.SSHConfig) -> None:
