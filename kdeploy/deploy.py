@@ -83,10 +83,10 @@ def connect(inventory: Inventory, host: HostConfig, result: HostResult, opts: Op
 
 
 def lock_and_read(remote: Remote, host: HostConfig, wait: float, *, command: str, with_history: bool = False,
-                  first: str = "") -> tuple[lock.HeldLock, HostState]:
+                  with_files: bool = False, first: str = "") -> tuple[lock.HeldLock, HostState]:
     """Take the deploy lock (recording ``command``) and read the host's state under it, in one round trip
-    (``first`` runs before the read, under the lock)."""
-    then = "\n".join(c for c in (first, state_script(host, with_history=with_history)) if c)
+    (``first`` runs before the read, under the lock; ``with_history``, ``with_files``: see ``state_script``)."""
+    then = "\n".join(c for c in (first, state_script(host, with_history=with_history, with_files=with_files)) if c)
     held = lock.acquire(remote, service_dir(host.service), wait=wait, then=then, command=command)
     return held, parse_state(held.output)
 
@@ -175,7 +175,7 @@ def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Option
     """Show what a push would do; reads only (no lock, no directories created)."""
     with connect(inventory, host, result, opts) as remote:
         with result.phase("preflight") as phase:
-            state = parse_state(remote.run(state_script(host), timeout=60).stdout)
+            state = parse_state(remote.run(state_script(host, with_files=True), timeout=60).stdout)
             phase.detail = f"current {state.current or 'none'}, unit {state.unit.summary}"
         decision = decide(local.payload.identity, local.unit_text, state, force_restart=opts.force_restart,
                           secrets=local.secrets)
@@ -241,7 +241,7 @@ class HostPush:
         try:
             self.remote = connect(self.inventory, host, result, self.opts)
             with result.phase("preflight") as phase:
-                self.held, state = lock_and_read(self.remote, host, self.opts.lock_wait,
+                self.held, state = lock_and_read(self.remote, host, self.opts.lock_wait, with_files=True,
                                                  command=recorded_command(self.opts, "push"))
                 decision = self._decide(state)
                 phase.detail = f"lock taken; current {state.current or 'none'}; {state.unit.summary}"
@@ -304,7 +304,7 @@ class HostPush:
         assert before is not None
         with self.result.phase("resume") as phase:
             self.remote = open_remote(self.inventory, self.host, self.opts)
-            self.held, state = lock_and_read(self.remote, self.host, self.opts.lock_wait,
+            self.held, state = lock_and_read(self.remote, self.host, self.opts.lock_wait, with_files=True,
                                              command=recorded_command(self.opts, "push"))
             moved = _moved(before, state, staged)
             phase.detail = f"lock taken again; {moved + ', decided again' if moved else 'nothing moved since staging'}"
@@ -334,7 +334,7 @@ class HostPush:
             try:
                 tarball = release.TarStream(local.payload, delta.upload, meta)
                 out = self.remote.run(release.stage_script(service_dir(host.service), target,
-                                                           state.current is not None, delta),
+                                                           state.has_release, delta),
                                       stdin=tarball, timeout=600, cancel=self.cancel)
                 error = "" if out.ok and "STAGED" in out.stdout else out.last_error()
             except InputFailed as exc:  # a payload file vanished or shrank while the tar read it

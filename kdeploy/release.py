@@ -163,7 +163,7 @@ def parse_modes(text: str) -> dict[str, int]:
     out = {}
     for line in text.splitlines():
         mode, sep, path = line.partition(" ")
-        if sep and path.startswith("./") and len(mode) == 4 and set(mode) <= set("01234567"):
+        if sep and path.startswith("./") and len(mode) >= 4 and set(mode) <= set("01234567"):
             out[path.removeprefix("./")] = int(mode, 8)
     return out
 

@@ -135,8 +135,8 @@ def test_set_hicache_ratio_changes_exactly_the_execstart_flag(deployment: Deploy
     assert deployment.load().hosts["h1"].service.hicache.ratio == 4.0
 
 
-def test_status_shows_env_last_deploy_and_hand_edits_as_drift(deployment: Deployment,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_shows_env_last_deploy_and_hand_edits_as_drift_and_push_repairs_them(
+        deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     deployment.set_service(env={"KDTREE_NSPLIT": "64"})
     assert deployment.kdeploy("push", "test") == 0
     code, doc = deployment.json(capsys, "status", "test")
@@ -153,3 +153,28 @@ def test_status_shows_env_last_deploy_and_hand_edits_as_drift(deployment: Deploy
     assert "unit differs from the inventory" in drift
     assert any("kdeploy_testplugin/__init__.py" in d for d in drift)
     assert doc["hosts"][0]["status"]["env"] == {"KDTREE_NSPLIT": "32"}  # read from the live unit
+    # plan says why; push uploads the edited file again (not a hard link to it) and the host is in line
+    sdir, plugin = deployment.service_dir, "kdeploy_testplugin/__init__.py"
+    code, doc = deployment.json(capsys, "plan", "test")
+    plan = doc["hosts"][0]["plan"]
+    assert code == 0 and plan["restart"] and plan["change"] == [plugin]
+    assert f"release files edited on the host: {plugin}" in plan["reasons"]
+    assert _push_repairs(deployment, capsys, plugin) == "deployed"
+    assert _push_repairs(deployment, capsys, plugin) == "unchanged"
+    # the current release's directory deleted by hand: staged again in full
+    deployment.sh("h1", f"rm -rf {sdir}/$(readlink {sdir}/current)")
+    code, doc = deployment.json(capsys, "plan", "test")
+    assert any(r.endswith("is gone from the host") for r in doc["hosts"][0]["plan"]["reasons"]), doc
+    assert _push_repairs(deployment, capsys, plugin) == "deployed"
+
+
+def _push_repairs(deployment: Deployment, capsys: pytest.CaptureFixture[str], plugin: str) -> str:
+    """Push; the host must end on the payload's file with no drift left. The push's result."""
+    code, doc = deployment.json(capsys, "push", "test")
+    result = doc["hosts"][0]["result"]
+    assert code == 0, doc
+    assert deployment.sh("h1", f"cat {deployment.service_dir}/current/{plugin}") == \
+        (deployment.payload / plugin).read_text()
+    code, doc = deployment.json(capsys, "status", "test")
+    assert code == 0 and doc["hosts"][0]["status"]["drift"] == [] and doc["hosts"][0]["status"]["active"] == "active"
+    return result

@@ -6,14 +6,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import shutil
 import subprocess
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from kdeploy import provisional
-from kdeploy.state import decide, parse_gates, parse_state
+from kdeploy.lock import split_sections
+from kdeploy.release import META, Payload, TarStream, release_id, release_meta, scan_payload, stage_script
+from kdeploy.state import Decision, HostState, ReleaseFiles, decide, files_script, parse_files, parse_gates, parse_state
+from tests.unit.test_release import T0, UNIT, V1, make_tree, remote_identity, run_script, snapshot, stage
 
 CAPTURED = Path(__file__).resolve().parents[2] / "tests/data/captured"
 R1, R2, R3 = "20261201T014551Z-897fc894", "20261201T014553Z-9ef8ff74", "20261201T014555Z-a0affe1b"
@@ -140,3 +145,103 @@ def test_what_moved_between_the_stage_pass_and_the_batch(pending_state):
     assert _moved(before, dataclasses.replace(before, unit_text="[Unit]\n"), staged).startswith("the installed unit")
     assert _moved(before, pending_state, staged) == f"staged release {staged} was removed"  # pruned meanwhile
     assert _moved(before, pending_state, None) == ""  # a restart alone stages nothing
+
+
+# --- hand-made changes in the current release: read for real with sh, decided on, repaired by staging ----------
+
+
+UNIT_TEXT = "[Unit]\nDescription=v1\n"  # what test_release's stage() records
+
+
+def deployed(tmp_path: Path, base: HostState) -> tuple[Path, Payload, HostState]:
+    """A service dir whose current release holds V1, the payload it came from, and ``base`` (captured) as the
+    host's state, its release files not read yet."""
+    sdir = tmp_path / "svc"
+    payload_root = make_tree(tmp_path / "payload", V1)
+    first = stage(sdir, payload_root)
+    assert first.proc.returncode == 0, first.proc.stderr.decode()
+    (sdir / "current").symlink_to(f"releases/{first.release}")
+    state = dataclasses.replace(base, pending=None, current=first.release, manifest=remote_identity(sdir) or {},
+                                unit_text=UNIT_TEXT)
+    return sdir, scan_payload(payload_root), state
+
+
+def read_files(sdir: Path, state: HostState) -> HostState:
+    """``state`` with the release files as ``files_script`` finds them on disk."""
+    proc = run_script(files_script(shlex.quote(str(sdir))))
+    assert proc.returncode == 0, proc.stderr.decode()
+    return dataclasses.replace(state, files=parse_files(split_sections(proc.stdout.decode()), state.manifest))
+
+
+def restage(sdir: Path, payload: Payload, state: HostState, decision: Decision) -> Path:
+    """Stage what ``decision`` asks for, as push does; the new release's directory."""
+    rid = release_id(payload.manifest, UNIT_TEXT, T0 + timedelta(minutes=1))
+    meta = release_meta(payload.manifest, payload.modes, UNIT_TEXT, UNIT)
+    proc = run_script(stage_script(str(sdir), rid, state.has_release, decision.delta),
+                      b"".join(TarStream(payload, decision.delta.upload, meta)))
+    assert proc.returncode == 0, proc.stderr.decode()
+    return sdir / "releases" / rid
+
+
+def test_a_release_as_staged_is_intact(tmp_path, pending_state):
+    sdir, payload, state = deployed(tmp_path, pending_state)
+    (sdir / "current/pkg/__pycache__").mkdir()  # what Python writes at run time is no hand edit
+    (sdir / "current/pkg/__pycache__/x.pyc").write_bytes(b"bytecode")
+    state = read_files(sdir, state)
+    assert state.files == ReleaseFiles() and state.on_disk == state.manifest and state.has_release
+    assert decide(payload.identity, UNIT_TEXT, state).no_op
+    assert dataclasses.replace(state, files=None).on_disk == state.manifest  # not read: the manifest alone
+
+
+def test_hand_edits_in_the_current_release_are_a_change_and_staging_repairs_them(tmp_path, pending_state):
+    sdir, payload, state = deployed(tmp_path, pending_state)
+    current = sdir / "current"
+    old = snapshot(current.resolve())
+    with (current / "pkg/changed.py").open("a") as fh:
+        fh.write("# hotfix\n")
+    (current / "pkg/sub/same.py").chmod(0o755)
+    (current / "pkg/removed.py").unlink()
+    (current / "pkg/extra.txt").write_text("stray\n")
+    state = read_files(sdir, state)
+    assert state.files == ReleaseFiles(edited=["pkg/changed.py", "pkg/sub/same.py"], missing=["pkg/removed.py"],
+                                       extra=["pkg/extra.txt"])
+    decision = decide(payload.identity, UNIT_TEXT, state)
+    assert decision.stage and decision.restart and not decision.install_unit
+    assert decision.reasons == ["release files edited on the host: pkg/changed.py, pkg/sub/same.py",
+                                "release files missing on the host: pkg/removed.py",
+                                "extra files in the release: pkg/extra.txt"]
+    delta = decision.delta  # the damaged files travel again; the stray one is left out
+    assert (delta.added, delta.changed, delta.removed) == (
+        ["pkg/removed.py"], ["pkg/changed.py", "pkg/sub/same.py"], ["pkg/extra.txt"])
+
+    rel = restage(sdir, payload, state, decision)
+    repaired = snapshot(rel)
+    assert {p: data for p, (data, _) in repaired.items() if not p.startswith(META)} == {
+        p: (v.encode() if isinstance(v, str) else v) for p, v in V1.items()}
+    assert repaired["pkg/changed.py"][1] != old["pkg/changed.py"][1]  # a new file, not a link to the edited one
+    assert repaired["pkg/__init__.py"][1] == old["pkg/__init__.py"][1]  # the rest still shared
+    assert (rel / "pkg/sub/same.py").stat().st_mode & 0o777 == 0o644
+    (sdir / "current").unlink()
+    (sdir / "current").symlink_to(f"releases/{rel.name}")
+    fixed = read_files(sdir, dataclasses.replace(state, current=rel.name, manifest=remote_identity(sdir) or {}))
+    assert fixed.files == ReleaseFiles() and decide(payload.identity, UNIT_TEXT, fixed).no_op
+
+
+def test_a_deleted_current_release_is_staged_again_in_full(tmp_path, pending_state):
+    sdir, payload, state = deployed(tmp_path, pending_state)
+    shutil.rmtree(sdir / "releases" / state.current)
+    state = read_files(sdir, dataclasses.replace(state, manifest={}))  # the manifest went with it
+    assert state.files == ReleaseFiles(present=False) and not state.has_release and state.on_disk == {}
+    decision = decide(payload.identity, UNIT_TEXT, state)
+    assert decision.reasons == [f"current release directory releases/{state.current} is gone from the host"]
+    assert decision.delta.added == sorted(payload.files) and decision.stage
+    rel = restage(sdir, payload, state, decision)  # no `cp -al` from a directory that is not there
+    assert (rel / "pkg/changed.py").read_text() == "old\n"
+
+
+def test_a_host_never_deployed_has_no_release_files_to_repair(tmp_path, pending_state):
+    fresh = dataclasses.replace(pending_state, current=None, manifest={}, unit_text=None, pending=None)
+    fresh = read_files(tmp_path / "svc", fresh)
+    assert fresh.files == ReleaseFiles(present=False) and not fresh.has_release
+    assert decide({"a.py": "x 0644"}, UNIT_TEXT, fresh).reasons == [
+        "never deployed", "payload differs from the inventory (+1 ~0 -0 =0)", "unit differs from the inventory"]
