@@ -283,14 +283,36 @@ def _apply_service(path: Path, text: str, fmt: ansible.Format, service: Path | N
 
 
 def _write_out(doc: CommentedMap, like: str) -> tuple[str, CommentedMap]:
-    """``doc`` as text laid out like ``like``, and that text read back; refused where it reads back other values
-    than ``doc``'s (ruamel writes some strings, e.g. with U+0085, so that YAML reads another one back)."""
-    text = Layout.of(like).dump(doc)
-    back = _yaml().load(text)
-    for change in diff(doc, back):
-        raise InvalidInput(f"{change.key}: {_show(change.old)} would not read back from the YAML file as given "
-                           f"(it would read {_show(change.new)})")
-    return text, back
+    """``doc`` as the text of the file ``like`` edited, and that text read back: ``like``'s own lines wherever
+    the edit left them (``_keep_lines``), else ruamel's dump laid out like ``like``. Refused where even the
+    dump reads back other values than ``doc``'s (ruamel writes some strings, e.g. with U+0085, so that YAML
+    reads another one back)."""
+    layout = Layout.of(like)
+    dumped = layout.dump(doc)
+    for text in dict.fromkeys([_keep_lines(like, layout.dump(_yaml().load(_lf(like))), dumped), dumped]):
+        try:
+            back = _yaml().load(text)
+        except YAMLError:
+            continue
+        changes = diff(doc, back)
+        if not changes:
+            return text, back
+    change = changes[0]
+    raise InvalidInput(f"{change.key}: {_show(change.old)} would not read back from the YAML file as given "
+                       f"(it would read {_show(change.new)})")
+
+
+def _keep_lines(original: str, unedited: str, edited: str) -> str:
+    """``edited`` with each line it has in common with ``unedited`` (the dump of ``original`` as it is) taken
+    from ``original`` itself, so that what a dump rewrites (spaces, ``~``, a ``---``) stays where the edit did
+    not go. Only where the dump has as many lines as ``original``: line ``i`` of the one is line ``i`` of the
+    other; else ``edited`` as it is."""
+    old, base, new = (re.findall(r"[^\n]*\n|[^\n]+\Z", text) for text in (original, unedited, edited))
+    if len(old) != len(base):
+        return edited
+    matcher = difflib.SequenceMatcher(None, base, new, autojunk=False)
+    return "".join("".join(old[i1:i2] if tag == "equal" else new[j1:j2])
+                   for tag, i1, i2, j1, j2 in matcher.get_opcodes())
 
 
 def diff(old: object, new: object, path: tuple[str, ...] = (), *, created: int = 0, index: int | None = None,
@@ -419,7 +441,7 @@ def revert(edit: Edit) -> list[str]:
     doc = inventory.parse_yaml(_lf(text), edit.path)
     undone, kept = undo(doc, edit.changes)
     if undone:
-        _replace(edit.path, Layout.of(text).dump(doc), expect=text)
+        _replace(edit.path, _write_out(doc, text)[0], expect=text)
     return kept
 
 

@@ -485,6 +485,9 @@ LAYOUTS = {
     "4-space, indented list": four_spaces(LAYOUT).replace("        - h", "            - h"),
     "4-space, dash then 3 spaces": four_spaces(LAYOUT).replace("        - h", "        -   h"),
     "2-space, CRLF": LAYOUT.replace("\n", "\r\n"),
+    # what a dump would rewrite (spaces, trailing blanks, ~) stays on the lines the edit does not touch
+    "2-space, odd spacing": LAYOUT.replace("{address: 192.0.2.2}", "{ address: 192.0.2.2 }  ")
+    .replace("python: /usr", "python:   /usr").replace("\n    sglang:", "\n    environment_file: ~\n    sglang:"),
     "4-space, indented list, CRLF": four_spaces(LAYOUT).replace("        - h", "            - h").replace("\n", "\r\n"),
 }
 
@@ -510,3 +513,14 @@ def test_an_edit_changes_only_its_own_lines_in_any_layout(path: Path, capsys: py
     changed = [line for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("---", "+++")]
     assert changed == [f"-{indent}{line}" for line in old if line not in new] + \
         [f"+{indent}{line}" for line in new if line not in old]
+
+
+def test_an_edit_inside_a_mapping_indented_otherwise_than_the_first_writes_a_file_that_reads_back(
+        path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The new lines follow the first nested mapping's indent; where they cannot go between the file's own
+    lines, the whole file is written as ruamel lays it out."""
+    path.write_text(INVENTORY.replace("  h1:\n    address: 192.0.2.1\n", "  h1:\n        address: 192.0.2.1\n"))
+    code, _ = run(path, capsys, "set", "sglang.port=31000", "--target", "h1", "--no-apply")
+    assert code == 0
+    assert path.read_text() == INVENTORY.replace(
+        "    address: 192.0.2.1\n", "    address: 192.0.2.1\n    service:\n      sglang:\n        port: 31000\n")
