@@ -239,8 +239,8 @@ class Service(_Strict):
     remote_root: AbsPath = _doc("releases live under `<remote_root>/<name>/` on the host", "/opt/kdeploy")
     keep_releases: int = _doc("releases kept on the host; older ones are pruned after each push (docs/push.md, "
                               "release pruning)", 5, ge=2)
-    env: Env = _doc("`Environment=` lines of the unit: quoted string values, no "
-                                        "secret-looking names (rules below)", {})
+    env: Env = _doc("`Environment=` lines of the unit: quoted string values, no secret-looking names (rules "
+                    "below)", {})
     environment_file: AbsPath | None = _doc(
         "rendered as `EnvironmentFile=-<path>`; with `secrets` kdeploy writes it (root, 0600), without them put "
         "secrets there yourself, owned by root, mode 0600. A push checks that in preflight (exit 7 when it is "

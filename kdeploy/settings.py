@@ -16,6 +16,7 @@ they changed too is left as they set it.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import fcntl
 import io
@@ -161,7 +162,7 @@ class Level:
 
     node: CommentedMap
     name: str
-    shared: set[int]  # what else in the document is held by more than one place (``shared``)
+    shared: set[int]  # what in the document more than one place holds (``_shared``)
 
     def child(self, *keys: str) -> CommentedMap:
         """The mapping at ``keys`` under this level, this level's own (created if missing)."""
@@ -173,7 +174,7 @@ class Level:
 
 def _level(doc: CommentedMap, inv: inventory.Inventory, scope: str | None) -> Level:
     """The level that holds settings for ``scope`` (None: defaults, else a host or a group)."""
-    top = Level(doc, "", shared(doc))
+    top = Level(doc, "", _shared(doc))
     if scope is None:
         return Level(top.child("defaults"), "defaults", top.shared)
     if scope in inv.hosts:
@@ -186,7 +187,7 @@ def _level(doc: CommentedMap, inv: inventory.Inventory, scope: str | None) -> Le
     raise InvalidInput(f"--target {scope!r}: no such host or group (scopes are a host or a group)")
 
 
-def shared(doc: CommentedMap) -> set[int]:
+def _shared(doc: CommentedMap) -> set[int]:
     """The ids of the mappings and lists that more than one place of ``doc`` holds: an anchor's node is the
     very object at each of its aliases, and a ``<<`` merge key's mappings are also where they are defined.
     Anchors nothing refers to are marked to be written anyway (ruamel drops them otherwise)."""
@@ -276,7 +277,7 @@ def _apply_service(path: Path, text: str, fmt: ansible.Format, service: Path | N
     old = ansible.load(path, text, fmt, service, _lf(before))
     original = inventory.parse_yaml(_lf(before), service)
     doc = inventory.parse_yaml(_lf(before), service)
-    change(Level(doc, "defaults", shared(doc)))
+    change(Level(doc, "defaults", _shared(doc)))
     after, _ = _write_out(doc, before)
     new = ansible.load(path, text, fmt, service, _lf(after))
     return Edit(service, before, after, "defaults", old, new, tuple(diff(original, doc)))
@@ -289,17 +290,17 @@ def _write_out(doc: CommentedMap, like: str) -> tuple[str, CommentedMap]:
     reads another one back)."""
     layout = Layout.of(like)
     dumped = layout.dump(doc)
-    for text in dict.fromkeys([_keep_lines(like, layout.dump(_yaml().load(_lf(like))), dumped), dumped]):
-        try:
-            back = _yaml().load(text)
-        except YAMLError:
-            continue
-        changes = diff(doc, back)
-        if not changes:
-            return text, back
-    change = changes[0]
-    raise InvalidInput(f"{change.key}: {_show(change.old)} would not read back from the YAML file as given "
-                       f"(it would read {_show(change.new)})")
+    kept = _keep_lines(like, layout.dump(_yaml().load(_lf(like))), dumped)
+    if kept != dumped:
+        with contextlib.suppress(YAMLError):  # the file's own lines do not fit the new ones
+            back = _yaml().load(kept)
+            if not diff(doc, back):
+                return kept, back
+    back = _yaml().load(dumped)
+    for change in diff(doc, back):
+        raise InvalidInput(f"{change.key}: {_show(change.old)} would not read back from the YAML file as given "
+                           f"(it would read {_show(change.new)})")
+    return dumped, back
 
 
 def _keep_lines(original: str, unedited: str, edited: str) -> str:
@@ -340,7 +341,7 @@ def _keys(node: object) -> dict | None:
 def undo(doc: CommentedMap, changes: tuple[Change, ...]) -> tuple[int, list[str]]:
     """Undo ``changes`` on ``doc``, key by key: (how many were undone, one line per key left alone because
     someone changed it since the edit: their value stays)."""
-    undone, kept, twice = 0, [], shared(doc)
+    undone, kept, shared = 0, [], _shared(doc)
     for change in changes:
         now = _get(doc, change.path)
         if now == change.old:  # already back
@@ -351,9 +352,9 @@ def undo(doc: CommentedMap, changes: tuple[Change, ...]) -> tuple[int, list[str]
             kept.append(f"{change.key}: {what} (kdeploy {by_us}); left as it is")
             continue
         if change.old is MISSING:
-            _remove(doc, change, twice)
+            _remove(doc, change, shared)
         else:
-            _put(doc, change, twice)
+            _put(doc, change, shared)
         undone += 1
     return undone, kept
 
