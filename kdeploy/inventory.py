@@ -22,6 +22,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -90,6 +91,7 @@ SafeStr = Annotated[str, AfterValidator(_no_control)]
 # Checked per key and per value, so an error's location names the key and thus the layer that wrote it.
 EnvName = Annotated[str, BeforeValidator(_env_name)]
 EnvValue = Annotated[str, BeforeValidator(_env_value), AfterValidator(_no_control)]
+Env = dict[EnvName, EnvValue]
 AbsPath = Annotated[str, AfterValidator(_no_control), AfterValidator(_absolute)]
 WritePolicy = Literal["write_back", "write_through", "write_through_selective"]
 IoBackend = Literal["direct", "kernel", "kernel_ascend"]
@@ -240,8 +242,8 @@ class Service(_Strict):
     remote_root: AbsPath = _doc("releases live under `<remote_root>/<name>/` on the host", "/opt/kdeploy")
     keep_releases: int = _doc("releases kept on the host; older ones are pruned after each push (docs/push.md, "
                               "release pruning)", 5, ge=2)
-    env: dict[EnvName, EnvValue] = _doc("`Environment=` lines of the unit: quoted string values, no "
-                                        "secret-looking names (rules below)", {})
+    env: Env = _doc("`Environment=` lines of the unit: quoted string values, no secret-looking names (rules "
+                    "below)", {})
     environment_file: AbsPath | None = _doc(
         "rendered as `EnvironmentFile=-<path>`; with `secrets` kdeploy writes it (root, 0600), without them put "
         "secrets there yourself, owned by root, mode 0600. A push checks that in preflight (exit 7 when it is "
@@ -459,9 +461,11 @@ def yaml_loader() -> YAML:
     return yaml
 
 
-def read_text(path: Path, what: str = "inventory", option: str = "--inventory PATH") -> str:
+def read_text(path: Path, what: str = "inventory", option: str = "--inventory PATH", *, exact: bool = False) -> str:
+    """``exact``: with the file's own line endings (``\\r\\n`` stays), for an edit that writes it back."""
     try:
-        return path.read_text()
+        with open(path, newline="" if exact else None) as fh:
+            return fh.read()
     except FileNotFoundError:
         raise InvalidInput(f"{path}: {what} not found (pass {option})") from None
     except OSError as exc:
@@ -506,6 +510,19 @@ def load(path: Path | str = DEFAULT_INVENTORY, service: Path | str | None = None
     if service is not None:
         raise service_without_ansible(path)
     return parse(checked(document, text, path), path)
+
+
+def check_env(env: dict[str, str]) -> None:
+    """``service.env`` entries checked as a load checks them, as given: YAML may write a value (one with U+0085)
+    so that it reads back as another, which a check of the written file would then pass."""
+    try:
+        _ENV.validate_python(env)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise InvalidInput(f"{err['loc'][0]}: {_reason(err)}") from None
+
+
+_ENV = TypeAdapter(Env)
 
 
 def service_without_ansible(path: Path) -> InvalidInput:

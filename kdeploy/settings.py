@@ -1,11 +1,13 @@
-"""Edit the inventory in place (``set-env``, ``set``): comments, order and formatting survive.
+"""Edit the inventory in place (``set-env``, ``set``): comments, order, indentation and line endings survive.
 
 With an Ansible inventory the edit goes to the kdeploy service file instead (the defaults of every host).
 
 An edit is computed on the round-trip document and validated exactly as a load would; ``fleet.check_edit``
 then computes what its push would (units, payload hashes), and only then is it written atomically. A bad
-value leaves the file byte-for-byte unchanged. ``locked`` keeps a second kdeploy from editing the same file
-while an edit is rolled out (and maybe reverted).
+value, or one that would not read back from the written file as given, leaves the file byte-for-byte
+unchanged. An edit at a level changes that level only: a mapping it shares with other places (a YAML anchor
+and its aliases, a ``<<`` merge key) is replaced there by a copy before it is changed. ``locked`` keeps a
+second kdeploy from editing the same file while an edit is rolled out (and maybe reverted).
 
 The edit remembers each key it set or removed (``Change``), so a failed rollout is undone by the inverse
 edit on the file as it is by then (``revert``): what someone changed meanwhile by hand survives, and a key
@@ -14,11 +16,14 @@ they changed too is left as they set it.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import fcntl
 import io
+import itertools
 import json
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ruamel.yaml import YAML
-from ruamel.yaml.comments import CommentedMap
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.error import YAMLError
 
 from kdeploy import ansible, inventory, lock
 from kdeploy.errors import InvalidInput, LockHeld
@@ -72,8 +78,58 @@ class Edit:
         return self.before != self.after
 
     def diff(self) -> str:
-        return "".join(difflib.unified_diff(self.before.splitlines(keepends=True), self.after.splitlines(keepends=True),
+        return "".join(difflib.unified_diff(_lines(self.before), _lines(self.after),
                                             fromfile=f"{self.path} (before)", tofile=f"{self.path} (after)"))
+
+
+def _lines(text: str) -> list[str]:
+    return _lf(text).splitlines(keepends=True)  # a CRLF file's diff as any other
+
+
+def _lf(text: str) -> str:
+    """``text`` with ``\\n`` line ends, as it is parsed (ruamel would keep the ``\\r`` in comments)."""
+    return text.replace("\r\n", "\n")
+
+
+_COMMENT = re.compile(r"(?:^|\s)#.*")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a YAML file is indented and where its lines end: the edited document is written back the same way,
+    so that only the edited lines change (ruamel writes its own defaults otherwise: 2 spaces, ``- item`` flush
+    with its key, ``\\n``)."""
+
+    mapping: int = 2  # a nested mapping's keys, from their parent key's column
+    sequence: int = 2  # a block list item's text, from its parent key's column
+    offset: int = 0  # its dash, from its parent key's column
+    newline: str = "\n"
+
+    @classmethod
+    def of(cls, text: str) -> Layout:
+        """The first nested block mapping's and the first block list's indentation; ``\\r\\n`` if the first line
+        ends so."""
+        mapping = sequence = offset = None
+        lines = [line for line in (_COMMENT.sub("", line).rstrip() for line in text.splitlines()) if line.strip()]
+        for parent, line in itertools.pairwise(lines):
+            if not parent.endswith(":") or parent.lstrip().startswith("-"):
+                continue
+            body = line.lstrip()
+            at = len(line) - len(body) - (len(parent) - len(parent.lstrip()))
+            if body.startswith("- ") and offset is None:
+                offset, sequence = at, at + len(body) - len(body[1:].lstrip())
+            elif not body.startswith("-") and at > 0 and mapping is None:
+                mapping = at
+        end = text.find("\n")
+        return cls(mapping or 2, max(sequence or 2, (offset or 0) + 2), offset or 0,
+                   "\r\n" if end > 0 and text[end - 1] == "\r" else "\n")
+
+    def dump(self, doc: CommentedMap) -> str:
+        yaml = _yaml()
+        yaml.indent(mapping=self.mapping, sequence=self.sequence, offset=self.offset)
+        buf = io.StringIO()
+        yaml.dump(doc, buf)
+        return buf.getvalue().replace("\n", self.newline)
 
 
 def split_assignment(text: str) -> tuple[str, str]:
@@ -91,74 +147,173 @@ def _yaml() -> YAML:
 
 
 def _scalar(text: str) -> object:
-    """A value typed the way YAML would read it (``4.0`` float, ``8`` int, ``true`` bool, else str)."""
-    value = YAML(typ="safe").load(text) if text.strip() else text
-    return value if isinstance(value, str | int | float | bool) else text
+    """``4.0`` a float, ``8`` an int, ``true`` a bool, as YAML reads them; anything else the text exactly as
+    given (YAML's reading of it could differ: it folds line breaks, drops quotes and ``# comments``)."""
+    try:
+        value = YAML(typ="safe").load(text)
+    except YAMLError:
+        return text
+    return value if isinstance(value, int | float | bool) else text
 
 
-def _level(doc: CommentedMap, inv: inventory.Inventory, scope: str | None) -> tuple[CommentedMap, str]:
-    """The mapping that holds settings for ``scope`` (None: defaults, else a host or a group)."""
+@dataclass(frozen=True)
+class Level:
+    """The mapping an edit changes (``defaults``, a group's or a host's) in its round-trip document."""
+
+    node: CommentedMap
+    name: str
+    shared: set[int]  # what in the document more than one place holds (``_shared``)
+
+    def child(self, *keys: str) -> CommentedMap:
+        """The mapping at ``keys`` under this level, this level's own (created if missing)."""
+        node = self.node
+        for key in keys:
+            node = _child(node, key, self.shared)
+        return node
+
+
+def _level(doc: CommentedMap, inv: inventory.Inventory, scope: str | None) -> Level:
+    """The level that holds settings for ``scope`` (None: defaults, else a host or a group)."""
+    top = Level(doc, "", _shared(doc))
     if scope is None:
-        return _child(doc, "defaults"), "defaults"
+        return Level(top.child("defaults"), "defaults", top.shared)
     if scope in inv.hosts:
-        return _child(_child(doc, "hosts"), scope), f"hosts.{scope}"
+        return Level(top.child("hosts", scope), f"hosts.{scope}", top.shared)
     if scope in inv.groups:
-        groups = _child(doc, "groups")
+        groups = top.child("groups")
         if isinstance(groups.get(scope), list):  # short form `name: [h1, h2]` -> mapping with hosts
             groups[scope] = CommentedMap([("hosts", groups[scope])])
-        return _child(groups, scope), f"groups.{scope}"
+        return Level(top.child("groups", scope), f"groups.{scope}", top.shared)
     raise InvalidInput(f"--target {scope!r}: no such host or group (scopes are a host or a group)")
 
 
-def _child(node: CommentedMap, key: str) -> CommentedMap:
+def _shared(doc: CommentedMap) -> set[int]:
+    """The ids of the mappings and lists that more than one place of ``doc`` holds: an anchor's node is the
+    very object at each of its aliases, and a ``<<`` merge key's mappings are also where they are defined.
+    Anchors nothing refers to are marked to be written anyway (ruamel drops them otherwise)."""
+    seen: set[int] = set()
+    twice: set[int] = set()
+
+    def walk(node: object) -> None:
+        if not isinstance(node, CommentedMap | CommentedSeq):
+            return
+        if id(node) in seen:
+            twice.add(id(node))
+            return
+        seen.add(id(node))
+        if node.anchor.value is not None:
+            node.anchor.always_dump = True
+        children = node if isinstance(node, CommentedSeq) else [*(v for _, v in node.non_merged_items()), *node.merge]
+        for child in children:
+            walk(child)
+
+    walk(doc)
+    return twice
+
+
+def _child(node: CommentedMap, key: str, shared: set[int]) -> CommentedMap:
+    """``node[key]`` as ``node``'s own mapping: one that other places hold too (``shared``, or taken in by a
+    ``<<`` merge key) is replaced here by a copy first, so that changing it changes nothing elsewhere."""
     if node.get(key) is None:
         node[key] = CommentedMap()
     child = node[key]
     if not isinstance(child, dict):
         raise InvalidInput(f"{key}: expected a mapping in the inventory")
+    if id(child) in shared or key not in dict(node.non_merged_items()):
+        child = node[key] = _copy(child, shared)
     return child
 
 
-def _apply(path: Path, scope: str | None, change: Callable[[CommentedMap, str], None],
-           service: Path | None = None) -> Edit:
-    before = inventory.read_text(path)  # read once: the edit, its checks and its undo all start from this text
-    fmt, document = ansible.detect(path, before)
+def _copy(node: object, shared: set[int]) -> object:
+    """``node``'s content, merged keys included, in the same block or flow style; copied down to what other
+    places hold too, which stays shared (and is written as an alias, as before)."""
+    def inner(value: object) -> object:
+        return value if id(value) in shared else _copy(value, shared)
+
+    if isinstance(node, dict):
+        copy: CommentedMap | CommentedSeq = CommentedMap((key, inner(value)) for key, value in node.items())
+    elif isinstance(node, list):
+        copy = CommentedSeq(inner(value) for value in node)
+    else:
+        return node
+    if getattr(node, "fa", None) is not None and node.fa.flow_style():
+        copy.fa.set_flow_style()
+    return copy
+
+
+def _prune(node: CommentedMap, key: str) -> None:
+    """Remove ``node[key]`` that the edit left empty, unless a ``<<`` merge key would bring another back."""
+    if not node[key] and not any(key in source for source in node.merge):
+        del node[key]
+
+
+def _apply(path: Path, scope: str | None, change: Callable[[Level], None], service: Path | None = None) -> Edit:
+    before = inventory.read_text(path, exact=True)  # read once: the edit, its checks and its undo start from this
+    text = _lf(before)
+    fmt, document = ansible.detect(path, text)
     if fmt is not None:
-        return _apply_service(path, before, fmt, service, scope, change)
+        return _apply_service(path, text, fmt, service, scope, change)
     if service is not None:
         raise inventory.service_without_ansible(path)
-    original = inventory.checked(document, before, path)
+    original = inventory.checked(document, text, path)
     old = inventory.parse(original, path)
-    doc = _yaml().load(before)
-    level, name = _level(doc, old, scope)
-    change(level, name)
-    after = _dump(doc)
-    new = inventory.parse(_yaml().load(after), path)  # validate exactly as a load would, before writing anything
-    return Edit(path, before, after, name, old, new, tuple(diff(original, doc)))
+    doc = _yaml().load(text)
+    level = _level(doc, old, scope)
+    change(level)
+    after, written = _write_out(doc, before)
+    new = inventory.parse(written, path)  # validate exactly as a load would, before writing anything
+    return Edit(path, before, after, level.name, old, new, tuple(diff(original, doc)))
 
 
 def _apply_service(path: Path, text: str, fmt: ansible.Format, service: Path | None, scope: str | None,
-                   change: Callable[[CommentedMap, str], None]) -> Edit:
+                   change: Callable[[Level], None]) -> Edit:
     """An Ansible inventory: its hosts, groups and variables stay Ansible's; the edit goes to the service file,
     the defaults level of every host."""
     if scope is not None:
         raise InvalidInput(f"--target {scope}: {path} is an Ansible inventory: set-env/set edit its service file, "
                            "for all hosts; per host or group, set kdeploy_service in Ansible's variables")
     service = ansible.require_service(path, service)
-    before = inventory.read_text(service, *ansible.SERVICE_FILE)
-    old = ansible.load(path, text, fmt, service, before)
-    original = inventory.parse_yaml(before, service)
-    doc = inventory.parse_yaml(before, service)
-    change(doc, "defaults")
-    after = _dump(doc)
-    new = ansible.load(path, text, fmt, service, after)
+    before = inventory.read_text(service, *ansible.SERVICE_FILE, exact=True)
+    old = ansible.load(path, text, fmt, service, _lf(before))
+    original = inventory.parse_yaml(_lf(before), service)
+    doc = inventory.parse_yaml(_lf(before), service)
+    change(Level(doc, "defaults", _shared(doc)))
+    after, _ = _write_out(doc, before)
+    new = ansible.load(path, text, fmt, service, _lf(after))
     return Edit(service, before, after, "defaults", old, new, tuple(diff(original, doc)))
 
 
-def _dump(doc: CommentedMap) -> str:
-    buf = io.StringIO()
-    _yaml().dump(doc, buf)
-    return buf.getvalue()
+def _write_out(doc: CommentedMap, like: str) -> tuple[str, CommentedMap]:
+    """``doc`` as the text of the file ``like`` edited, and that text read back: ``like``'s own lines wherever
+    the edit left them (``_keep_lines``), else ruamel's dump laid out like ``like``. Refused where even the
+    dump reads back other values than ``doc``'s (ruamel writes some strings, e.g. with U+0085, so that YAML
+    reads another one back)."""
+    layout = Layout.of(like)
+    dumped = layout.dump(doc)
+    kept = _keep_lines(like, layout.dump(_yaml().load(_lf(like))), dumped)
+    if kept != dumped:
+        with contextlib.suppress(YAMLError):  # the file's own lines do not fit the new ones
+            back = _yaml().load(kept)
+            if not diff(doc, back):
+                return kept, back
+    back = _yaml().load(dumped)
+    for change in diff(doc, back):
+        raise InvalidInput(f"{change.key}: {_show(change.old)} would not read back from the YAML file as given "
+                           f"(it would read {_show(change.new)})")
+    return dumped, back
+
+
+def _keep_lines(original: str, unedited: str, edited: str) -> str:
+    """``edited`` with each line it has in common with ``unedited`` (the dump of ``original`` as it is) taken
+    from ``original`` itself, so that what a dump rewrites (spaces, ``~``, a ``---``) stays where the edit did
+    not go. Only where the dump has as many lines as ``original``: line ``i`` of the one is line ``i`` of the
+    other; else ``edited`` as it is."""
+    old, base, new = (re.findall(r"[^\n]*\n|[^\n]+\Z", text) for text in (original, unedited, edited))
+    if len(old) != len(base):
+        return edited
+    matcher = difflib.SequenceMatcher(None, base, new, autojunk=False)
+    return "".join("".join(old[i1:i2] if tag == "equal" else new[j1:j2])
+                   for tag, i1, i2, j1, j2 in matcher.get_opcodes())
 
 
 def diff(old: object, new: object, path: tuple[str, ...] = (), *, created: int = 0, index: int | None = None,
@@ -186,7 +341,7 @@ def _keys(node: object) -> dict | None:
 def undo(doc: CommentedMap, changes: tuple[Change, ...]) -> tuple[int, list[str]]:
     """Undo ``changes`` on ``doc``, key by key: (how many were undone, one line per key left alone because
     someone changed it since the edit: their value stays)."""
-    undone, kept = 0, []
+    undone, kept, shared = 0, [], _shared(doc)
     for change in changes:
         now = _get(doc, change.path)
         if now == change.old:  # already back
@@ -197,9 +352,9 @@ def undo(doc: CommentedMap, changes: tuple[Change, ...]) -> tuple[int, list[str]
             kept.append(f"{change.key}: {what} (kdeploy {by_us}); left as it is")
             continue
         if change.old is MISSING:
-            _remove(doc, change)
+            _remove(doc, change, shared)
         else:
-            _put(doc, change)
+            _put(doc, change, shared)
         undone += 1
     return undone, kept
 
@@ -217,11 +372,11 @@ def _get(doc: CommentedMap, path: tuple[str, ...]) -> object:
     return node
 
 
-def _remove(doc: CommentedMap, change: Change) -> None:
+def _remove(doc: CommentedMap, change: Change, shared: set[int]) -> None:
     """Remove a key the edit added, and the mappings the edit created for it if nothing else is in them now."""
     nodes = [doc]
     for key in change.path[:-1]:
-        nodes.append(nodes[-1][key])
+        nodes.append(_child(nodes[-1], key, shared))
     del nodes[-1][change.path[-1]]
     for depth in range(1, change.created + 1):
         if nodes[-depth]:
@@ -229,11 +384,11 @@ def _remove(doc: CommentedMap, change: Change) -> None:
         del nodes[-depth - 1][change.path[-depth - 1]]
 
 
-def _put(doc: CommentedMap, change: Change) -> None:
+def _put(doc: CommentedMap, change: Change, shared: set[int]) -> None:
     """Put a key back to its old value; one the edit removed goes back to its place, with its comment."""
     node = doc
     for key in change.path[:-1]:
-        node = _child(node, key)  # a removal may have taken its now-empty mapping too
+        node = _child(node, key, shared)  # a removal may have taken its now-empty mapping too
     key = change.path[-1]
     if key in node:
         node[key] = change.old
@@ -245,18 +400,18 @@ def _put(doc: CommentedMap, change: Change) -> None:
 
 def set_env(path: Path, assignments: dict[str, str], unset: list[str], scope: str | None = None,
             service: Path | None = None) -> Edit:
-    def change(level: CommentedMap, name: str) -> None:
-        env = _child(_child(level, "service"), "env")
+    inventory.check_env(assignments)  # as given: the check of the written file could pass another value
+
+    def change(level: Level) -> None:
+        env = level.child("service", "env")
         for key, value in assignments.items():
             env[key] = value
         for key in unset:
             if key not in env:
-                raise InvalidInput(f"--unset {key}: not set at {name} (nothing to remove there)")
+                raise InvalidInput(f"--unset {key}: not set at {level.name} (nothing to remove there)")
             del env[key]
-        if not env:
-            del level["service"]["env"]
-        if not level["service"]:
-            del level["service"]
+        _prune(level.child("service"), "env")
+        _prune(level.node, "service")
 
     return _apply(path, scope, change, service)
 
@@ -264,15 +419,12 @@ def set_env(path: Path, assignments: dict[str, str], unset: list[str], scope: st
 def set_values(path: Path, assignments: dict[str, str], scope: str | None = None,
                service: Path | None = None) -> Edit:
     """``hicache.ratio=4.0``-style settings, relative to ``service`` (a leading ``service.`` is allowed)."""
-    def change(level: CommentedMap, name: str) -> None:
+    def change(level: Level) -> None:
         for dotted, raw in assignments.items():
             parts = dotted.removeprefix("service.").split(".")
             if not all(parts):
                 raise InvalidInput(f"{dotted!r}: expected a dotted setting path like hicache.ratio")
-            node = _child(level, "service")
-            for part in parts[:-1]:
-                node = _child(node, part)
-            node[parts[-1]] = _scalar(raw)
+            level.child("service", *parts[:-1])[parts[-1]] = _scalar(raw)
 
     return _apply(path, scope, change, service)
 
@@ -283,26 +435,26 @@ def write(edit: Edit) -> None:
 
 def revert(edit: Edit) -> list[str]:
     """Undo ``edit`` on the file as it is now, keeping what others changed since; returns the keys left alone."""
-    text = inventory.read_text(edit.path)
+    text = inventory.read_text(edit.path, exact=True)
     if text == edit.after:  # nobody touched it: the exact old text (a round trip cannot keep every layout)
         _replace(edit.path, edit.before, expect=text)
         return []
-    doc = inventory.parse_yaml(text, edit.path)
+    doc = inventory.parse_yaml(_lf(text), edit.path)
     undone, kept = undo(doc, edit.changes)
     if undone:
-        _replace(edit.path, _dump(doc), expect=text)
+        _replace(edit.path, _write_out(doc, text)[0], expect=text)
     return kept
 
 
 def _replace(path: Path, text: str, *, expect: str) -> None:
     """Atomic replace (temp file in the same directory + rename), keeping the file's mode; refused when the
     file is no longer ``expect``, so that a hand edit made since it was read is never overwritten."""
-    if inventory.read_text(path) != expect:
+    if inventory.read_text(path, exact=True) != expect:
         raise LockHeld(f"{path} was changed by someone else while kdeploy was editing it: not written")
     mode = path.stat().st_mode & 0o777
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as fh:
+        with os.fdopen(fd, "w", newline="") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())

@@ -324,6 +324,20 @@ def test_a_revert_nobody_raced_puts_back_the_exact_text(path: Path, capsys: pyte
     assert path.read_text() == folded
 
 
+def test_a_revert_keeps_crlf_line_ends(path: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inverse edit on a CRLF file someone changed meanwhile writes CRLF too."""
+    def crlf(text: str) -> bytes:
+        return text.replace("\n", "\r\n").encode()
+
+    path.write_bytes(crlf(INVENTORY))
+    fake_rollouts(monkeypatch, {"h1": "rolled_back", "h2": "rolled_back"},
+                  lambda: path.write_bytes(crlf(hand_edit(path.read_bytes().decode().replace("\r\n", "\n")))))
+    code, facts = edit_json(path, capsys, "set-env", "A=1")
+    assert code == 4 and facts["reverted"] is True and facts["conflicts"] == []
+    assert path.read_bytes() == crlf(hand_edit(INVENTORY))
+
+
 @pytest.mark.parametrize("routed", [True, False], ids=["router", "no-router"])
 def test_behind_a_router_the_rollout_and_the_way_back_take_one_host_at_a_time(
         path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, routed: bool) -> None:
@@ -342,3 +356,181 @@ def test_behind_a_router_the_rollout_and_the_way_back_take_one_host_at_a_time(
     code, facts = edit_json(path, capsys, "set-env", "A=1")
     assert code == 4 and facts["restored_hosts"] == {"h1": "deployed"}
     assert batches == (["1", "1"] if routed else [None, None])
+
+
+# --- an edit changes its own level only, even through YAML anchors, aliases and merge keys ------------------
+
+ANCHORED = f"""\
+defaults:
+  service:
+    name: svc
+    template: {REPO}/templates/sglang.service.j2
+    payload: {REPO}/tests/data/testplugin
+    python: /usr/bin/python3
+    sglang: {{model_path: /models/m}}
+    env: &common
+      A: "1"
+groups:
+  g:
+    hosts: [h1]
+    service:
+      env: *common
+hosts:
+  h1: {{address: 192.0.2.1}}
+  h2: {{address: 192.0.2.2}}
+"""
+
+# defaults.service is taken into g's service by a merge key; h1 is in g, h2 is not
+MERGED = (ANCHORED.replace("  service:\n    name: svc", "  service: &base\n    name: svc")
+          .replace('    env: &common\n      A: "1"', '    env: {A: "1"}')
+          .replace("    service:\n      env: *common", "    service:\n      <<: *base\n      keep_releases: 3"))
+
+
+def envs(path: Path) -> dict[str, dict[str, str]]:
+    inv = inventory.load(path)
+    return {name: dict(host.service.env) for name, host in inv.hosts.items()}
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["A=2", "--target", "g"], {"h1": {"A": "2"}, "h2": {"A": "1"}}),
+    (["--unset", "A", "--target", "g"], {"h1": {"A": "1"}, "h2": {"A": "1"}}),  # h1 then has the default's
+    (["A=2"], {"h1": {"A": "1"}, "h2": {"A": "2"}}),  # the anchor's owner: the alias keeps the old value
+    (["--unset", "A"], {"h1": {"A": "1"}, "h2": {}}),
+], ids=["alias-set", "alias-unset", "owner-set", "owner-unset"])
+def test_an_edit_through_a_yaml_alias_changes_its_own_level_only(path: Path, capsys: pytest.CaptureFixture[str],
+                                                                 args: list[str],
+                                                                 expected: dict[str, dict[str, str]]) -> None:
+    """ruamel gives an alias the very mapping of its anchor: an edit there used to change every place."""
+    path.write_text(ANCHORED)
+    code, err = run(path, capsys, "set-env", *args, "--no-apply")
+    assert code == 0, err
+    assert envs(path) == expected
+    assert "env: {}" not in path.read_text()
+
+
+@pytest.mark.parametrize(("args", "h1"), [
+    (["set-env", "A=2", "--target", "g"], {"env": {"A": "2"}, "port": 30000}),
+    (["set", "sglang.port=31000", "--target", "g"], {"env": {"A": "1"}, "port": 31000}),
+    (["set-env", "--unset", "A", "--target", "g"], {"env": {"A": "1"}, "port": 30000}),
+], ids=["set-env", "set", "unset"])
+def test_an_edit_of_what_a_merge_key_takes_in_changes_its_own_level_only(
+        path: Path, capsys: pytest.CaptureFixture[str], args: list[str], h1: dict) -> None:
+    path.write_text(MERGED)
+    code, err = run(path, capsys, *args, "--no-apply")
+    assert code == 0, err
+    text = path.read_text()
+    assert text.split("groups:")[0] == MERGED.split("groups:")[0]  # defaults as they were
+    assert "      <<: *base\n      keep_releases: 3\n" in text
+    hosts = inventory.load(path).hosts
+    assert {"env": dict(hosts["h1"].service.env), "port": hosts["h1"].service.sglang.port} == h1
+    assert dict(hosts["h2"].service.env) == {"A": "1"} and hosts["h2"].service.sglang.port == 30000
+
+
+# --- a value is written only if it reads back as given ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "reason"), [
+    (["set-env", "X=a\u0085b", "--target", "h2"], "X: contains the line separator U+0085"),
+    (["set-env", "X=a\u2028b"], "X: contains the line separator U+2028"),
+    (["set-env", "X=a\tb"], "X: contains a newline or control character"),
+    (["set-env", "1X=a"], "'1X' is not a valid environment variable name"),
+    (["set", "sglang.model_path=/m\u0085x", "--target", "h1"],
+     "hosts.h1.service.sglang.model_path: '/m\\x85x' would not read back from the YAML file as given (it would "
+     "read '/m x')"),
+], ids=["nel", "line-separator", "tab", "name", "set-nel"])
+def test_a_value_yaml_would_change_is_refused_and_nothing_written(path: Path, capsys: pytest.CaptureFixture[str],
+                                                                  args: list[str], reason: str) -> None:
+    """ruamel writes U+0085 into a quoted string, where YAML reads it back as a space: the check of the
+    written file alone passed "a b" and wrote it, exit 0."""
+    before = path.read_bytes()
+    code, err = run(path, capsys, *args, "--no-apply")
+    assert code == 2
+    assert len(err) == 1 and reason in err[0], err
+    assert path.read_bytes() == before
+
+
+def test_set_takes_a_value_that_is_no_number_or_bool_as_its_exact_text(path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    code, _ = run(path, capsys, "set", "sglang.model_path=/models/a #b", "sglang.port=31000", "--no-apply")
+    assert code == 0
+    sglang = inventory.load(path).hosts["h1"].service.sglang
+    assert (sglang.model_path, sglang.port) == ("/models/a #b", 31000)
+
+
+# --- the file's layout: only the edited lines change ------------------------------------------------------
+
+LAYOUT = f"""\
+# fleet inventory
+defaults:
+  service:
+    name: svc   # the unit
+    template: {REPO}/templates/sglang.service.j2
+    payload: {REPO}/tests/data/testplugin       # a comment further right
+    python: /usr/bin/python3
+    sglang: &sglang
+      model_path: /models/m
+    env:
+      KDTREE_VERIFY: "on"   # checked at load
+      KDTREE_NSPLIT: "64"
+groups:
+  pair:
+    hosts:
+    - h1
+    - h2    # both
+hosts:
+  h1:
+    address: 192.0.2.1
+  h2: {{address: 192.0.2.2}}
+"""
+
+
+def four_spaces(text: str) -> str:
+    return "".join(" " * (len(line) - len(line.lstrip(" "))) + line for line in text.splitlines(keepends=True))
+
+
+LAYOUTS = {
+    "2-space": LAYOUT,
+    "2-space, indented list": LAYOUT.replace("    - h", "      - h"),
+    "4-space": four_spaces(LAYOUT),
+    "4-space, indented list": four_spaces(LAYOUT).replace("        - h", "            - h"),
+    "4-space, dash then 3 spaces": four_spaces(LAYOUT).replace("        - h", "        -   h"),
+    "2-space, CRLF": LAYOUT.replace("\n", "\r\n"),
+    # what a dump would rewrite (spaces, trailing blanks, ~) stays on the lines the edit does not touch
+    "2-space, odd spacing": LAYOUT.replace("{address: 192.0.2.2}", "{ address: 192.0.2.2 }  ")
+    .replace("python: /usr", "python:   /usr").replace("\n    sglang:", "\n    environment_file: ~\n    sglang:"),
+    "4-space, indented list, CRLF": four_spaces(LAYOUT).replace("        - h", "            - h").replace("\n", "\r\n"),
+}
+
+
+@pytest.mark.parametrize(("args", "old", "new"), [
+    (["set-env", "KDTREE_NSPLIT=16"], ['KDTREE_NSPLIT: "64"'], ['KDTREE_NSPLIT: "16"']),
+    (["set-env", "A=1"], ['KDTREE_NSPLIT: "64"'], ['KDTREE_NSPLIT: "64"', "A: '1'"]),
+], ids=["change", "add"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_edit_changes_only_its_own_lines_in_any_layout(path: Path, capsys: pytest.CaptureFixture[str], layout: str,
+                                                          args: list[str], old: list[str], new: list[str]) -> None:
+    """Indentation (mappings, lists, dashes), comment columns, unused anchors and CRLF line ends stay as they
+    are; the printed diff is the one key."""
+    text = LAYOUTS[layout]
+    path.write_bytes(text.encode())
+    eol = "\r\n" if "\r\n" in text else "\n"
+    indent = text.split("KDTREE_NSPLIT")[0].rsplit("\n", 1)[1]
+    capsys.readouterr()
+    assert cli.main([*args, "--no-apply", "--inventory", str(path)]) == 0
+    diff = capsys.readouterr().err
+    lines = "".join(f"{indent}{line}{eol}" for line in old), "".join(f"{indent}{line}{eol}" for line in new)
+    assert path.read_bytes() == text.replace(*lines).encode()
+    changed = [line for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("---", "+++")]
+    assert changed == [f"-{indent}{line}" for line in old if line not in new] + \
+        [f"+{indent}{line}" for line in new if line not in old]
+
+
+def test_an_edit_inside_a_mapping_indented_otherwise_than_the_first_writes_a_file_that_reads_back(
+        path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The new lines follow the first nested mapping's indent; where they cannot go between the file's own
+    lines, the whole file is written as ruamel lays it out."""
+    path.write_text(INVENTORY.replace("  h1:\n    address: 192.0.2.1\n", "  h1:\n        address: 192.0.2.1\n"))
+    code, _ = run(path, capsys, "set", "sglang.port=31000", "--target", "h1", "--no-apply")
+    assert code == 0
+    assert path.read_text() == INVENTORY.replace(
+        "    address: 192.0.2.1\n", "    address: 192.0.2.1\n    service:\n      sglang:\n        port: 31000\n")
