@@ -37,7 +37,8 @@ How (two launches, no host sync, no allocation, grid from static maxima — CUDA
 
 On a Hopper GPU the split kernel is ``mla_verify_sm90.split_kernel_sm90_ws`` (Gluon: same arguments, grid and
 output; the two warp groups split the score tile instead of both computing it, and four producer warps do the
-copies), see ``KernelConfig.sm90`` and ``sm90_ws``.
+copies; a short last row block runs transposed 16-row tiles), see ``KernelConfig.sm90``, ``sm90_ws`` and
+``tail_pair``.
 
 ``mla_tree_verify`` launches both; ``reference_tree_verify`` is the fp32 PyTorch reference (gather, mask,
 softmax, weighted sum). Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors.

@@ -15,7 +15,9 @@ once at the end, so a tile has one cross-warp-group reduction (the row maximum),
 (``gl.warp_specialize``): four producer warps gather the query and the key tiles into a two-slot ring with
 ``cp.async`` (each thread's copies arrive on the slot's ``ready`` mbarrier when they land), the eight compute
 warps wait on ``ready`` and free a slot on ``empty`` once both warp groups' ``P V`` has read it — no copy
-instructions, slot loads or copy waits in the compute warps (232 registers there, 40 in the producers).
+instructions, slot loads or copy waits in the compute warps (232 registers there, 40 in the producers). With
+``TAIL`` (``KernelConfig.tail_pair``) the short last row block's programs (at most 16 rows) run their tiles
+transposed (``_tail_tiles``: keys x rows, so the rows are ``wgmma``'s N side rather than padding its 64-row M side).
 
 Imported only on a CUDA device of compute capability 9.x with a Triton that has Gluon (``mla_verify._sm90_ok``);
 everywhere else, and under ``TRITON_INTERPRET=1``, ``mla_verify`` runs its Triton kernel.
