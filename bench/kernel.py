@@ -437,7 +437,8 @@ def main() -> int:
         row = {"bs": bs, "h": h, "q": q, "ctx": ctx, "kind": "tree" if q == 16 else "chain",
                "kv_MB": round(kv_bytes(bs, ctx) / 1e6, 2)}
         rows_n = q * h
-        row["nsplit_used"] = mv.effective_nsplit(NSPLIT, bs, rows_n, config)
+        ns, ns_tail = mv.tail_splits(NSPLIT, bs, rows_n, config, mv._tail_split(bs, rows_n, config))
+        row["nsplit_used"] = f"{ns} + {ns_tail}" if ns_tail else ns     # tail_pair: full row blocks + tail programs
         ref_chain = ref if q != 16 else None
         for m in methods:
             if m == "verify_mla" and ref_chain is None:    # it runs the chain: check it against the chain
@@ -525,11 +526,12 @@ class _NoLaunch:
 
 def only_part(part: str, prob, config):
     """Our kernel with the split or the combine side left out (``part``: "split" or "combine" is what runs; the
-    combine side is the combine and, with ``draft_rows``, the draft kernel; alone it reads whatever partials the
-    workspace holds): where a launch's time goes."""
+    split side is the split kernel and, with ``tail_pair`` off Hopper, the tail kernel; the combine side is the
+    combine and, with ``draft_rows``, the draft kernel; alone it reads whatever partials the workspace holds): where
+    a launch's time goes."""
     full, _ = make_fn("kdtree", prob, config=config)
     names = (("_combine_kernel", "_combine_rows_kernel", "_draft_kernel") if part == "split"
-             else ("_split_kernel", "_sm90_split_kernel"))
+             else ("_split_kernel", "_sm90_split_kernel", "_tail_kernel"))
 
     def fn():
         saved = {n: getattr(mv, n) for n in names}

@@ -112,6 +112,15 @@ def cases() -> list[dict]:
                     dtype="float16"))
     out.append(dict(bs=2, heads=4, q_len=5, prefix_lens=[33, 80], page_size=1, tree=True, nsplit=4,
                     layout="indptr", seed=50, config=dict(combine_rows=1, split_draft_rows=True), dtype="float32"))
+    # the short last row block on partitions of two prefix partitions' keys (tail_pair: _tail_kernel's 16-row tile
+    # beside the split kernel's 32-row blocks; a pretend 12-multiprocessor GPU): 40 rows = 32 + 8 (6 partitions + 3
+    # tail programs), 80 = 64 + 16 with an empty prefix and a chain without a mask, float16
+    out.append(dict(bs=1, heads=4, q_len=10, prefix_lens=[150], page_size=1, tree=True, nsplit=8,
+                    layout="indptr", seed=51, config=dict(block_m=32, tail_m=16, split_draft=True, tail_pair=2,
+                                                          max_ctas=12), dtype="float32"))
+    out.append(dict(bs=2, heads=8, q_len=10, prefix_lens=[0, 130], page_size=64, tree=False, nsplit=8,
+                    layout="req_to_token", seed=52, mask=False, dtype="float16",
+                    config=dict(block_m=32, tail_m=16, split_draft=True, tail_pair=2, max_ctas=24)))
     # half-precision partial outputs (the interpreter cannot do bf16: fp16 stands in) and other combine tiles
     out.append(dict(bs=2, heads=4, q_len=9, prefix_lens=[200, 77], page_size=64, tree=True, nsplit=8,
                     layout="indptr", seed=25, dtype="float32",
@@ -134,7 +143,8 @@ def run_case(case: dict) -> dict:
                         mask_dtype=getattr(torch, case.get("mask_dtype", "bool")),
                         q_scale=case.get("q_scale", 1.0))
     rows = case["q_len"] * case["heads"]
-    ns = mv.effective_nsplit(case["nsplit"], case["bs"], rows, config)
+    ns, ns_tail = mv.tail_splits(case["nsplit"], case["bs"], rows, config, mv._tail_split(case["bs"], rows, config))
+    assert ns == mv.effective_nsplit(case["nsplit"], case["bs"], rows, config)
     draft = mv.draft_slots(case["bs"], rows, config)
     ws = mv.Workspace(case["bs"] * (ns + draft) + 3, rows + 8, "cpu", dtype=config.partial_dtype)   # spares untouched
     ws.part_o.fill_(float("nan"))
@@ -146,17 +156,20 @@ def run_case(case: dict) -> dict:
     ref = run_reference(prob, SCALE)
     err = (out.float() - ref).abs()
     # which prefix partitions were written (LSE no longer the sentinel), per request, vs the expected count
-    min_chunk = mv.launch_min_chunk(ns, case["bs"], rows, config)
+    min_chunk = mv.launch_min_chunk(ns, case["bs"], rows, config, ns_tail)
     written, expected = [], []
     lse_view = ws.views(case["bs"], ns + draft)[1]
+    tail_row0 = rows - rows % config.block_m
     for b, pre in enumerate(case["prefix_lens"]):
-        per = -(-pre // ns) if pre else 0
-        per = max(-(-per // config.block_n) * config.block_n, min_chunk)
-        expected.append(-(-pre // per) if pre else 0)
-        written.append(int((lse_view[b, :ns, 0] != 12345.0).sum()))
+        for row, k in [(0, 1)] + ([(tail_row0, config.tail_pair)] if ns_tail else []):   # tail rows: k partitions
+            per = -(-pre // ns) if pre else 0
+            per = max(-(-per // config.block_n) * config.block_n, min_chunk) * k
+            expected.append(-(-pre // per) if pre else 0)
+            written.append(int((lse_view[b, :ns, row] != 12345.0).sum()))
     untouched = bool((lse_view[:, :, rows:] == 12345.0).all()) and bool((ws.part_lse[-3:] == 12345.0).all())
     draft_written = bool((lse_view[:, ns:, :rows] != 12345.0).all()) if draft else None
-    return dict(case=case, nsplit_used=ns, draft_slots=draft, draft_written=draft_written, min_chunk_used=min_chunk,
+    return dict(case=case, nsplit_used=ns, tail_nsplit=ns_tail, draft_slots=draft, draft_written=draft_written,
+                min_chunk_used=min_chunk,
                 max_err=float(err.max()),
                 ref_max=float(ref.abs().max()),
                 rel_err=float((out.float() - ref).norm() / ref.norm()), all_written=bool(torch.isfinite(out).all()),

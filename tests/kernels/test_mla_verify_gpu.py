@@ -87,9 +87,13 @@ def test_float16_and_no_mask_chain():
                                        {"draft_rows": 1, "combine_rows": 0, "split_draft": False},
                                        {"draft_rows": 1, "combine_rows": 0, "split_draft": False, "pdl": False},
                                        {"split_draft_rows": True}, {"split_draft_rows": True, "pdl": False},
-                                       {"split_draft_rows": False, "draft_kernel_rows": True}])
+                                       {"split_draft_rows": False, "draft_kernel_rows": True},
+                                       {"tail_pair": 2, "heads": 8, "q_len": 9},
+                                       {"tail_pair": 2, "heads": 16, "q_len": 9, "pdl": False},
+                                       {"tail_pair": 2, "heads": 8, "q_len": 9, "sm90": False}])
 def test_cuda_graph_capture_and_replay_give_identical_output(overrides):
-    bs, heads, q_len, max_ctx, nsplit = 4, 16, 16, 65536, 64
+    overrides = dict(overrides)
+    bs, heads, q_len, max_ctx, nsplit = 4, overrides.pop("heads", 16), overrides.pop("q_len", 16), 65536, 64
     config = mv.with_config(mv.default_config(DEV), **overrides)
     first = make_problem(bs, heads, q_len, [max_ctx, 1000, 0, 30000], page_size=64, dtype=torch.bfloat16,
                          device=DEV, seed=1, mask_dtype=torch.uint8)
@@ -336,3 +340,67 @@ def test_default_config_attends_the_draft_tree_in_the_split_kernel(rows, ns_want
     ws.part_lse.fill_(12345.0)
     check(run_kernel(prob, SCALE, 64, workspace=ws, out=poisoned(prob)), run_reference(prob, SCALE))
     assert (ws.views(1, ns + 1)[1][0, ns, :rows] != 12345.0).all()
+
+
+class _Counted:
+    """Wraps a kernel: counts ``kernel[grid](...)`` launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize(("tail_pair", "pdl", "sm90"), [(2, True, True), (2, False, True), (1, True, True),
+                                                        (2, True, False)])
+@pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes", "page", "layout", "tree", "q_scale"), [
+    (1, 8, 9, [65536], 1, "indptr", True, 1.0),
+    (1, 8, 9, [4096], 1, "indptr", False, 1.0),
+    (1, 16, 9, [65536], 1, "indptr", True, 2.0),
+    (1, 8, 9, [100], 64, "req_to_token", True, 1.0),
+    (3, 8, 9, [40000, 9, 3000], 1, "req_to_token", True, 2.0),
+    (2, 16, 9, [65536, 0], 64, "indptr", False, 1.0),
+    (2, 8, 10, [30000, 20000], 1, "indptr", True, 4.0),      # 80 rows = 64 + 16
+])
+def test_tail_pair(bs, heads, q_len, prefixes, page, layout, tree, q_scale, tail_pair, pdl, sm90, monkeypatch):
+    """tail_pair: the short last row block (72 = 64 + 8, 144 = 128 + 16, 80 = 64 + 16 rows) on partitions of
+    tail_pair prefix partitions' keys each (every partition the tail rows should have written, no more): the
+    warp-specialised Gluon split kernel's tail programs on transposed tiles (its draft programs write the draft
+    slot; _draft_kernel and _tail_kernel not launched), or _tail_kernel (asserted launched once) beside the Triton
+    split kernel (sm90 off); the per-row combine merges each row's own partition count."""
+    prob = make_problem(bs, heads, q_len, prefixes, page_size=page, tree=tree, dtype=torch.bfloat16, device=DEV,
+                        seed=bs * 100 + q_len + heads, layout=layout, q_scale=q_scale, mask_dtype=torch.uint8)
+    rows = q_len * heads
+    config = mv.with_config(mv.GPU_CONFIG, tail_pair=tail_pair, pdl=pdl, sm90=sm90)
+    gluon = mv._sm90_split_kernel(config, prob["q"], prob["kv_buffer"]) is not None
+    if sm90 and not gluon:
+        pytest.skip("the warp-specialised Gluon kernel is sm_90 only")
+    if gluon:                                      # the split kernel's tail programs, not _tail_kernel
+        monkeypatch.setattr(mv, "_draft_kernel", _NotLaunched())
+        monkeypatch.setattr(mv, "_tail_kernel", _NotLaunched())
+    else:
+        tail = _Counted(mv._tail_kernel)
+        monkeypatch.setattr(mv, "_tail_kernel", tail)
+    assert mv._tail_split(bs, rows, config)
+    ns, ns_tail = mv.tail_splits(64, bs, rows, config, True)
+    assert ns == mv.effective_nsplit(64, bs, rows, config) and ns_tail == -(-ns // tail_pair)
+    assert bs * ((rows // 64) * ns + ns_tail + rows // 64 + 1) <= mv._sms_now()   # one wave, draft programs too
+    if mv._sms_now() == 132 and (bs, heads, q_len, tail_pair) == (1, 8, 9, 2):
+        assert (ns, ns_tail) == (85, 43)
+    ws = mv.Workspace.for_batches(bs, rows, 64, config, DEV)
+    ws.part_lse.fill_(12345.0)
+    out = run_kernel(prob, SCALE, 64, config=config, workspace=ws, out=poisoned(prob))
+    check(out, run_reference(prob, SCALE))
+    assert gluon or tail.launches == 1
+    lse = ws.views(bs, ns + 1)[1]
+    tail_row0 = rows - rows % 64
+    chunk = mv.launch_min_chunk(ns, bs, rows, config, ns_tail)
+    for b, pre in enumerate(prefixes):
+        per = max(mv._cdiv(mv._cdiv(pre, ns), 64) * 64, chunk) * tail_pair if pre else 1
+        want = -(-pre // per) if pre else 0
+        assert int((lse[b, :ns, tail_row0] != 12345.0).sum()) == want
+        assert int((lse[b, :ns, tail_row0:rows] != 12345.0).sum()) == want * (rows - tail_row0)
+    if gluon:
+        assert (lse[:, ns, :rows] != 12345.0).all()

@@ -60,6 +60,10 @@ def test_covers_trees_chains_pages_layouts_and_splits(interp: Script):
     for key in ("split_draft", "split_draft_rows"):
         split = [c for c in interp.cases if c["case"].get("config", {}).get(key)]
         assert split and all(c["draft_slots"] == 1 and c["draft_written"] is False for c in split)
+    # tail_pair: the short last row block on partitions of two prefix partitions' keys (_tail_kernel)
+    tail = [c for c in interp.cases if c["case"].get("config", {}).get("tail_pair")]
+    assert {c["case"]["tree"] for c in tail} == {True, False}
+    assert tail and all(c["tail_nsplit"] == -(-c["nsplit_used"] // 2) for c in tail), tail
 
 
 def test_empty_partitions_exit_early(interp: Script):

@@ -37,7 +37,8 @@ How (two launches, no host sync, no allocation, grid from static maxima — CUDA
 
 On a Hopper GPU the split kernel is ``mla_verify_sm90.split_kernel_sm90_ws`` (Gluon: same arguments, grid and
 output; the two warp groups split the score tile instead of both computing it, and four producer warps do the
-copies), see ``KernelConfig.sm90`` and ``sm90_ws``.
+copies; a short last row block runs transposed 16-row tiles), see ``KernelConfig.sm90``, ``sm90_ws`` and
+``tail_pair``.
 
 ``mla_tree_verify`` launches both; ``reference_tree_verify`` is the fp32 PyTorch reference (gather, mask,
 softmax, weighted sum). Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors.
@@ -98,7 +99,14 @@ class KernelConfig:
     launch order, on the multiprocessors the prefix programs leave free (a large batch rarely fills the last
     wave: bs=8 H=16 Q=9, 24 row blocks x 5 partitions, leaves 12 of 132). ``draft_kernel_rows``: on those
     launches, where ``split_draft_rows`` does not apply, ``_draft_kernel`` fills the slot (its small programs run
-    on the multiprocessors the split kernel leaves free)."""
+    on the multiprocessors the split kernel leaves free). ``tail_pair`` (k > 0, on launches ``split_draft``
+    serves): a launch whose last row block is short (``rows % block_m`` in 1 .. ``tail_m``: 72 rows = 64 + 8,
+    144 = 128 + 16) gives that block's rows partitions of k prefix partitions' keys each (tail programs: in the
+    warp-specialised Gluon kernel on transposed 16-row tiles, interleaving the k ranges; elsewhere
+    ``_tail_kernel``); the launch's prefix programs stay at most ``row blocks x nsplit`` and one wave (bs=1 H=8
+    Q=9, k=2: 85 partitions for the 64-row block, 43 tail programs, instead of 64 each), so the 64-row programs,
+    whose tiles cost the same whatever their rows, get shorter partitions. The combine merges each row's own
+    partition count."""
 
     block_m: int = 64
     block_n: int = 64
@@ -125,6 +133,7 @@ class KernelConfig:
     split_draft: bool = False
     split_draft_rows: bool = False
     draft_kernel_rows: bool = False
+    tail_pair: int = 0
 
     def describe(self) -> str:
         return (f"block_m={self.block_m} block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} "
@@ -135,7 +144,7 @@ class KernelConfig:
                 f"combine_wide_rows={self.combine_wide_rows} tail_m={self.tail_m} sm90={int(self.sm90)} "
                 f"sm90_ws={int(self.sm90_ws)} combine_rows={self.combine_rows} draft_rows={self.draft_rows} "
                 f"split_draft={int(self.split_draft)} split_draft_rows={int(self.split_draft_rows)} "
-                f"draft_kernel_rows={int(self.draft_kernel_rows)}")
+                f"draft_kernel_rows={int(self.draft_kernel_rows)} tail_pair={self.tail_pair}")
 
 
 # Tuned on one H200 (bench/kernel.py --tune, 2026-12-01; bench/results/kernel-h200.json): 64 (token, head) rows
@@ -171,9 +180,14 @@ class KernelConfig:
 # multiprocessors the prefix programs leave free), that combine only merges: the 16 bs=8 shapes' replay geomean
 # 163.0 -> 155.2 us in one call (bs=8 H=16 Q=9 4k 56.2 -> 49.8 us); _draft_kernel there instead
 # (draft_kernel_rows) 157.7 us.
+# Ninth pass (bench/results/kernel-h200-pass9-*): the short last row block of per-row-combine launches (72 = 64 + 8,
+# 144 = 128 + 16 rows) in the Gluon kernel's tail programs, on transposed 16-row tiles (tail_pair=1: the same
+# partitions as the full blocks): main's code and this alternating in one call, bs=1 H=16 Q=9 1-3% faster (64k 76.0
+# -> 74.0 us), H=8 Q=9 64k 54.0 -> 53.7 us but 4k-32k 0.4-0.8 us slower; tail programs of two partitions' keys
+# (tail_pair=2, shorter full-block partitions) were 4-20% slower.
 GPU_CONFIG = KernelConfig(wave_sms=-1, pdl=True, wave_min_chunk=64, combine_wide_rows=256, tail_m=16, sm90=True,
                           sm90_ws=True, min_chunk=512, max_ctas=-1, combine_rows=512, draft_rows=256,
-                          split_draft=True, combine_block_s=64, split_draft_rows=True)
+                          split_draft=True, combine_block_s=64, split_draft_rows=True, tail_pair=1)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -347,6 +361,40 @@ def _split_kernel(
 
 
 @triton.jit
+def _tail_kernel(
+    Q, KBuf, QoIndptr, KvStart, KvLens, KvIdx, PartO, PartLse,
+    qk_scale, nsplit, min_chunk, kv_start_mult,
+    stride_qt, stride_qh, stride_kb,
+    stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, row0, tail_pair,
+    H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_INDPTR: tl.constexpr, PDL: tl.constexpr,
+):
+    """``tail_pair``: rows [row0, row0 + TAIL_M) of request ``program_id(1)`` (the launch's short last row block)
+    x the keys of ``tail_pair`` prefix partitions of ``nsplit`` (the ``program_id(0)``-th such span) -> partial
+    output + log2-sum-exp, on a TAIL_M-row tile; the split kernel (launched just before) does the full row blocks.
+    With PDL it starts once every split program runs, on the multiprocessors they leave free, and program (0, 0)
+    waits for the split kernel before it exits, so that the combine's one wait (which covers only the kernel
+    launched just before it) covers both."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    split = tl.program_id(0)
+    b = tl.program_id(1)
+    q_start = tl.load(QoIndptr + b)
+    rows = (tl.load(QoIndptr + b + 1) - q_start) * H
+    kv_base, prefix = _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR)
+    chunk = _chunk_len(prefix, nsplit, min_chunk, BLOCK_N) * tail_pair
+    start = split * chunk
+    end = tl.minimum(start + chunk, prefix)
+    if (row0 < rows) & (start < end):
+        _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, b, split, kv_base, start, end, 0, qk_scale,
+                   stride_qt, stride_qh, stride_kb, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, H, DL, DR,
+                   TAIL_M, BLOCK_N, False, 1)
+    if PDL:  # noqa: SIM102 (a constexpr branch)
+        if split + b == 0:
+            tl.extra.cuda.gdc_wait()               # the split kernel has finished: so has this kernel at its end
+
+
+@triton.jit
 def _merge(m_run, w_run, acc, lse, part, REDUCE: tl.constexpr):
     """Fold weighted rows into a running softmax state, log2 domain: the maximum ``m_run`` (-inf: nothing yet),
     the weight sum ``w_run`` and the unnormalised output ``acc``, both relative to 2^max. ``lse`` are the new
@@ -372,7 +420,7 @@ def _combine_kernel(
     Q, KExt, VExt, Mask, MaskIndptr, PartO, PartLse, Out, QoIndptr, KvStart, KvLens,
     qk_scale, nsplit, min_chunk,
     stride_qt, stride_qh, stride_ket, stride_vet,
-    stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, stride_ot, stride_oh,
+    stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, stride_ot, stride_oh, tail_row0, tail_pair,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, KV_INDPTR: tl.constexpr, HAS_MASK: tl.constexpr,
     PDL: tl.constexpr, DRAFT_SLOT: tl.constexpr,
@@ -380,7 +428,8 @@ def _combine_kernel(
     """One (token, head) row x BLOCK_D output channels: attention over the draft tree (done here, once per
     row, in fp32; the tree mask is read only here — or, DRAFT_SLOT, by the split kernel's draft programs or
     ``_draft_kernel`` into partition slot ``nsplit``), merged with the non-empty prefix partitions by their
-    log2-sum-exp; writes the output."""
+    log2-sum-exp; writes the output. Rows from ``tail_row0`` on have partitions of ``tail_pair`` prefix
+    partitions' keys each (``tail_pair``: the tail programs wrote them); the draft slot is ``nsplit`` for all."""
     row = tl.program_id(0)
     b = tl.program_id(1)
     d0 = tl.program_id(2) * BLOCK_D
@@ -435,7 +484,7 @@ def _combine_kernel(
             tl.extra.cuda.gdc_wait()                   # the split kernel has finished and its writes are visible
 
     # ---- the prefix partitions (normalised partial outputs, weight 2^lse), BLOCK_S at a time
-    n_act = tl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, BLOCK_N))
+    n_act = tl.cdiv(prefix, _chunk_len(prefix, nsplit, min_chunk, BLOCK_N) * tl.where(row < tail_row0, 1, tail_pair))
     base_o = PartO + b.to(tl.int64) * stride_pb + row * stride_pr
     base_l = PartLse + b.to(tl.int64) * stride_lb + row
     for s0 in range(0, n_act, BLOCK_S):
@@ -611,9 +660,13 @@ class Workspace:
 
     @classmethod
     def for_batches(cls, max_bs: int, rows: int, nsplit: int, config: KernelConfig, device) -> Workspace:
-        """Big enough for every batch of 1..max_bs requests of up to ``rows`` rows."""
-        slots = max(bs * (effective_nsplit(nsplit, bs, rows, config) + draft_slots(bs, rows, config))
-                    for bs in range(1, max_bs + 1))
+        """Big enough for every batch of 1..max_bs requests of up to ``rows`` rows (with ``tail_pair`` whichever
+        split kernel runs: the launch decides)."""
+        def per_request(bs: int) -> int:
+            tail = {False, _tail_split(bs, rows, config)}
+            return max(tail_splits(nsplit, bs, rows, config, t)[0] for t in tail) + draft_slots(bs, rows, config)
+
+        slots = max(bs * per_request(bs) for bs in range(1, max_bs + 1))
         return cls(slots, rows, device, dtype=config.partial_dtype)
 
     def fits(self, bs: int, rows: int, nsplit: int, dtype: str | None = None) -> bool:
@@ -697,14 +750,38 @@ def effective_nsplit(nsplit: int, bs: int, rows: int, config: KernelConfig) -> i
     """Partitions a launch uses: ``nsplit``, fewer when ``bs`` requests already make ``max_ctas`` programs,
     and (``wave_sms``) the count under that which maximises partitions per wave of programs: e.g. 3 row
     blocks on 132 multiprocessors run 44 partitions in one wave rather than 64 in two (a host-side function
-    of static sizes only: CUDA-graph safe)."""
+    of static sizes only: CUDA-graph safe). With ``tail_pair`` (where it applies: ``tail_splits``) the full
+    row blocks' count, which may exceed ``nsplit``."""
+    return tail_splits(nsplit, bs, rows, config, _tail_split(bs, rows, config))[0]
+
+
+def _tail_split(bs: int, rows: int, config: KernelConfig) -> bool:
+    """``tail_pair`` applies to a launch the per-row combine merges with ``split_draft`` on whose last row block
+    is short, behind at least one full one (static sizes only; the launch also checks which split kernel runs)."""
+    left = rows % config.block_m
+    return (config.tail_pair > 0 and _split_draft(bs, rows, config) and config.dv_split == 1
+            and rows > config.block_m and 0 < left <= config.tail_m)
+
+
+def tail_splits(nsplit: int, bs: int, rows: int, config: KernelConfig, tail: bool) -> tuple[int, int]:
+    """(partitions of the full row blocks, tail programs of the short last block; 0: none). Without ``tail``:
+    ``effective_nsplit``'s rule. With it: per request ``nb`` full blocks x n + m, m = cdiv(n, ``tail_pair``), at
+    most (nb + 1) x ``nsplit`` prefix programs (what the launch would have without it) and, with the nb + 1 draft
+    programs, one wave of the launch's cap (static sizes only)."""
     cap = _sms_now() if config.max_ctas < 0 else config.max_ctas
-    if cap <= 0:
-        return nsplit
-    blocks = max(bs * _cdiv(rows, config.block_m) * config.dv_split, 1)
-    ns = max(1, min(nsplit, cap // blocks - _split_draft(bs, rows, config)))
-    sms = _wave_sms(config)
-    return _wave_nsplit(ns, blocks, sms) if sms > 0 else ns
+    if not tail or cap <= 0:
+        if cap <= 0:
+            return nsplit, 0
+        blocks = max(bs * _cdiv(rows, config.block_m) * config.dv_split, 1)
+        ns = max(1, min(nsplit, cap // blocks - _split_draft(bs, rows, config)))
+        sms = _wave_sms(config)
+        return (_wave_nsplit(ns, blocks, sms) if sms > 0 else ns), 0
+    nb = rows // config.block_m
+    limit = min((nb + 1) * nsplit, cap // bs - nb - 1)
+    ns = max(1, int(limit / (nb + 1 / config.tail_pair)))
+    while nb * ns + _cdiv(ns, config.tail_pair) > limit and ns > 1:
+        ns -= 1
+    return ns, _cdiv(ns, config.tail_pair)
 
 
 def _row_block(bs: int, rows: int, config: KernelConfig) -> bool:
@@ -727,13 +804,16 @@ def draft_slots(bs: int, rows: int, config: KernelConfig) -> int:
     return int(0 < config.draft_rows <= bs * rows or config.split_draft)
 
 
-def launch_min_chunk(ns: int, bs: int, rows: int, config: KernelConfig) -> int:
-    """Shortest prefix partition (tokens, a multiple of block_n) of a launch with ``ns`` partitions:
-    ``wave_min_chunk`` when its programs fit in one wave, else ``min_chunk`` (static sizes only)."""
+def launch_min_chunk(ns: int, bs: int, rows: int, config: KernelConfig, tail_ns: int = 0) -> int:
+    """Shortest prefix partition (tokens, a multiple of block_n) of a launch with ``ns`` partitions (and
+    ``tail_ns`` tail programs, ``tail_pair``): ``wave_min_chunk`` when its programs fit in one
+    wave, else ``min_chunk`` (static sizes only)."""
     chunk = config.min_chunk
     if config.wave_min_chunk > 0:
         sms = _wave_sms(config)
-        if sms > 0 and bs * _cdiv(rows, config.block_m) * config.dv_split * ns <= sms:
+        per_b = ((rows // config.block_m) * ns + tail_ns if tail_ns
+                 else _cdiv(rows, config.block_m) * config.dv_split * ns)
+        if sms > 0 and bs * per_b <= sms:
             chunk = config.wave_min_chunk
     return _cdiv(max(chunk, 1), config.block_n) * config.block_n
 
@@ -789,14 +869,19 @@ def mla_tree_verify(
     else:
         assert req_pool_indices is not None and seq_lens is not None and req_to_token.stride(1) == 1
         kv_start, kv_lens, kv_idx, mult = req_pool_indices, seq_lens, req_to_token, req_to_token.stride(0)
-    ns = effective_nsplit(nsplit, bs, rows, config)
+    sm90 = _sm90_split_kernel(config, q, kbuf)
+    # the short last row block's tail programs: in the warp-specialised Gluon kernel (its draft programs run: q_len
+    # <= 64); beside the Triton kernel (_tail_kernel) only for tail_pair > 1 (its own tail_m tile does 1)
+    tail = (_tail_split(bs, rows, config) and max_q_len <= 64
+            and (config.sm90_ws if sm90 is not None else config.tail_pair > 1))
+    ns, ns_tail = tail_splits(nsplit, bs, rows, config, tail)
     draft = draft_slots(bs, rows, config)          # 1: the draft tree's partial in slot ns
     if workspace is None:
         workspace = Workspace(bs * (ns + draft), rows, q.device, dtype=config.partial_dtype)
     assert workspace.fits(bs, rows, ns + draft, config.partial_dtype), \
         "workspace too small for this batch (or other dtype)"
     part_o, part_lse = workspace.views(bs, ns + draft)
-    min_chunk = launch_min_chunk(ns, bs, rows, config)
+    min_chunk = launch_min_chunk(ns, bs, rows, config, ns_tail)
     has_mask = custom_mask is not None
     if has_mask:
         assert mask_indptr is not None
@@ -809,8 +894,8 @@ def mla_tree_verify(
     split_args = (q, kbuf, qo_indptr, kv_start, kv_lens, kv_idx, part_o, part_lse, qk_scale, ns, min_chunk, mult,
                   q.stride(0), q.stride(1), kbuf.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
                   part_lse.stride(0), part_lse.stride(1))
-    grid = (_cdiv(rows, config.block_m) * config.dv_split, ns, bs)
-    sm90 = _sm90_split_kernel(config, q, kbuf)
+    blocks = _cdiv(rows, config.block_m) * config.dv_split
+    grid = (blocks, ns, bs)
     # the draft tree's partial in slot ns: from the warp-specialised kernel's programs of partition ns, else from
     # _draft_kernel (draft_rows, draft_kernel_rows); where neither applies the combine attends the tree itself (the
     # slot stays unused)
@@ -822,19 +907,27 @@ def mla_tree_verify(
     if sm90 is not None:
         extra = {}
         if config.sm90_ws:
+            pre_blocks = blocks - (ns_tail > 0)       # the row blocks with prefix programs in this kernel
             extra = dict(KExt=kext, VExt=vext, Mask=mask, MaskIndptr=mindptr, stride_ket=kext.stride(0),
-                         stride_vet=vext.stride(0), LOAD_WARPS=4, LOAD_REGS=40, DRAFT=split_draft,
-                         HAS_MASK=has_mask)
-            grid = (grid[0], ns + split_draft, bs)
+                         stride_vet=vext.stride(0), blocks=blocks, pre_blocks=pre_blocks, nsplit_tail=ns_tail,
+                         LOAD_WARPS=4, LOAD_REGS=40, DRAFT=split_draft, HAS_MASK=has_mask,
+                         TAIL=config.tail_pair if ns_tail else 0)
+            if split_draft:                        # prefix programs, tail programs, draft programs
+                grid = (pre_blocks * ns + ns_tail + blocks, 1, bs)
         sm90[grid](*split_args, H=heads, DL=D_LATENT, DR=D_ROPE, KV_INDPTR=use_indptr, PDL=pdl,
                    num_warps=config.num_warps, **extra)
     else:
-        _split_kernel[grid](
+        _split_kernel[(blocks - (ns_tail > 0), ns, bs)](
             *split_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             KV_INDPTR=use_indptr, WARP_SPEC=config.warp_specialize, DV_SPLIT=config.dv_split, PDL=pdl,
             TAIL_M=launch_tail_m(rows, config), num_warps=config.num_warps,
             num_stages=config.num_stages)
     launch = {"launch_pdl": True} if pdl else {}
+    tail_row0 = (blocks - 1) * config.block_m if ns_tail else rows
+    if ns_tail and sm90 is None:                   # the short last row block, ns_tail partitions of its own
+        _tail_kernel[(ns_tail, bs)](*split_args, tail_row0, config.tail_pair, H=heads, DL=D_LATENT, DR=D_ROPE,
+                                    TAIL_M=config.tail_m, BLOCK_N=config.block_n, KV_INDPTR=use_indptr, PDL=pdl,
+                                    num_warps=config.num_warps, num_stages=config.num_stages, **launch)
     if draft_kernel:
         _draft_kernel[(_cdiv(rows, 16), bs, 2)](
             q, kext, vext, mask, mindptr, part_o, part_lse, qo_indptr, kv_start, kv_lens, qk_scale, ns, q.stride(0),
@@ -858,8 +951,8 @@ def mla_tree_verify(
     _combine_kernel[(rows, bs, D_LATENT // block_d)](
         *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=config.block_n,
         BLOCK_S=max(1, config.combine_block_s * config.combine_block_d // block_d), BLOCK_D=block_d,
-        BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr, HAS_MASK=has_mask, PDL=pdl,
-        DRAFT_SLOT=split_draft or draft_kernel,
+        tail_row0=tail_row0, tail_pair=max(config.tail_pair, 1), BLOCK_J=config.combine_block_j, KV_INDPTR=use_indptr,
+        HAS_MASK=has_mask, PDL=pdl, DRAFT_SLOT=split_draft or draft_kernel,
         num_warps=config.combine_warps * (2 if wide else 1), **launch,
     )
     return o

@@ -15,7 +15,9 @@ once at the end, so a tile has one cross-warp-group reduction (the row maximum),
 (``gl.warp_specialize``): four producer warps gather the query and the key tiles into a two-slot ring with
 ``cp.async`` (each thread's copies arrive on the slot's ``ready`` mbarrier when they land), the eight compute
 warps wait on ``ready`` and free a slot on ``empty`` once both warp groups' ``P V`` has read it — no copy
-instructions, slot loads or copy waits in the compute warps (232 registers there, 40 in the producers).
+instructions, slot loads or copy waits in the compute warps (232 registers there, 40 in the producers). With
+``TAIL`` (``KernelConfig.tail_pair``) the short last row block's programs (at most 16 rows) run their tiles
+transposed (``_tail_tiles``: keys x rows, so the rows are ``wgmma``'s N side rather than padding its 64-row M side).
 
 Imported only on a CUDA device of compute capability 9.x with a Triton that has Gluon (``mla_verify._sm90_ok``);
 everywhere else, and under ``TRITON_INTERPRET=1``, ``mla_verify`` runs its Triton kernel.
@@ -63,38 +65,48 @@ def _issue_tile(k_lat, k_rope, KBuf, loc_l, loc_r, n0, end, stride_kb,
 
 
 @gluon.jit
-def _program(QoIndptr, KvStart, KvLens, nsplit, min_chunk, kv_start_mult, H: gl.constexpr, KV_INDPTR: gl.constexpr,
-             PDL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DRAFT: gl.constexpr = False):
+def _program(QoIndptr, KvStart, KvLens, nsplit, min_chunk, kv_start_mult, blocks, pre_blocks, nsplit_tail,
+             H: gl.constexpr, KV_INDPTR: gl.constexpr, PDL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+             DRAFT: gl.constexpr = False, TAIL: gl.constexpr = 0):
     """This program's request b, partition, query rows and prefix keys [start, end) (start == end: nothing to
-    do — rows past the request's, or a partition past its prefix). DRAFT (grid (row blocks, nsplit + 1, bs)):
-    the programs of partition ``nsplit`` (the draft tree's) come last in launch order, after every request's
-    prefix programs, so that they run on the multiprocessors those leave free (or after them) rather than
-    pushing a later request's prefix programs into a second wave (with one request: the grid's own order)."""
+    do — rows past the request's, or a partition past its prefix), and whether it is a tail program. DRAFT
+    (grid (pre_blocks * nsplit + nsplit_tail + blocks, 1, bs)): each request's first ``pre_blocks`` row blocks
+    get the ``nsplit`` prefix partitions, its short last row block (``tail_pair``: TAIL > 0, ``pre_blocks`` =
+    ``blocks`` - 1) ``nsplit_tail`` partitions of TAIL prefix partitions' keys each (tail programs), and all ``blocks``
+    its draft-tree programs (partition ``nsplit``). In launch order: every request's prefix programs, then the
+    tail programs, then the draft programs, so that those run on the multiprocessors the others leave free (or
+    after them) rather than pushing a later request's prefix programs into a second wave (with one request: the
+    grid's own order)."""
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
     rb = gl.program_id(0)
     split = gl.program_id(1)
     b = gl.program_id(2)
+    tail = split < 0                               # no tail program (a tensor: the DRAFT branch reassigns it)
     if DRAFT:
-        blocks = gl.num_programs(0)
-        per_b = blocks * nsplit                    # prefix programs per request
-        lin = rb + blocks * (split + (nsplit + 1) * b)
+        per_b = pre_blocks * nsplit                # prefix programs per request
+        lin = rb + gl.num_programs(0) * b
         n_pre = per_b * gl.num_programs(2)
-        d = lin - n_pre
-        b = gl.where(lin < n_pre, lin // per_b, d // blocks)
-        split = gl.where(lin < n_pre, (lin % per_b) // blocks, nsplit)
-        rb = gl.where(lin < n_pre, lin % blocks, d % blocks)
+        t = lin - n_pre                            # the tail programs: nsplit_tail per request
+        d = t - nsplit_tail * gl.num_programs(2)
+        pre = lin < n_pre
+        tail = (t >= 0) & (d < 0)
+        n_t = gl.maximum(nsplit_tail, 1)
+        b = gl.where(pre, lin // per_b, gl.where(tail, t // n_t, d // blocks))
+        split = gl.where(pre, (lin % per_b) // pre_blocks, gl.where(tail, t % n_t, nsplit))
+        rb = gl.where(pre, lin % pre_blocks, gl.where(tail, pre_blocks, d % blocks))
     row0 = rb * BM
     q_start = gl.load(QoIndptr + b)
     rows = (gl.load(QoIndptr + b + 1) - q_start) * H
     kv_base, prefix = _request_kv(KvStart, KvLens, b, kv_start_mult, KV_INDPTR)
     chunk = _chunk_len(prefix, nsplit, min_chunk, BN)
-    start = split * chunk
-    end = gl.minimum(start + chunk, prefix)
+    span = chunk * gl.where(tail, TAIL, 1)         # a tail program: TAIL partitions' keys
+    start = split * span
+    end = gl.minimum(start + span, prefix)
     if row0 >= rows:
         end = start
-    return b, split, q_start, rows, row0, kv_base, prefix, start, end
+    return b, split, q_start, rows, row0, kv_base, prefix, start, end, tail, chunk
 
 
 @gluon.jit
@@ -163,8 +175,8 @@ def split_kernel_sm90(
     GL_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-    b, split, q_start, rows, row0, kv_base, _, start, end = _program(QoIndptr, KvStart, KvLens, nsplit, min_chunk,
-                                                                     kv_start_mult, H, KV_INDPTR, PDL, BM, BN)
+    b, split, q_start, rows, row0, kv_base, _, start, end, _, _ = _program(
+        QoIndptr, KvStart, KvLens, nsplit, min_chunk, kv_start_mult, 0, 0, 0, H, KV_INDPTR, PDL, BM, BN)
     if start >= end:
         return
 
@@ -217,10 +229,24 @@ def split_kernel_sm90(
 # ------------------------------------------------------------------------------------ warp-specialised variant
 
 @gluon.jit
+def _tile_at(i, start, end, chunk, BN: gl.constexpr):
+    """Key tile i of a program's keys [start, end) -> (its first key, the end of its range). A tail program's keys
+    (``tail_pair`` 2: two prefix partitions', up to 2 x ``chunk``) are taken alternately from the two halves while
+    both have tiles, so that it reads each tile about when the 64-row programs of those partitions do (the tile's
+    lines are then in L2); every other program's in order (end <= start + chunk)."""
+    mid = gl.minimum(start + chunk, end)
+    t_b = gl.cdiv(gl.maximum(end - mid, 0), BN)    # tiles of the second half
+    inter = i < 2 * t_b
+    half = gl.where(inter, i % 2, 0)
+    n0 = start + half * chunk + gl.where(inter, i // 2, i - t_b) * BN
+    return n0, gl.where(half == 1, end, mid)
+
+
+@gluon.jit
 def _ws_loader(Q, KBuf, KvIdx, KExt, VExt, q_lat, q_rope, k_lat, k_rope, ready, empty, q_start, rows, row0, kv_base,
-               start, end, d_len, stride_qt, stride_qh, stride_kb, stride_ket, stride_vet, H: gl.constexpr,
+               start, end, chunk, d_len, stride_qt, stride_qh, stride_kb, stride_ket, stride_vet, H: gl.constexpr,
                DL: gl.constexpr, DR: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, LOAD_WARPS: gl.constexpr,
-               DRAFT: gl.constexpr):
+               DRAFT: gl.constexpr, TAIL: gl.constexpr = 0):
     """Producer warps: the query rows, then each key tile into ring slot i % 2 once the compute warps have freed
     it (``empty``); every thread's copies arrive on ``ready`` when they land (cp.async.mbarrier.arrive.noinc).
     The draft program (``d_len`` > 0) loads, instead, the request's draft keys into slot 0 and their values into
@@ -242,15 +268,26 @@ def _ws_loader(Q, KBuf, KvIdx, KExt, VExt, q_lat, q_rope, k_lat, k_rope, ready, 
             async_copy.async_copy_global_to_shared(k_lat.index(1), VExt + loc_d[:, None] * stride_vet + d_l[None, :],
                                                    mask=(j < d_len)[:, None])
             async_copy.mbarrier_arrive(ready.index(0), increment_count=False)
-    loc = _slots(KvIdx, kv_base, start, end, BN, gl.SliceLayout(1, GL))
     n_tiles = gl.cdiv(end - start, BN)
-    for i in range(n_tiles):
-        buf = i % 2
-        mbarrier.wait(empty.index(buf), ((i // 2) & 1) ^ 1)     # the first use of each slot passes at once
-        n0 = start + i * BN
-        _issue_tile(k_lat.index(buf), k_rope.index(buf), KBuf, loc, loc, n0, end, stride_kb, DL, DR, BN, GL, GL)
-        async_copy.mbarrier_arrive(ready.index(buf), increment_count=False)
-        loc = _slots(KvIdx, kv_base, n0 + BN, end, BN, gl.SliceLayout(1, GL))
+    if TAIL:                                       # tiles in _tile_at's order (the tail programs interleave)
+        n0, e = _tile_at(0, start, end, chunk, BN)
+        loc = _slots(KvIdx, kv_base, n0, e, BN, gl.SliceLayout(1, GL))
+        for i in range(n_tiles):
+            buf = i % 2
+            mbarrier.wait(empty.index(buf), ((i // 2) & 1) ^ 1)
+            _issue_tile(k_lat.index(buf), k_rope.index(buf), KBuf, loc, loc, n0, e, stride_kb, DL, DR, BN, GL, GL)
+            async_copy.mbarrier_arrive(ready.index(buf), increment_count=False)
+            n0, e = _tile_at(i + 1, start, end, chunk, BN)
+            loc = _slots(KvIdx, kv_base, n0, e, BN, gl.SliceLayout(1, GL))
+    else:
+        loc = _slots(KvIdx, kv_base, start, end, BN, gl.SliceLayout(1, GL))
+        for i in range(n_tiles):
+            buf = i % 2
+            mbarrier.wait(empty.index(buf), ((i // 2) & 1) ^ 1)     # the first use of each slot passes at once
+            n0 = start + i * BN
+            _issue_tile(k_lat.index(buf), k_rope.index(buf), KBuf, loc, loc, n0, end, stride_kb, DL, DR, BN, GL, GL)
+            async_copy.mbarrier_arrive(ready.index(buf), increment_count=False)
+            loc = _slots(KvIdx, kv_base, n0 + BN, end, BN, gl.SliceLayout(1, GL))
 
 
 @gluon.jit
@@ -268,13 +305,35 @@ def _draft_keep(Mask, MaskIndptr, b, row0, q_len, prefix, H: gl.constexpr, BM: g
 
 
 @gluon.jit
-def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, Mask, MaskIndptr, rows, row0, b,
-                split, prefix, start, end, d_len, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
-                H: gl.constexpr, DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DRAFT: gl.constexpr,
-                HAS_MASK: gl.constexpr):
-    """The 8 compute warps: as in ``split_kernel_sm90``, without the copies (they wait on ``ready`` and free a
-    ring slot on ``empty`` once both warp groups' ``P V`` has read it); the draft program runs its one tile with
-    the tree mask (keys in slot 0, values in slot 1)."""
+def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, Mask, MaskIndptr, rows,
+                row0, b, split, prefix, start, end, chunk, d_len, tail, qk_scale, stride_pb, stride_ps, stride_pr,
+                stride_lb, stride_ls, H: gl.constexpr, DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                DRAFT: gl.constexpr, HAS_MASK: gl.constexpr, TAIL: gl.constexpr):
+    """The 8 compute warps: a tail program's transposed tiles (``TAIL``; pᵀ in the first 16 rows of p's buffer),
+    else ``_ws_tiles``."""
+    if TAIL:
+        if tail:
+            _tail_tiles(q_lat.slice(0, TAIL_M), q_rope.slice(0, TAIL_M), k_lat, k_rope, p_smem.slice(0, TAIL_M),
+                        ready, empty, PartO, PartLse, rows, row0, b, split, start, end, chunk, qk_scale, stride_pb,
+                        stride_ps, stride_pr, stride_lb, stride_ls, DL, BN)
+        else:
+            _ws_tiles(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, Mask, MaskIndptr, rows,
+                      row0, b, split, prefix, start, end, d_len, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb,
+                      stride_ls, H, DL, BM, BN, DRAFT, HAS_MASK)
+    else:
+        _ws_tiles(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, Mask, MaskIndptr, rows, row0,
+                  b, split, prefix, start, end, d_len, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb,
+                  stride_ls, H, DL, BM, BN, DRAFT, HAS_MASK)
+
+
+@gluon.jit
+def _ws_tiles(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, Mask, MaskIndptr, rows, row0, b,
+              split, prefix, start, end, d_len, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
+              H: gl.constexpr, DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DRAFT: gl.constexpr,
+              HAS_MASK: gl.constexpr):
+    """A 64-row program's tiles, as in ``split_kernel_sm90``, without the copies (the compute warps wait on
+    ``ready`` and free a ring slot on ``empty`` once both warp groups' ``P V`` has read it); the draft program
+    runs its one tile with the tree mask (keys in slot 0, values in slot 1)."""
     S_L: gl.constexpr = S_LAYOUT
     O_L: gl.constexpr = O_LAYOUT
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -301,27 +360,91 @@ def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartL
                    stride_lb, stride_ls, DL, BM, S_L, O_L)
 
 
+# a tail program (tail_pair): scores transposed [64 keys, 16 rows], each warp group 8 of the rows (wgmma N = 8);
+# output transposed [512 channels, 16 rows], each warp group 256 of the channels (N = 16)
+TAIL_M = gl.constexpr(16)
+T_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 8, 16]))
+TO_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 16, 16]))
+
+
+@gluon.jit
+def _tail_tiles(q_lat, q_rope, k_lat, k_rope, pt_smem, ready, empty, PartO, PartLse, rows, row0, b, split, start,
+                end, chunk, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, DL: gl.constexpr,
+                BN: gl.constexpr):
+    """A tail program's tiles (the first 16 of the 64 query rows the producers loaded; the rest are zeros): per
+    key tile ``Sᵀ = K Qᵀ`` (keys x rows: the keys are ``wgmma``'s M side, so 16 rows cost a quarter of a 64-row
+    tile's matrix work, not all of it), the online softmax down the keys, pᵀ through shared memory,
+    ``Oᵀ += Vᵀ pᵀ`` (channels x rows); then the partial, transposed back on its store."""
+    BM: gl.constexpr = TAIL_M
+    T_L: gl.constexpr = T_LAYOUT
+    TO_L: gl.constexpr = TO_LAYOUT
+    m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(0, T_L))
+    l_part = gl.zeros([BN, BM], gl.float32, layout=T_L)     # each thread's share of the row sums (as _tile)
+    acc = gl.zeros([DL, BM], gl.float32, layout=TO_L)
+    n_tiles = gl.cdiv(end - start, BN)
+    for i in range(n_tiles):
+        buf = i % 2
+        mbarrier.wait(ready.index(buf), (i // 2) & 1)
+        fence_async_shared()
+        kl = k_lat.index(buf)
+        s = gl.zeros([BN, BM], gl.float32, layout=T_L)
+        s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(k_rope.index(buf), q_rope.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        n0, e = _tile_at(i, start, end, chunk, BN)
+        keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, T_L))
+        s = gl.where((keys < e)[:, None], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))          # every tile has >= 1 key: finite
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l_part = l_part * alpha[None, :] + p
+        pt_smem.store(gl.permute(p.to(kl.dtype), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()                            # pᵀ is in shared memory
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, TO_L))[None, :]
+        acc = warpgroup_mma(kl.permute((1, 0)), pt_smem.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()                            # both warp groups are done with slot buf and with pᵀ
+        mbarrier.arrive(empty.index(buf), count=1)
+        m_i = m_new
+    l_i = gl.sum(l_part, 0)                            # every partition has >= 1 key: l_i > 0
+    out = acc / gl.convert_layout(l_i, gl.SliceLayout(0, TO_L))[None, :]
+    d = gl.arange(0, DL, layout=gl.SliceLayout(1, TO_L))
+    m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, TO_L))
+    part = b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
+    gl.store(PartO + part + m[None, :] * stride_pr + d[:, None], out.to(PartO.dtype.element_ty),
+             mask=(m < rows)[None, :])
+    m_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, T_L))
+    gl.store(PartLse + b.to(gl.int64) * stride_lb + split.to(gl.int64) * stride_ls + m_s, m_i + gl.log2(l_i),
+             mask=m_s < rows)
+
+
 @gluon.jit
 def split_kernel_sm90_ws(
     Q, KBuf, QoIndptr, KvStart, KvLens, KvIdx, PartO, PartLse,
     qk_scale, nsplit, min_chunk, kv_start_mult,
     stride_qt, stride_qh, stride_kb,
     stride_pb, stride_ps, stride_pr, stride_lb, stride_ls,
-    KExt, VExt, Mask, MaskIndptr, stride_ket, stride_vet,
+    KExt, VExt, Mask, MaskIndptr, stride_ket, stride_vet, blocks, pre_blocks, nsplit_tail,
     H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, KV_INDPTR: gl.constexpr, PDL: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, DRAFT: gl.constexpr, HAS_MASK: gl.constexpr,
+    TAIL: gl.constexpr = 0,
 ):
     """``split_kernel_sm90`` with its copies in their own warps (``gl.warp_specialize``): LOAD_WARPS producer
     warps gather the query and key tiles into a two-slot ring, signalled by mbarriers, while the 8 compute warps
     run the tiles; same arguments, grid and output. ``DRAFT``: the grid has one more partition, ``nsplit``,
     whose programs attend the draft tree (one masked tile: ``q_len`` <= 64) into partition slot ``nsplit``
     instead of a prefix partition — what ``_draft_kernel`` does, without a launch of its own (the combine then
-    only merges partials); they come last in launch order (``_program``)."""
+    only merges partials); they come last in launch order, and the grid is (``pre_blocks`` x ``nsplit`` +
+    ``nsplit_tail`` + ``blocks``, 1, bs): the prefix programs of the first ``pre_blocks`` row blocks, (``TAIL``,
+    with DRAFT: ``tail_pair``) the short last row block's ``nsplit_tail`` tail programs, which run its 16 rows
+    on transposed tiles (``_tail_tiles``), then the draft programs of all ``blocks`` (``_program``)."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    b, split, q_start, rows, row0, kv_base, prefix, start, end = _program(
-        QoIndptr, KvStart, KvLens, nsplit, min_chunk, kv_start_mult, H, KV_INDPTR, PDL, BM, BN, DRAFT)
+    b, split, q_start, rows, row0, kv_base, prefix, start, end, tail, chunk = _program(
+        QoIndptr, KvStart, KvLens, nsplit, min_chunk, kv_start_mult, blocks, pre_blocks, nsplit_tail, H, KV_INDPTR,
+        PDL, BM, BN, DRAFT, TAIL)
     d_len = 0
     if DRAFT:  # noqa: SIM102 (a constexpr branch)
         if split == nsplit and row0 < rows:
@@ -342,10 +465,11 @@ def split_kernel_sm90_ws(
         mbarrier.init(empty.index(j), count=1)
     gl.warp_specialize([
         (_ws_compute,
-         (q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, Mask, MaskIndptr, rows, row0, b, split,
-          prefix, start, end, d_len, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb, stride_ls, H, DL, BM, BN,
-          DRAFT, HAS_MASK)),
+         (q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, PartO, PartLse, Mask, MaskIndptr, rows, row0,
+          b, split, prefix, start, end, chunk, d_len, tail, qk_scale, stride_pb, stride_ps, stride_pr, stride_lb,
+          stride_ls, H, DL, BM, BN, DRAFT, HAS_MASK, TAIL)),
         (_ws_loader, (Q, KBuf, KvIdx, KExt, VExt, q_lat, q_rope, k_lat, k_rope, ready, empty, q_start, rows, row0,
-                      kv_base, start, end, d_len, stride_qt, stride_qh, stride_kb, stride_ket, stride_vet, H, DL, DR,
-                      BM, BN, LOAD_WARPS, DRAFT)),
+                      kv_base, start, end, chunk, d_len, stride_qt, stride_qh, stride_kb, stride_ket, stride_vet, H,
+                      DL, DR, BM, BN, LOAD_WARPS, DRAFT, TAIL)),
     ], [LOAD_WARPS], [LOAD_REGS])
+
