@@ -28,11 +28,12 @@ _SECTION = re.compile(r"^\[([^:\]\s]+)(?::(\w+))?\]\s*(?:#.*)?$")
 _GROUP_NAME = re.compile(r"^([^:\]\s]+)\s*(?:#.*)?$")
 _HOSTPORT = re.compile(r"^\[(.+)\]:([0-9]+)$|^((?:[^:\[\]]|\[[^\]]*\])*):([0-9]+)$")
 _SECTIONS = {"hosts", "children", "vars"}
-# kdeploy setting <- the Ansible variables that give it, first found wins (the ssh connection plugin's names).
+# kdeploy setting <- the Ansible variables that give it, first set wins: the ssh connection plugin lists them the
+# other way round and its config manager keeps the last one set, so `ansible_ssh_host` beats `ansible_host`.
 CONNECTION_VARS = {
-    "address": ("ansible_host", "ansible_ssh_host"),
-    "port": ("ansible_port", "ansible_ssh_port"),
-    "user": ("ansible_user", "ansible_ssh_user"),
+    "address": ("ansible_ssh_host", "ansible_host"),
+    "port": ("ansible_ssh_port", "ansible_port"),
+    "user": ("ansible_ssh_user", "ansible_user"),
     "identity_file": ("ansible_ssh_private_key_file", "ansible_private_key_file"),
 }
 SSH_ARGS_VARS = ("ansible_ssh_args", "ansible_ssh_common_args", "ansible_ssh_extra_args")
@@ -233,7 +234,7 @@ def to_kdeploy(host: str, variables: dict, line: int | None, path: Path) -> tupl
     if connection not in (None, "ssh", "paramiko", "smart"):
         raise InvalidInput(f"{where}: ansible_connection={connection}: kdeploy reaches hosts over SSH only")
     for key, names in CONNECTION_VARS.items():
-        name = next((n for n in names if n in variables), None)
+        name = next((n for n in names if variables.get(n) is not None), None)  # a null is unset, as in Ansible
         if name is not None:
             settings[key], sources[key] = _plain(variables[name], f"{where}: {name}"), name
     if "identity_file" in settings:  # ssh reads it relative to where Ansible runs, not to the inventory
@@ -370,6 +371,8 @@ def _read_yaml(found: AnsibleInventory, text: str) -> None:
     data = inventory.parse_yaml(text, found.path)
     for name, body in data.items():
         _yaml_group(found, str(name), body)
+    # The plugin reads a group's children before its hosts; the hosts keep the order they are written in.
+    found.hosts = dict(sorted(found.hosts.items(), key=lambda item: found.lines.get(item[0]) or 0))
 
 
 def _yaml_group(found: AnsibleInventory, name: str, body: Any) -> None:

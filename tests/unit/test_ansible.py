@@ -319,3 +319,21 @@ def test_completion_of_target_from_an_ansible_inventory(tmp_path, monkeypatch, c
     monkeypatch.setenv("COMP_CWORD", "6")
     assert cli.main([]) == 0
     assert capsys.readouterr().out.split() == ["gpu01", "gpu02", "gpu03", "gpu04"]
+
+
+def test_the_ssh_names_win_when_both_are_set_as_in_ansibles_ssh_plugin(tmp_path):
+    """The ssh connection plugin lists `ansible_host`, `ansible_ssh_host` (and so on) and its config manager keeps
+    the last one set: `ansible h7 -m ping -vvv` connects to 127.0.0.9:2022 as sshu for this file."""
+    ini = ("[g]\nh7 ansible_ssh_host=127.0.0.9 ansible_ssh_port=2022 ansible_ssh_user=sshu\n"
+           "[g:vars]\nansible_user=grpuser\nansible_host=127.0.0.8\nansible_port=2000\n")
+    host = inventory.load(*write(tmp_path, "hosts.ini", ini)).hosts["h7"]
+    assert (host.address, host.port, host.user) == ("127.0.0.9", 2022, "sshu")
+    yml = "all:\n  hosts:\n    h8: {ansible_host: 127.0.0.7, ansible_ssh_host: null}\n"  # null: unset, as in Ansible
+    assert inventory.load(*write(tmp_path, "hosts.yml", yml)).hosts["h8"].address == "127.0.0.7"
+
+
+def test_yaml_hosts_keep_the_order_they_are_written_in(tmp_path):
+    """Ansible's YAML plugin reads a group's children before its hosts; the canary is the first host written."""
+    yml = ("all:\n  children:\n    gpu:\n      hosts:\n        a1:\n        a2:\n      children:\n"
+           "        sub:\n          hosts:\n            b1:\n")
+    assert list(inventory.load(*write(tmp_path, "hosts.yml", yml)).hosts) == ["a1", "a2", "b1"]
