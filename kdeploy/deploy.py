@@ -576,6 +576,16 @@ def admit(host: HostConfig, result: HostResult, client: RouterClient) -> None:
         phase.detail = f"{host.worker_url} healthy in the router"
 
 
+def admit_serving(host: HostConfig, result: HostResult, client: RouterClient) -> None:
+    """``admit`` a host that serves; when the router does not take it, the host ends ``failed`` (if it had
+    ended well) and says it is out."""
+    try:
+        admit(host, result, client)
+    except KdeployError as exc:
+        result.finish(Result.FAILED if result.ok else result.result,
+                      f"{result.error + '; ' if result.error else ''}left OUT of the router: {exc}")
+
+
 def behind_router(remote: Remote, host: HostConfig, result: HostResult, client: RouterClient | None,
                   cancel: threading.Event, restart: Callable[[], None]) -> None:
     """``restart`` (switch, restart, gate, maybe roll back) with the host out of the router: drained first,
@@ -587,11 +597,7 @@ def behind_router(remote: Remote, host: HostConfig, result: HostResult, client: 
     drain(remote, host, result, client, cancel)
     restart()
     if result.result in (Result.DEPLOYED, Result.RESTORED, Result.ROLLED_BACK):
-        try:
-            admit(host, result, client)
-        except KdeployError as exc:
-            result.finish(Result.FAILED if result.ok else result.result,
-                          f"{result.error + '; ' if result.error else ''}left OUT of the router: {exc}")
+        admit_serving(host, result, client)
     elif result.router == "out":
         result.log.append(f"left OUT of the router: fix the host, then `kdeploy router admit {host.name}`")
 

@@ -24,7 +24,7 @@ from kdeploy.gatespec import PayloadGate, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.release import Payload, scan_payload
 from kdeploy.render import render_unit
-from kdeploy.report import Cancelled, HostResult, Listener, PhaseFailed, Report
+from kdeploy.report import Cancelled, HostResult, Listener, PhaseFailed, Report, Result
 
 DEFAULT_PARALLEL = 16
 
@@ -131,6 +131,9 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
 
     try:
         _rollout(names, steps, results, opts, parallel, cancel, activate)
+        if opts.router_add_missing:  # an unchanged host has no turn, yet it serves: register it too
+            run_parallel([(results[n], partial(deploy.admit_serving, inventory.hosts[n], results[n], routers[n]))
+                          for n in names if n in routers and results[n].result == Result.UNCHANGED], parallel, cancel)
     except KeyboardInterrupt:  # between batches: what has not started is skipped, the report still prints
         cancel.set()
         for step in steps.values():

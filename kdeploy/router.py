@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from kdeploy.errors import InvalidInput, KdeployError, PreflightRefused
+from kdeploy.errors import InvalidInput, KdeployError, Unreachable
 from kdeploy.inventory import HostConfig, Inventory, Router
 
 POLL = 0.25
@@ -33,9 +33,10 @@ _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(?P<v
 
 
 class RouterError(KdeployError):
-    """The router could not be asked or did not do what was asked (the host is left as reported)."""
+    """The router could not be asked or did not do what was asked (the host is left as reported): like a host
+    that cannot be reached, exit 3; a router that answers and refuses a rollout is a ``PreflightRefused``."""
 
-    exit_code = PreflightRefused.exit_code
+    exit_code = Unreachable.exit_code
 
 
 @dataclass(frozen=True)

@@ -174,6 +174,12 @@ def test_router_drain_and_admit_by_hand_and_status_shows_membership(routed: Rout
     assert routed.workers() == {routed.worker_url("h1"): True, routed.worker_url("h2"): True}
     code, doc = dep.json(capsys, "verify", "test")
     assert code == 0 and all("router" in _phases(h) for h in doc["hosts"])
+    # --router-add-missing registers a host the push leaves unchanged, too (it has no turn of its own)
+    assert dep.kdeploy("push", "test", "--batch", "1") == 0  # every host current, whatever came before
+    assert dep.json(capsys, "router", "drain", "h1")[0] == 0
+    code, doc = dep.json(capsys, "push", "h1", "--router-add-missing")
+    assert code == 0 and (doc["hosts"][0]["result"], doc["hosts"][0]["router"]) == ("unchanged", "in"), doc
+    assert routed.workers() == {routed.worker_url("h1"): True, routed.worker_url("h2"): True}
 
 
 @pytest.mark.hosts(2)

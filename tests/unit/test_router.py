@@ -39,7 +39,7 @@ def test_parse_workers():
 def test_parse_workers_refuses_unknown_shapes(text):
     with pytest.raises(RouterError) as err:
         parse_workers(text)
-    assert err.value.exit_code == ExitCode.PREFLIGHT
+    assert err.value.exit_code == ExitCode.UNREACHABLE
 
 
 def test_in_flight_sums_running_and_queued_only():
