@@ -684,9 +684,10 @@ def confirm(remote: Remote, host: HostConfig, result: HostResult, pending: provi
 
 def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts: Options, *, target: str,
                       install_unit: bool, pending: provisional.Pending, spec: GateSpec,
-                      previous_spec: GateSpec, secrets: secret.Secrets | None = None) -> None:
-    """Switch to ``target`` (and ``secrets``) provisionally, restart, gate, confirm; on a failed gate go back
-    to the last confirmed release (``pending.previous``) and secrets by itself."""
+                      previous_spec: GateSpec, secrets: secret.Secrets | None = None,
+                      success: Result = Result.DEPLOYED) -> None:
+    """Switch to ``target`` (and ``secrets``) provisionally, restart, gate, confirm and end ``success``; on a
+    failed gate go back to the last confirmed release (``pending.previous``) and secrets by itself."""
     result.attempted = target
     try:
         old = _activate(remote, host, result, target, install_unit, pending, secrets=secrets)
@@ -697,7 +698,7 @@ def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts
         rollback_after_failure(remote, host, result, opts, pending, getattr(exc, "detail", str(exc)), previous_spec)
         return
     confirm(remote, host, result, pending)
-    result.finish("deployed")
+    result.finish(success)
 
 
 def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult, opts: Options,
@@ -809,13 +810,11 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
             fallback = inventory_spec(inventory, host, opts)
             previous = state.confirmed
 
-            def restart() -> None:
+            def restart() -> None:  # the revert's deadline counts from here, not from before the drain
                 activate_and_gate(remote, host, result, opts, target=target, install_unit=True,
                                   pending=provisional.new_pending(previous, target, revert_after(host, fallback)),
                                   spec=_overridden(state.gates.get(target, fallback), opts),
-                                  previous_spec=state.gates.get(previous or "", fallback))
-                if result.result == "deployed":
-                    result.finish("restored")
+                                  previous_spec=state.gates.get(previous or "", fallback), success=Result.RESTORED)
 
             behind_router(remote, host, result, router, threading.Event(), restart)
         except (PhaseFailed, KdeployError, Cancelled) as exc:

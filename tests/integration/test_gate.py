@@ -296,9 +296,12 @@ def test_rollback_command_restores_older_releases(deployment: Deployment,
     assert_unit_of(deployment, older)
     assert deployment.show("h1", "ActiveState") == "active"
 
-    code, doc = deployment.json(capsys, "rollback", "test", "--to", newer)
-    assert code == 0, [(h["error"], h["phases"]) for h in doc["hosts"]]
-    assert doc["hosts"][0]["result"] == "restored" and doc["hosts"][0]["release"] == newer
+    events: list[tuple[str, str, str]] = []  # through the library: its listener hears "done" once, at the end
+    report = fleet.rollback(deployment.load(), "test", Options(to_release=newer),
+                            listener=lambda *event: events.append(event))
+    assert report.exit_code == 0, [(h.error, h.phases) for h in report.hosts]
+    assert report.hosts[0].result == "restored" and report.hosts[0].release == newer
+    assert [e for e in events if e[1] == "done"] == [("h1", "done", "restored")]
     assert current(deployment) == newer
     assert_unit_of(deployment, newer)
 
