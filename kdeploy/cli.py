@@ -5,7 +5,6 @@ With ``--json`` the only thing on stdout is one JSON document.
 """
 
 import json
-import logging
 import os
 import re
 import shlex
@@ -702,7 +701,6 @@ def sandbox_down(instance: InstanceOpt = 0) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: maps every error to one line and the documented exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    logging.getLogger("paramiko").setLevel(logging.CRITICAL)  # its channel-refused noise; errors come as ours
     debug = "--debug" in args
     ssh_config = _pop_option(args, "--ssh-config")
     _SSH_CONFIG[:] = [ssh_config] if ssh_config else []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import random
 import shlex
 import socket
@@ -30,6 +31,11 @@ from kdeploy.filecache import FileCache
 from kdeploy.inventory import HostConfig
 from kdeploy.report import Cancelled
 from kdeploy.sshconfig import Hop, Target
+
+# paramiko logs what it raises to us (e.g. "Secsh channel 4 open FAILED" for a port that is not up yet, which the
+# gate polls): without a handler of its own, Python prints those on stderr for every program that uses kdeploy.
+# An application that configures logging still gets them.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 STDERR_POLL = 0.1  # seconds between looks at a command's stderr while its stdout is awaited
 INPUT_FAILED_WAIT = 30.0  # seconds a command whose input was cut short gets to clean up and exit

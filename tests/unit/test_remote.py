@@ -1,6 +1,8 @@
 """How kdeploy.remote reads a command's output and gives up on one whose input failed, on stand-in channels
 (a real channel over a sandbox host: tests/integration/test_safety.py)."""
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -83,3 +85,14 @@ def test_a_command_that_exits_is_not_waited_for_longer() -> None:
     remote._cut_short(channel, 30.0)  # type: ignore[arg-type]
     assert channel.input_ended and channel.closed and not channel.stdout
     assert time.monotonic() - started < 3.0
+
+
+def test_paramikos_log_lines_stay_off_a_library_callers_stderr_unless_it_configures_logging():
+    """The gate's polls of a port that is not up yet made paramiko log 'Secsh channel N open FAILED' to stderr."""
+    code = ("import logging, sys; import kdeploy.remote; {setup}"
+            "logging.getLogger('paramiko.transport').error('Secsh channel 4 open FAILED')")
+    quiet = subprocess.run([sys.executable, "-c", code.format(setup="")], capture_output=True, text=True, check=True)
+    assert quiet.stderr == ""
+    logged = subprocess.run([sys.executable, "-c", code.format(setup="logging.basicConfig();")],
+                            capture_output=True, text=True, check=True)
+    assert "Secsh channel 4 open FAILED" in logged.stderr
