@@ -89,6 +89,13 @@ def count(spec: str | None, total: int, default: int) -> int:
         raise InvalidInput(f"{spec!r}: expected a count N or a percentage N%") from None
 
 
+def check_counts(opts: Options) -> None:
+    """``batch`` and ``max_fail`` are checked before any host is touched: bad syntax, or a batch of 0."""
+    count(opts.max_fail, 1, 1)
+    if count(opts.batch, 1, 1) == 0:
+        raise InvalidInput("--batch 0: a batch restarts at least one host")
+
+
 def plan_batches(names: list[str], canary: int, batch: int) -> list[list[str]]:
     """Canary hosts alone first, then the rest in batches of at most ``batch``."""
     batches = [names[:canary]] if canary > 0 and names else []
@@ -236,8 +243,7 @@ def push(inventory: Inventory, target: str | None, opts: Options | None = None, 
         return fan_out(inventory, names, "plan",
                        lambda host, result: deploy.plan_host(inventory, host, local[host.name], opts, result),
                        parallel=parallel, listener=listener, cancel=cancel)
-    for spec in (opts.batch, opts.max_fail):
-        count(spec, 1, 1)  # bad syntax fails before any host is touched
+    check_counts(opts)
     report = rollout(inventory, names, local, opts, parallel=parallel, listener=listener, cancel=cancel)
     hooks.post_rollout(inventory, report)
     return report
@@ -367,8 +373,7 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
     """
     opts = opts or Options()
     names = list(local)
-    for spec in (opts.batch, opts.max_fail):
-        count(spec, 1, 1)  # bad syntax fails before the file is written
+    check_counts(opts)  # before the file is written
     facts: dict = {"inventory": {"path": str(edit.path), "level": edit.level, "diff": edit.diff(),
                                  "rolled_out_to": names, "reverted": False}}
     settings.write(edit)

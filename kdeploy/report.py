@@ -205,7 +205,7 @@ class Report:
         return self.exit_code == 0
 
     def summary(self) -> dict:
-        counts = Counter(h.result for h in self.hosts)
+        counts = Counter(str(h.result) for h in self.hosts)  # plain strings: printed as the docs show them
         return {"hosts": len(self.hosts), **dict(sorted(counts.items()))}
 
     def as_json(self) -> dict:

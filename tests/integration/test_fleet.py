@@ -144,6 +144,9 @@ def test_batch_and_canary_plans() -> None:
     for bad in ("x", "-1", "0%", "150%"):
         with pytest.raises(Exception, match="expected a count"):
             fleet.count(bad, 10, 3)
+    fleet.check_counts(Options(batch="1", max_fail="0"))  # no failure tolerated: fine
+    with pytest.raises(Exception, match="--batch 0: a batch restarts at least one host"):
+        fleet.check_counts(Options(batch="0"))  # was taken as 1, silently
 
 
 @pytest.mark.hosts(8)
