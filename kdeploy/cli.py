@@ -450,7 +450,8 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
                 ui.err.print("no host's unit changed: nothing to roll out")
             elif facts["reverted"]:
                 ui.err.print(f"[red]rollout failed or interrupted: the edit of {edit.path} was REVERTED[/]; hosts "
-                             f"that took it were pushed the old config again: {facts.get('restored_hosts', {})}")
+                             f"that took it were pushed the old config again: "
+                             f"{', '.join(f'{h} {r}' for h, r in facts.get('restored_hosts', {}).items()) or 'none'}")
             for conflict in facts.get("conflicts", []):
                 ui.err.print(f"[red]not reverted:[/] {escape(conflict)}", soft_wrap=True)  # one line each
     ui.report(report, table=bool(report.hosts), inventory=edit.new)

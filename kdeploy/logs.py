@@ -106,7 +106,7 @@ def read(inventory: Inventory, host: HostConfig, query: LogQuery, opts: Options,
             with result.phase("journal") as phase:
                 out = remote.run(journal_command(unit, query), timeout=120)
                 if out.rc:
-                    raise InvalidInput(f"{host.name}: {out.last_error()}")
+                    raise InvalidInput(out.last_error())  # the report names the host
                 phase.detail = f"{len(out.stdout.splitlines())} lines"
             result.finish(Result.OK)
             return prefixed(host.name, out.stdout)
@@ -125,7 +125,7 @@ def read(inventory: Inventory, host: HostConfig, query: LogQuery, opts: Options,
                     if emit:
                         emit(f"{host.name} | {line.decode(errors='replace')}")
             if not (stop and stop.is_set()) and process.wait(10):
-                raise InvalidInput(f"{host.name}: {process.stderr().strip()}")
+                raise InvalidInput(process.stderr().strip())
         finally:
             process.close()
         result.finish(Result.OK)
