@@ -342,6 +342,9 @@ def router(inventory: Inventory, target: str | None, action: str, opts: Options 
                     was_in = client.remove(host.worker_url)
                     result.router = "out"
                     phase.detail = f"{host.worker_url} {'removed from' if was_in else 'was not in'} the router"
+                    if not was_in:  # a worker_url that does not match what the router lists looks the same
+                        listed = ", ".join(w.url for w in client.workers()) or "none"
+                        phase.detail += f" (it lists: {listed}; check router.worker_url)"
             result.finish("ok")
         except KdeployError as exc:
             result.fail(exc)

@@ -161,6 +161,10 @@ def test_router_drain_and_admit_by_hand_and_status_shows_membership(routed: Rout
     code, doc = dep.json(capsys, "router", "drain", "h1")
     assert code == 0 and doc["hosts"][0]["router"] == "out"
     assert routed.worker_url("h1") not in routed.workers()
+    code, doc = dep.json(capsys, "router", "drain", "h1")  # again: says what the router lists instead
+    assert code == 0 and doc["hosts"][0]["phases"][-1]["detail"] == (
+        f"{routed.worker_url('h1')} was not in the router (it lists: {routed.worker_url('h2')}; "
+        "check router.worker_url)")
     code, doc = dep.json(capsys, "status", "test")
     assert {h["host"]: h.get("router") for h in doc["hosts"]} == {"h1": "out", "h2": "in"}
     capsys.readouterr()
