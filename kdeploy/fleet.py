@@ -119,7 +119,8 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
     cancel = cancel or threading.Event()
     results = {name: HostResult(name, listener=listener) for name in names}
     try:
-        routers = open_routers(inventory, names, opts, max(opts.canary, count(opts.batch, len(names), parallel)))
+        routers = open_routers(inventory, names, opts, max(opts.canary, count(opts.batch, len(names), parallel)),
+                               results)
     except KdeployError as exc:  # refused or unreachable router: no host was touched
         for result in results.values():
             result.fail(exc)
@@ -153,10 +154,12 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
     return Report(command, [results[n] for n in names])
 
 
-def open_routers(inventory: Inventory, names: list[str], opts: Options, batch: int) -> dict:
+def open_routers(inventory: Inventory, names: list[str], opts: Options, batch: int,
+                 results: dict[str, HostResult] | None = None) -> dict:
     """The router client of each host that has one, after the router preflight: every worker healthy, each
     host registered (or ``--router-add-missing``), and someone left serving while a batch is out. A refusal
-    raises (exit 7) before any host is touched."""
+    raises (exit 7) before any host is touched. ``results``: each gets its host's membership as read here (a
+    host without a turn, e.g. unchanged, keeps it)."""
     configs = {name: config for name in names if (config := inventory.hosts[name].router) is not None}
     if not configs:
         return {}
@@ -172,7 +175,11 @@ def open_routers(inventory: Inventory, names: list[str], opts: Options, batch: i
                                      ssh_config=opts.ssh_config)
             clients.update(dict.fromkeys(members, client))
             wanted = {m: str(inventory.hosts[m].worker_url) for m in members}
-            why = routing.preflight_verdict(client.workers(), wanted, batch, opts.router_add_missing)
+            workers = client.workers()
+            listed = {w.url for w in workers}
+            for member in members if results is not None else ():
+                results[member].router = "in" if wanted[member].rstrip("/") in listed else "out"
+            why = routing.preflight_verdict(workers, wanted, batch, opts.router_add_missing)
             if why:
                 raise PreflightRefused(f"router {client.label}: preflight refused: {why}")
     except BaseException:

@@ -180,6 +180,9 @@ def test_router_drain_and_admit_by_hand_and_status_shows_membership(routed: Rout
     assert code == 0 and all("router" in _phases(h) for h in doc["hosts"])
     # --router-add-missing registers a host the push leaves unchanged, too (it has no turn of its own)
     assert dep.kdeploy("push", "test", "--batch", "1") == 0  # every host current, whatever came before
+    code, doc = dep.json(capsys, "push", "test", "--batch", "1")  # no turn for either: membership as read
+    assert code == 0 and {h["host"]: (h["result"], h["router"]) for h in doc["hosts"]} == {
+        "h1": ("unchanged", "in"), "h2": ("unchanged", "in")}
     assert dep.json(capsys, "router", "drain", "h1")[0] == 0
     code, doc = dep.json(capsys, "push", "h1", "--router-add-missing")
     assert code == 0 and (doc["hosts"][0]["result"], doc["hosts"][0]["router"]) == ("unchanged", "in"), doc
