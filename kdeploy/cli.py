@@ -76,8 +76,6 @@ AcceptOpt = Annotated[bool, typer.Option("--accept-new-host-keys", help="Trust a
 ParallelOpt = Annotated[int, typer.Option("--parallel", min=1, envvar="KDEPLOY_PARALLEL",
                                           help="Hosts worked on at once.")]
 WorkersOpt = Annotated[int | None, typer.Option("--workers", min=1, help="TP workers that must show each marker.")]
-
-
 TimeoutOpt = Annotated[float | None, typer.Option("--timeout", min=0.1, max=inv.WEEK,
                                                   help="Gate timeout in seconds.")]
 LockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, max=inv.WEEK,
