@@ -769,9 +769,9 @@ def tail_splits(nsplit: int, bs: int, rows: int, config: KernelConfig, tail: boo
     most (nb + 1) x ``nsplit`` prefix programs (what the launch would have without it) and, with the nb + 1 draft
     programs, one wave of the launch's cap (static sizes only)."""
     cap = _sms_now() if config.max_ctas < 0 else config.max_ctas
-    if not tail or cap <= 0:
-        if cap <= 0:
-            return nsplit, 0
+    if cap <= 0:
+        return nsplit, 0
+    if not tail:
         blocks = max(bs * _cdiv(rows, config.block_m) * config.dv_split, 1)
         ns = max(1, min(nsplit, cap // blocks - _split_draft(bs, rows, config)))
         sms = _wave_sms(config)
@@ -904,10 +904,10 @@ def mla_tree_verify(
                    and config.sm90_ws and sm90 is not None and max_q_len <= 64)
     draft_kernel = bool(draft) and not split_draft and (config.draft_kernel_rows if row_block
                                                         else 0 < config.draft_rows <= bs * rows)
+    pre_blocks = blocks - (ns_tail > 0)            # the row blocks with prefix programs in the split kernel
     if sm90 is not None:
         extra = {}
         if config.sm90_ws:
-            pre_blocks = blocks - (ns_tail > 0)       # the row blocks with prefix programs in this kernel
             extra = dict(KExt=kext, VExt=vext, Mask=mask, MaskIndptr=mindptr, stride_ket=kext.stride(0),
                          stride_vet=vext.stride(0), blocks=blocks, pre_blocks=pre_blocks, nsplit_tail=ns_tail,
                          LOAD_WARPS=4, LOAD_REGS=40, DRAFT=split_draft, HAS_MASK=has_mask,
@@ -917,7 +917,7 @@ def mla_tree_verify(
         sm90[grid](*split_args, H=heads, DL=D_LATENT, DR=D_ROPE, KV_INDPTR=use_indptr, PDL=pdl,
                    num_warps=config.num_warps, **extra)
     else:
-        _split_kernel[(blocks - (ns_tail > 0), ns, bs)](
+        _split_kernel[(pre_blocks, ns, bs)](
             *split_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             KV_INDPTR=use_indptr, WARP_SPEC=config.warp_specialize, DV_SPLIT=config.dv_split, PDL=pdl,
             TAIL_M=launch_tail_m(rows, config), num_warps=config.num_warps,
