@@ -139,9 +139,10 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
 
     try:
         _rollout(names, steps, results, opts, parallel, cancel, activate)
-        if opts.router_add_missing:  # an unchanged host has no turn, yet it serves: register it too
+        if opts.router_add_missing:  # an unchanged host has no turn, yet it serves: register it if the router lacks it
             run_parallel([(results[n], partial(deploy.admit_serving, inventory.hosts[n], results[n], routers[n]))
-                          for n in names if n in routers and results[n].result == Result.UNCHANGED], parallel, cancel)
+                          for n in names if n in routers and results[n].result == Result.UNCHANGED
+                          and results[n].router == "out"], parallel, cancel)
     except KeyboardInterrupt:  # between batches: what has not started is skipped, the report still prints
         cancel.set()
         for step in steps.values():
