@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 SANDBOX_INVENTORY ?= .sandbox/inventory.yaml
 
-.PHONY: system-deps venv ci-tools lint test demo demo-down bench bench-rollout bench-scale clean
+.PHONY: system-deps venv ci-tools lint test test-unit demo demo-down bench bench-rollout bench-scale clean
 
 # Installs only what is missing: systemd-nspawn, sshd/ssh, ip/tc, nsenter/flock, Debian's python3 + venv,
 # rsync, npm (gitlab-ci-local runs the CI example) and zsh (a sandbox host's root may log in with it).
@@ -50,8 +50,14 @@ ci-tools: venv .tools/node_modules/.bin/gitlab-ci-local .tools/node_modules/acti
 lint: venv
 	$(BIN)/ruff check kdeploy tests kernels
 
+# The full suite; every run's per-test durations are kept in $(TEST_REPORT) (JUnit XML).
+TEST_REPORT ?= test-results/junit.xml
 test: venv lint ci-tools
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q --durations=15 --junitxml=$(TEST_REPORT) tests
+
+# The fast tier: no sandbox hosts, no SGLang venv, no kernel interpreter (under a minute).
+test-unit: venv
+	$(BIN)/python -m pytest -q -m "not sandbox" tests/unit
 
 demo: venv
 	$(BIN)/python -m kdeploy.lab.sglang_env

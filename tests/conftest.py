@@ -145,5 +145,16 @@ def deployment(fleet: Sandbox, tmp_path: Path, request: pytest.FixtureRequest) -
                        check=False)
 
 
+# Tiers by directory: tests here boot sandbox hosts or need the cached SGLang venv; `make test-unit` leaves them out.
+SANDBOX_DIRS = ("integration", "sglang")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "hosts(n): how many sandbox hosts the deployment spans")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    root = Path(__file__).parent
+    for item in items:
+        if item.path.relative_to(root).parts[0] in SANDBOX_DIRS:
+            item.add_marker(pytest.mark.sandbox)

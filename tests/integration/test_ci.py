@@ -31,7 +31,6 @@ def run_ci(dep: Deployment, *args: str) -> subprocess.CompletedProcess[str]:
                           stdin=subprocess.DEVNULL, timeout=300, check=False)
 
 
-@pytest.mark.sandbox
 @pytest.mark.hosts(2)
 def test_push_in_ci_logs_each_phase_and_writes_json_and_junit(deployment: Deployment, tmp_path: Path) -> None:
     junit = tmp_path / "reports" / "kdeploy.xml"
@@ -55,7 +54,6 @@ def test_push_in_ci_logs_each_phase_and_writes_json_and_junit(deployment: Deploy
     assert {p.get("name") for p in suite.iter("property")} >= {f"{h}.ready" for h in deployment.hosts}
 
 
-@pytest.mark.sandbox
 @pytest.mark.hosts(2)
 def test_a_failed_gate_in_ci_quiet_and_junit_name_the_phase(deployment: Deployment, tmp_path: Path) -> None:
     assert run_ci(deployment, "push", "all").returncode == 0
@@ -74,7 +72,6 @@ def test_a_failed_gate_in_ci_quiet_and_junit_name_the_phase(deployment: Deployme
     assert failure.get("type") == "rolled_back" and failure.get("message").startswith("completion: ")
 
 
-@pytest.mark.sandbox
 def test_a_waiting_phase_beats_in_the_log(deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(progress, "HEARTBEAT_S", 1.0)
@@ -88,7 +85,6 @@ def test_a_waiting_phase_beats_in_the_log(deployment: Deployment, monkeypatch: p
     XSD.validate(str(deployment.path.parent / "v.xml"))
 
 
-@pytest.mark.sandbox
 def test_set_env_writes_junit_also_when_nothing_changes(deployment: Deployment, tmp_path: Path) -> None:
     assert run_ci(deployment, "push", "all").returncode == 0
     for expected in ("1", "0"):  # the rollout to h1, then the same edit again: nothing to change, an empty suite

@@ -108,7 +108,6 @@ def run_github_job(workflow: dict, job: str, cwd: Path, env: dict[str, str], sec
     return log
 
 
-@pytest.mark.sandbox
 @pytest.mark.hosts(2)
 def test_github_workflow_steps_deploy_the_sandbox(deployment: Deployment, tmp_path: Path) -> None:
     workflow = YAML(typ="safe").load((EXAMPLES / "github-actions.yml").read_text())
@@ -121,7 +120,6 @@ def test_github_workflow_steps_deploy_the_sandbox(deployment: Deployment, tmp_pa
     check_reports(cwd / "reports", deployment.hosts, log)
 
 
-@pytest.mark.sandbox
 @pytest.mark.hosts(2)
 def test_gitlab_pipeline_runs_in_gitlab_ci_local(deployment: Deployment, tmp_path: Path) -> None:
     if not Path(GITLAB_CI_LOCAL).exists():

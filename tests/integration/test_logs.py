@@ -26,7 +26,6 @@ def pids(out: str, host: str) -> set[str]:
     return {PID.search(line).group(1) for line in out.splitlines() if line.startswith(f"{host} | ")}
 
 
-@pytest.mark.sandbox
 @pytest.mark.hosts(2)
 def test_logs_of_each_host_and_run(deployment: Deployment) -> None:
     assert deployment.kdeploy("push", "all") == 0
@@ -55,7 +54,6 @@ def test_logs_of_each_host_and_run(deployment: Deployment) -> None:
     assert "invalid: h1:" not in bad.stderr  # the host is named once
 
 
-@pytest.mark.sandbox
 @pytest.mark.hosts(2)
 def test_follow_streams_every_host_and_ctrl_c_ends_it(deployment: Deployment) -> None:
     assert deployment.kdeploy("push", "all") == 0

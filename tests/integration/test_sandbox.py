@@ -115,7 +115,6 @@ def test_bad_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 # --- real hosts --------------------------------------------------------------------------------------
 
 
-@pytest.mark.sandbox
 @needs_root
 def test_up_ssh_journald_inventory_then_down(sb8: Sandbox, tmp_path: Path) -> None:
     inotify_before = INOTIFY.read_text()
@@ -188,7 +187,6 @@ def test_up_ssh_journald_inventory_then_down(sb8: Sandbox, tmp_path: Path) -> No
     assert_nothing_left(sb8, inotify_before)
 
 
-@pytest.mark.sandbox
 @needs_root
 def test_recovers_from_crashed_controller(sb8: Sandbox) -> None:
     inotify_before = INOTIFY.read_text()
@@ -224,7 +222,6 @@ def test_recovers_from_crashed_controller(sb8: Sandbox) -> None:
     assert_nothing_left(again, inotify_before)
 
 
-@pytest.mark.sandbox
 @needs_root
 def test_failed_up_names_the_host_and_cleans_up(sb8: Sandbox) -> None:
     inotify_before = INOTIFY.read_text()
@@ -236,7 +233,6 @@ def test_failed_up_names_the_host_and_cleans_up(sb8: Sandbox) -> None:
     assert_nothing_left(sb8, inotify_before)
 
 
-@pytest.mark.sandbox
 @needs_root
 def test_fault_injection_and_exec(sb9: Sandbox) -> None:
     h1, h2 = sb9.up(2)

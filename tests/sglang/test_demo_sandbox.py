@@ -33,7 +33,6 @@ def sglang_box(sglang_python: str) -> Iterator[Sandbox]:
         box.down()
 
 
-@pytest.mark.sandbox
 def test_demo_gate_counts_the_real_markers(sglang_box: Sandbox, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]):
     assert sglang_box.sglang_venv() is not None
@@ -75,7 +74,6 @@ def test_a_service_on_the_sglang_venv_needs_a_sandbox_that_has_it(tmp_path: Path
     assert "/opt/kdeploy-sandbox/venv/bin/python" in (tmp_path / "inv.yaml").read_text()
 
 
-@pytest.mark.sandbox
 def test_probe_command_on_a_host_with_sglang(sglang_box: Sandbox, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]):
     inv = tmp_path / "inventory.yaml"
