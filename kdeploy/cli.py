@@ -686,6 +686,19 @@ def sandbox_status(as_json: JsonOpt = False, instance: InstanceOpt = 0) -> None:
     Console(stderr=True).print(table if rows else "no sandbox running")
 
 
+@sandbox_app.command("reboot")
+def sandbox_reboot(host: Annotated[str, typer.Argument(help="The sandbox host to reset, e.g. h1.")],
+                   instance: InstanceOpt = 0) -> None:
+    """Hard-reset one host (its processes are killed, it boots again; /etc, /srv and /opt are kept)."""
+    from kdeploy.lab import sandbox
+
+    box = sandbox.Sandbox(instance=instance)
+    box.check_requirements()
+    started = time.monotonic()
+    box.reboot(host)
+    Console(stderr=True).print(f"{host} rebooted in {time.monotonic() - started:.1f}s")
+
+
 @sandbox_app.command("down")
 def sandbox_down(instance: InstanceOpt = 0) -> None:
     """Stop every sandbox host and remove everything it created."""

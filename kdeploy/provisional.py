@@ -12,8 +12,12 @@ gating (or rolling back) holds the lock, and stops the waiting revert when it co
 ``pending`` still carries its own token. A push that finds ``pending`` treats the host as changed (never
 ``unchanged``) and re-arms with the same last confirmed release.
 
-A transient timer does not survive a reboot of the host: the service then starts on the unconfirmed
-release at boot, and the next kdeploy run sees ``pending`` and gates (or rolls back) it.
+A transient timer does not survive a reboot of the host, so arming also installs a persistent boot guard
+(``kdeploy-boot-guard-<service>.service``, wanted by the service and ordered before it): when the service
+starts with ``pending`` on the disk that was armed before the current boot, the guard runs the same revert
+(lock, token, unit, secrets, ``reverted`` history line) before the service starts, so a host that reboots
+between the switch and the confirm comes up on its last confirmed release. At a normal boot it costs a file
+test (``ConditionPathExists``).
 """
 
 from __future__ import annotations
@@ -34,10 +38,17 @@ MARGIN = 60.0  # seconds beyond restart + gate before the host acts on its own
 HOLDER_WAIT = 60  # seconds a fired revert waits for a held deploy lock (at most revert_after) before ending its holder
 TRANSIENT_DIR = "/run/systemd/transient"  # where systemd keeps the unit files of systemd-run's units
 
-# Runs on the host as a transient service: $1 service dir, $2 unit file, $3 token, $4 first-deploy policy,
-# $5 the environment file kdeploy writes secrets into ("-": none; its last confirmed content is put back),
-# $6 how long to wait for a held deploy lock before ending its holder.
-_REVERT = r"""d=$1 unit=$2 token=$3 policy=$4 envfile=$5 wait=$6
+GUARD_SCRIPT = ".boot-guard.sh"
+BOOT_MARK = ".pending.boot"  # the boot `pending` was armed in: the guard acts only in a later boot
+# A boot, also a container's (whose kernel boot_id does not change): the kernel's boot_id and when PID 1 started.
+_BOOT_ID = "$(cat /proc/sys/kernel/random/boot_id)-$(cut -d' ' -f22 /proc/1/stat)"
+
+# Runs on the host as a transient service (or, $7 = boot, from the boot guard): $1 service dir, $2 unit file,
+# $3 token, $4 first-deploy policy, $5 the environment file kdeploy writes secrets into ("-": none; its last
+# confirmed content is put back), $6 how long to wait for a held deploy lock before ending its holder. At boot
+# systemctl must not wait for jobs: the service's own start job waits for the guard.
+_REVERT = r"""d=$1 unit=$2 token=$3 policy=$4 envfile=$5 wait=$6 how=${7:-timer}
+nb=; [ "$how" = boot ] && nb=--no-block
 exec 9>>"$d/.lock" || exit 1
 if ! flock -w "$wait" 9; then  # a live controller confirms or re-arms long before: the holder's link is dead
   pid=$(sed -n 's/.*"remote_pid": *\([0-9]*\).*/\1/p' "$d/lock.json" 2>/dev/null)
@@ -57,18 +68,21 @@ fi
 if [ "$prev" = "-" ]; then
   release=null
   if [ "$policy" = stop ]; then
-    systemctl disable --quiet "$unit"; systemctl stop "$unit"; what="first deploy not confirmed: service stopped"
+    systemctl disable --quiet "$unit"; systemctl $nb stop "$unit"; what="first deploy not confirmed: service stopped"
   else
     what="first deploy not confirmed: service left running"
   fi
+  [ "$how" = boot ] && what="host rebooted before the confirm; $what"
 else
   release="\"$prev\""
   cp "$d/releases/$prev/.kdeploy/unit.service" "UNIT_DIR/.$unit.kdeploy-revert" &&
     chmod 0644 "UNIT_DIR/.$unit.kdeploy-revert" && mv -T "UNIT_DIR/.$unit.kdeploy-revert" "UNIT_DIR/$unit"
   ln -sfn "releases/$prev" "$d/.current.tmp" && mv -T "$d/.current.tmp" "$d/current"
   systemctl daemon-reload
-  systemctl restart "$unit"
+  systemctl $nb restart "$unit"
   what="switch to $target not confirmed by the deadline: the host went back to $prev by itself"
+  [ "$how" = boot ] &&
+    what="host rebooted before the switch to $target was confirmed: it went back to $prev by itself at boot"
 fi
 rm -f "$d/pending" "$d/PREVIOUS"
 printf '{"attempted":"%s","command":"kdeploy-revert","controller":"%s","error":"%s","release":%s,%s}\n' \
@@ -125,6 +139,66 @@ def _stop(timer: str) -> str:
             f"systemctl reset-failed {t}.timer {t}.service 2>/dev/null || true; }}")
 
 
+def guard_unit(unit_file: str) -> str:
+    """The boot guard's unit (one per service, like its revert timer)."""
+    return "kdeploy-boot-guard-" + unit_file.removesuffix(".service").replace("@", "-at-") + ".service"
+
+
+def _unit_path(path: str) -> str:
+    """A path as a unit file's value: systemd expands % specifiers, and $ and quotes in command lines."""
+    return path.replace("%", "%%")
+
+
+def guard_unit_text(service_dir: str, unit_file: str) -> str:
+    """The same for every deploy of a service, so it is written once (and systemd never sees it change)."""
+    script = _unit_path(f"{service_dir}/{GUARD_SCRIPT}").replace("\\", "\\\\").replace('"', '\\"').replace("$", "$$")
+    return "\n".join([
+        "# Managed by kdeploy: puts the last confirmed release back if the host rebooted before a switch was "
+        "confirmed.",
+        "[Unit]",
+        f"Description=kdeploy: boot guard of {unit_file}",
+        f"Before={unit_file}",
+        f"ConditionPathExists={_unit_path(f'{service_dir}/{PENDING}')}",
+        "",
+        "[Service]",
+        "Type=oneshot",
+        f'ExecStart=/bin/sh "{script}"',
+        "",
+        "[Install]",
+        f"WantedBy={unit_file}",
+    ]) + "\n"
+
+
+def _guard_script(service_dir: str, unit_file: str, policy: str, environment_file: str | None) -> str:
+    """What the guard runs: the revert, with the token of the `pending` it finds, unless that was armed in
+    this boot (a live switch whose revert timer still runs)."""
+    d = shlex.quote(service_dir)
+    return "\n".join([
+        f"read -r tok rest < {d}/{PENDING} 2>/dev/null || exit 0",
+        f'[ "$(cat {d}/{BOOT_MARK} 2>/dev/null)" != "{_BOOT_ID}" ] || exit 0',
+        f"exec /bin/sh {d}/{SCRIPT} {d} {shlex.quote(unit_file)} \"$tok\" {shlex.quote(policy)} "
+        f"{shlex.quote(environment_file or NONE)} {HOLDER_WAIT} boot",
+    ])
+
+
+def _install_guard(service_dir: str, unit_file: str, policy: str, environment_file: str | None) -> list[str]:
+    """Lines that write the guard's script and install and enable its unit (a link in the service's .wants,
+    as `systemctl enable` makes, without its reload: systemd reads it at the next reload or boot)."""
+    d = shlex.quote(service_dir)
+    name = guard_unit(unit_file)
+    path = shlex.quote(f"{UNIT_DIR}/{name}")
+    text = guard_unit_text(service_dir, unit_file)
+    wants = shlex.quote(f"{UNIT_DIR}/{unit_file}.wants")
+    return [
+        f"printf '%s\\n' {shlex.quote(_guard_script(service_dir, unit_file, policy, environment_file))} "
+        f"> {d}/{GUARD_SCRIPT}",
+        f'[ "$(cat {path} 2>/dev/null)" = {shlex.quote(text.rstrip())} ] || '
+        f"{{ printf %s {shlex.quote(text)} > {path}.tmp && chmod 0644 {path}.tmp && mv -T {path}.tmp {path}; }}",
+        f"[ -L {wants}/{name} ] || {{ mkdir -p {wants} && ln -sfn ../{name} {wants}/{name}; }}",
+        f'echo "{_BOOT_ID}" > {d}/{BOOT_MARK}',
+    ]
+
+
 def stop_revert_service(timer: str) -> str:
     """Stop a revert that fired and waits for the lock: only safe while holding the lock (it is then
     still waiting, not half way through)."""
@@ -146,6 +220,7 @@ def arm_script(service_dir: str, unit_file: str, timer: str, pending: Pending, p
     return "\n".join([
         _stop(timer),
         f"printf '%s\\n' {shlex.quote(_REVERT)} > {d}/{SCRIPT}",
+        *_install_guard(service_dir, unit_file, policy, environment_file),
         f"printf %s {shlex.quote(pending.line())} > {d}/.pending.tmp && mv -f {d}/.pending.tmp {d}/{PENDING}",
         " ".join(shlex.quote(a) for a in argv),
     ])

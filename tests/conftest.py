@@ -140,7 +140,9 @@ def deployment(fleet: Sandbox, tmp_path: Path, request: pytest.FixtureRequest) -
         for host in hosts:
             fleet.exec(host, ["sh", "-c", f"systemctl disable --now --no-block {name} 2>/dev/null; "
                                           f"systemctl kill -s KILL {name} 2>/dev/null; "
-                                          f"rm -f /etc/systemd/system/{name}.service; systemctl daemon-reload; "
+                                          f"cd /etc/systemd/system && rm -rf {name}.service {name}.service.wants "
+                                          f"kdeploy-boot-guard-{name}.service; "
+                                          "systemctl daemon-reload; "
                                           f"systemctl reset-failed {name} 2>/dev/null; rm -rf /srv/kdeploy/{name}"],
                        check=False)
 

@@ -1010,6 +1010,12 @@ class Sandbox:
         _signal(leader, signal.SIGKILL)
         self._wait_gone({pid} if pid else set(), 30)
 
+    def reboot(self, name: str, *, timeout: float = 120.0) -> None:
+        """Hard reset (power cycle, kernel panic): every process of the host dies at once, then it boots again
+        with its /etc, /srv and /opt as they were; /run and /tmp start empty, as after a real reset."""
+        self.kill(name)
+        self.start(name, timeout=timeout)
+
     def stop(self, name: str) -> None:
         """Orderly poweroff of one host; its /etc, /srv and /opt are kept for start()."""
         host = self._get(name)

@@ -110,6 +110,37 @@ def test_controller_killed_during_the_gate_host_reverts_by_itself(quick: Deploym
     assert doc["hosts"][0]["history"][-1]["result"] == "reverted"
 
 
+def test_host_reset_before_the_confirm_boots_on_its_last_confirmed_release(
+        deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """A power cycle loses the transient revert timer: the boot guard puts the old release back before the
+    service starts, long before the (here far) deadline."""
+    deployment.set_service(gate=_gate(revert_after=900))
+    old = _deployed(deployment, capsys)
+    guard = provisional.guard_unit(f"{deployment.service}.service")
+    assert deployment.sh("h1", f"systemctl is-enabled {guard}").strip() == "enabled"
+    deployment.set_service(env={"REFSERVER_SLOW_START": "30"})
+    before = deployment.show("h1", "InvocationID")
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--inventory", str(deployment.path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while deployment.show("h1", "InvocationID") == before:
+            assert proc.poll() is None and time.monotonic() < deadline, "h1 was never restarted"
+            time.sleep(0.05)
+        new = _current(deployment)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert new != old
+    deployment.fleet.reboot("h1")
+
+    record = _wait_reverted(deployment, old, new, within=60)
+    assert "rebooted before the switch" in record["error"], record
+    _assert_back_on(deployment, old, new, record)
+    assert "REFSERVER_SLOW_START" not in deployment.show("h1", "Environment")
+    assert deployment.kdeploy("verify", "test") == 0
+
+
 @pytest.mark.hosts(2)
 def test_host_blackholed_after_the_switch_is_back_on_its_old_release_after_heal(
         quick: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
