@@ -253,7 +253,8 @@ class HostPush:
                 if not decision.no_op and not self.opts.skip_preflight:
                     upload = sum(local.payload.files[p].size for p in decision.delta.upload)
                     out = self.remote.run(preflight_command(host), timeout=120)
-                    phase.detail += "; " + preflight_verdict(host, out.stdout, upload)
+                    phase.detail += "; " + preflight_verdict(host, out.stdout, upload,
+                                                             release.entries(local.payload.files))
             _check(self.cancel)
             self._stage_if_needed(decision)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
@@ -336,18 +337,16 @@ class HostPush:
                 out = self.remote.run(release.stage_script(service_dir(host.service), target,
                                                            state.has_release, delta),
                                       stdin=tarball, timeout=600, cancel=self.cancel)
-                error = "" if out.ok and "STAGED" in out.stdout else out.last_error()
+                failure = None if out.ok and "STAGED" in out.stdout else release.parse_stage_failure(out.stderr, out.rc)
             except InputFailed as exc:  # a payload file vanished or shrank while the tar read it
-                error = f"cannot read the payload: {exc}"
-            if error:
+                failure = release.StageFailure(f"cannot read the payload: {exc}")
+            if failure:
                 changed = release.changed_since_scan(local.payload, delta.upload)
                 if changed:
                     more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
                     raise InvalidInput(f"{host.name}: payload file {local.payload.files[changed[0]].source}{more} "
                                        "changed during the push, host unchanged: push again")
-                if "No space left" in error:
-                    raise PreflightRefused(f"disk full on the host, host unchanged: {error}")
-                raise PreflightRefused(f"staging failed, host unchanged: {error}")
+                raise PreflightRefused(failure.describe(f"{service_dir(host.service)}/releases"))
             self.target = self.staged = target
             phase.detail = (f"{target}: {delta.describe()} files, {tarball.sent} bytes sent"
                             f"{', unit changed' if self.install_unit else ''}")
@@ -500,13 +499,14 @@ def preflight_command(host: HostConfig) -> str:
                                                     and sv.hicache.device_kv_gb_per_rank is None))
 
 
-def preflight_checks(host: HostConfig, output: str, upload_bytes: int) -> list[probe.Check]:
+def preflight_checks(host: HostConfig, output: str, upload_bytes: int, entries: int = 0) -> list[probe.Check]:
     """Every preflight check of one host. A service that does not launch SGLang itself (the sandbox's
     reference server) only gets a warning when SGLang is missing or incompatible."""
     sv = host.service
     hc = sv.hicache
     checks = list(probe.parse_preflight(
         output, unit=unit_filename(sv), port=sv.sglang.port, tp=sv.sglang.tp, payload_bytes=upload_bytes,
+        entries=entries,
         hicache_enabled=hc.enabled, hicache_ratio=hc.ratio, hicache_size_gb=hc.size_gb,
         device_kv_gb_per_rank=hc.device_kv_gb_per_rank, environment_file=sv.environment_file,
         secrets_written=sv.secrets.configured).all_checks())
@@ -515,9 +515,9 @@ def preflight_checks(host: HostConfig, output: str, upload_bytes: int) -> list[p
     return checks
 
 
-def preflight_verdict(host: HostConfig, output: str, upload_bytes: int) -> str:
+def preflight_verdict(host: HostConfig, output: str, upload_bytes: int, entries: int = 0) -> str:
     """One line of every check; a failing one refuses the host (exit 7) before anything changes."""
-    checks = preflight_checks(host, output, upload_bytes)
+    checks = preflight_checks(host, output, upload_bytes, entries)
     failed = [c for c in checks if c.status == "fail"]
     if failed:
         raise PreflightRefused(f"{host.name}: preflight refused: " + "; ".join(f"{c.name}: {c.detail}" for c in failed))

@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from kdeploy.errors import LockHeld, Unreachable
+from kdeploy.errors import LockHeld, PreflightRefused, Unreachable
 from kdeploy.remote import Process, Remote
 
 READY = "@@ready"
@@ -158,7 +158,10 @@ def acquire(remote: Remote, service_dir: str, *, command: str, wait: float = 0, 
             who = holder.describe() if holder else "unknown holder"
             raise LockHeld(f"{remote.host.name}: deploy lock held by {who}")
         why = err or (f"exit status {rc}" if rc is not None else "unexpected output: " + " ".join(text.split())[:120])
-        raise Unreachable(f"{remote.host.name}: cannot take the deploy lock: {why}")
+        if rc is None:
+            raise Unreachable(f"{remote.host.name}: cannot take the deploy lock: {why}")
+        # The host answered and refused (a read-only or full filesystem, no permission): nothing was changed.
+        raise PreflightRefused(f"{remote.host.name}: cannot take the deploy lock, host unchanged: {why}")
     process.no_timeout()
     pid = sections.get("holder", "").strip()
     return HeldLock(process, text, parse_info(sections.get("stale", "")), int(pid) if pid.isdigit() else None)

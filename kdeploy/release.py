@@ -18,10 +18,10 @@ import os
 import shlex
 import stat
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from kdeploy.errors import InvalidInput
 from kdeploy.systemd import UNIT_DIR, restart_command, stop_command
@@ -342,7 +342,10 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
         "umask 022",
         f"rm -rf {d}/releases/.staging-*",
         f"mkdir -p {staging}",
-        f"trap {shlex.quote(f'rm -rf {staging}')} EXIT",  # staging holds quotes of its own
+        # On any failure: no staging dir is left, and the free space is said (a full disk is the usual cause).
+        f"failed() {{ rc=$?; rm -rf {staging}; echo \"{FREE_MARK}$(df -PB1 {d}/releases 2>/dev/null | "
+        "awk 'NR==2 {print $4}')\" >&2; exit $rc; }",
+        "trap failed EXIT",
     ]
     if has_current:
         lines.append(f"cp -al {d}/current/. {staging}/")
@@ -373,6 +376,52 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
         "echo STAGED",
     ]
     return "\n".join(lines) + "\n"
+
+
+FREE_MARK = "kdeploy-free-bytes: "
+
+
+_STAGE_CAUSES = ("No space left", "Disk quota exceeded", "Read-only file system")
+
+
+@dataclass(frozen=True)
+class StageFailure:
+    """Why staging failed (the host is unchanged: the staging directory is gone) and the space left."""
+
+    error: str
+    free_bytes: int | None = None
+
+    @property
+    def disk_full(self) -> bool:
+        return any(c in self.error for c in _STAGE_CAUSES[:2])
+
+    def describe(self, where: str) -> str:
+        free = f", {self.free_bytes} bytes free" if self.free_bytes is not None else ""
+        if self.disk_full:
+            return f"disk full on the host at {where}{free}, host unchanged (staging removed): {self.error}"
+        if _STAGE_CAUSES[2] in self.error:
+            return f"read-only file system at {where}, host unchanged: {self.error}"
+        return f"staging failed, host unchanged: {self.error}"
+
+
+def parse_stage_failure(stderr: str, rc: int) -> StageFailure:
+    """The stage script's error (the last line naming a cause, else its last line but tar's closing one), and
+    the free bytes its failure handler printed."""
+    free, lines = None, []
+    for line in stderr.splitlines():
+        if line.startswith(FREE_MARK):
+            value = line.removeprefix(FREE_MARK).strip()
+            free = int(value) if value.isdigit() else None
+        elif line.strip():
+            lines.append(line.strip())
+    causes = [line for line in lines if any(c in line for c in _STAGE_CAUSES)]
+    said = causes or [line for line in lines if not line.startswith("tar: Exiting with failure status")] or lines
+    return StageFailure(said[-1] if said else f"exit status {rc}", free)
+
+
+def entries(files: Mapping[str, object]) -> int:
+    """Files and directories of a release (each needs an inode where the filesystem counts them)."""
+    return len(files) + len({str(PurePosixPath(p).parent) for p in files})
 
 
 def release_meta(manifest: dict[str, str], modes: dict[str, int], unit_text: str, unit_name: str,

@@ -347,6 +347,29 @@ def test_full_disk_is_refused_and_leaves_the_host_unchanged(deployment: Deployme
         assert doc["hosts"][0]["result"] == "preflight_refused"
         assert "preflight refused: disk:" in doc["hosts"][0]["error"]
         assert _snapshot(deployment) == before
+
+        # Past the check (the disk fills up between preflight and upload): tar runs out of space mid-upload.
+        code, doc = deployment.json(capsys, "push", "test", "--skip-preflight")
+        host = doc["hosts"][0]
+        assert (code, host["result"]) == (7, "preflight_refused"), doc
+        releases = f"{small}/{deployment.service}/releases"
+        assert host["error"].startswith(f"disk full on the host at {releases}, "), host["error"]
+        assert "bytes free, host unchanged (staging removed): " in host["error"]
+        assert "No space left on device" in host["error"] and "\n" not in host["error"]
+        # no .staging-* left, nothing switched
+        assert _after_failed_staging(deployment, _snapshot(deployment)) == _after_failed_staging(deployment, before)
+        (deployment.payload / "weights.bin").unlink()
+
+        # A read-only filesystem refuses before anything changes, and says so.
+        (deployment.payload / "rev.txt").write_text("2")
+        deployment.fleet.exec("h1", ["mount", "-o", "remount,ro", small])
+        code, doc = deployment.json(capsys, "push", "test", "--skip-preflight")
+        host = doc["hosts"][0]
+        assert (code, host["result"]) == (7, "preflight_refused"), doc
+        assert host["error"].startswith("h1: cannot take the deploy lock, host unchanged: ") and \
+            host["error"].endswith("Read-only file system"), host["error"]
+        deployment.fleet.exec("h1", ["mount", "-o", "remount,rw", small])
+        assert _after_failed_staging(deployment, _snapshot(deployment)) == _after_failed_staging(deployment, before)
     finally:
         deployment.fleet.exec("h1", ["sh", "-c", f"systemctl stop {deployment.service}; umount {small}; "
                                                  f"rmdir {small}"], check=False)

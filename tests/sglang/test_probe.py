@@ -82,8 +82,13 @@ def test_disk():
     assert probe.check_disk(10 * 10**9, 5 * 10**6).status == "pass"
     assert probe.check_disk(100 * 10**6, 5 * 10**6).status == "warn"
     check = probe.check_disk(10 * 10**6, 5 * 10**6)
-    assert check.status == "fail" and "needs 72.1 MB (payload 5.0 MB + 67.1 MB margin)" in check.detail
+    assert check.status == "fail" and "needs 72.1 MB (upload 5.0 MB + 67.1 MB margin)" in check.detail
     assert probe.check_disk(None, 1).status == "warn"
+    # Space for the upload, but not an inode for each of the new release's entries (hard links need none).
+    short = probe.check_disk(10 * 10**9, 5 * 10**6, free_inodes=100, entries=40)
+    assert short.status == "fail" and "needs 104 inodes, 100 free" in short.detail
+    assert probe.check_disk(10 * 10**9, 5 * 10**6, free_inodes=104, entries=40).status == "pass"
+    assert probe.check_disk(10 * 10**9, 5 * 10**6, free_inodes=None, entries=10**9).status == "pass"
 
 
 NVIDIA_SMI_L = """\
@@ -145,6 +150,9 @@ def test_parse_helpers():
     assert probe.parse_kv_cache_gb("nothing") is None
     assert probe.parse_mem_available("MemTotal: 1 kB\nMemAvailable:   2048 kB\n") == 2 * 1024 * 1024
     assert probe.parse_df_free("Filesystem 1-blocks Used Available Capacity Mounted on\n/dev/x 10 5 5 50% /\n") == 5
+    assert probe.parse_inodes_free("Filesystem Inodes IUsed IFree IUse% Mounted on\ntmpfs 256 17 239 7% /s\n") == 239
+    # btrfs counts no inodes (0 in every column): no inode check there
+    assert probe.parse_inodes_free("Filesystem Inodes IUsed IFree IUse% Mounted on\n/dev/b 0 0 0 - /\n") is None
 
 
 # ----------------------------------------------------------------------------------------------- round trip
@@ -184,7 +192,7 @@ def test_preflight_sections_survive_a_cut_off_output():
 def test_preflight_command_is_one_command_with_every_section():
     cmd = probe.preflight_command(python="/opt/v/bin/python", unit="sglang-k26", port=30000,
                                   remote_root="/srv/kdeploy/sglang-k26")
-    for name in ("probe", "df", "nvidia-smi", "meminfo", "port", "journal"):
+    for name in ("probe", "df", "inodes", "nvidia-smi", "meminfo", "port", "journal"):
         assert f"@@kdeploy {name}" in cmd
     assert "journalctl -u sglang-k26.service -r" in cmd and ":30000$" in cmd
     lean = probe.preflight_command(python="/opt/v/bin/python", unit="sglang-k26", port=30000,

@@ -19,6 +19,7 @@ from kdeploy.errors import InvalidInput
 from kdeploy.release import (
     META,
     Delta,
+    StageFailure,
     TarStream,
     activate_script,
     changed_since_scan,
@@ -26,6 +27,7 @@ from kdeploy.release import (
     manifest_text,
     parse_identity,
     parse_manifest,
+    parse_stage_failure,
     prune_command,
     release_id,
     release_meta,
@@ -548,15 +550,32 @@ def test_stage_checks_every_byte_before_the_release_appears(tmp_path, verifier):
     script = stage_script(str(tmp_path / "svc"), rid, False, delta)
     failed = run_script(script, corrupted, env)
     assert failed.returncode != 0
+    failure = parse_stage_failure(failed.stderr.decode(), failed.returncode)
+    assert failure.free_bytes is not None and failure.free_bytes > 0  # what the filesystem of releases/ has left
     if kind == "python3":
-        assert failed.stderr.decode().splitlines()[-1] == ("1 staged file(s) differ from the manifest (sha256): "
-                                                           "./d/big.bin")
+        assert failure.error == "1 staged file(s) differ from the manifest (sha256): ./d/big.bin"
     else:
         assert "./d/big.bin: FAILED" in failed.stdout.decode()
     assert list((tmp_path / "svc" / "releases").iterdir()) == []
     ok = run_script(script, tarball, env)
     assert ok.returncode == 0 and ok.stdout.decode().split() == ["STAGED"], ok.stderr.decode()
     assert (tmp_path / "svc" / "releases" / rid / "d" / "big.bin").read_bytes() == big
+
+
+def test_a_stage_failure_names_a_full_or_read_only_disk_and_the_space_left():
+    """stderr of the stage script on a host whose releases/ filled up mid-upload (captured on a 1 MB tmpfs)."""
+    full = parse_stage_failure("tar: ./weights.bin: Wrote only 3584 of 10240 bytes\n"
+                               "tar: ./w2.bin: Cannot write: No space left on device\n"
+                               "tar: Exiting with failure status due to previous errors\n"
+                               "kdeploy-free-bytes: 0\n", 2)
+    assert full == StageFailure("tar: ./w2.bin: Cannot write: No space left on device", 0) and full.disk_full
+    assert full.describe("/srv/x/releases") == (
+        "disk full on the host at /srv/x/releases, 0 bytes free, host unchanged (staging removed): "
+        "tar: ./w2.bin: Cannot write: No space left on device")
+    readonly = parse_stage_failure("mkdir: cannot create directory '/srv/x/releases/.staging-1': Read-only file "
+                                   "system\nkdeploy-free-bytes: 1048576\n", 1)
+    assert readonly.describe("/srv/x/releases").startswith("read-only file system at /srv/x/releases, host unchanged")
+    assert parse_stage_failure("", 9) == StageFailure("exit status 9", None)
 
 
 def test_stage_ships_symlinked_files_as_files(tmp_path):
