@@ -87,7 +87,8 @@ def lock_and_read(remote: Remote, host: HostConfig, wait: float, *, command: str
     """Take the deploy lock (recording ``command``) and read the host's state under it, in one round trip
     (``first`` runs before the read, under the lock; ``with_history``, ``with_files``: see ``state_script``)."""
     then = "\n".join(c for c in (first, state_script(host, with_history=with_history, with_files=with_files)) if c)
-    held = lock.acquire(remote, service_dir(host.service), wait=wait, then=then, command=command)
+    held = lock.acquire(remote, service_dir(host.service), wait=wait, then=then, command=command,
+                        timeout=host.service.lock_timeout)
     return held, parse_state(held.output)
 
 

@@ -254,6 +254,10 @@ class Service(_Strict):
     hicache: HiCache = _doc("hierarchical cache flags, below", HiCache(), shown="disabled")
     gate: Gate = _doc("what a healthy deploy must show, below", Gate(), shown="see below")
     unit: UnitSettings = _doc("systemd settings of the unit, below", UnitSettings(), shown="see below")
+    lock_timeout: float = _doc(
+        "seconds without a heartbeat from the controller after which the host ends its deploy lock's holder, so "
+        "a partitioned or frozen controller frees the lock within that time (docs/push.md, locks); a controller "
+        "that comes back after it stops touching the host (exit 3)", 30.0, ge=3, le=WEEK)
     on_first_deploy_failure: Literal["stop", "leave"] = _doc(
         "when the very first deploy of a service fails its gate there is nothing to roll back to: `stop` stops "
         "and disables the unit, `leave` leaves it running as it is; either way the result is `rollback_failed` "

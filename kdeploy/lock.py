@@ -4,20 +4,28 @@ The lock is a ``flock`` held by a shell that lives as long as the controller's S
 or a dropped connection closes the channel and the kernel releases the lock. ``lock.json`` beside it says
 who holds it; when it is left behind with no ``flock`` holder (host rebooted, holder killed), it is a stale
 lock: reported loudly, never mistaken for a live one.
+
+A blackholed link keeps the channel (and the lock) open on the host until TCP gives up, hours later: so the
+controller sends a heartbeat line on the holder's stdin every few seconds (one thread for every lock it
+holds), and a watchdog beside the holder ends it after ``lock_timeout`` seconds without one. Every command
+the controller runs while holding the lock is fenced (``Remote.fence``): it first checks that ``lock.json``
+still names its holder, so a controller that comes back from a partition changes nothing more.
 """
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import os
 import shlex
 import socket
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from kdeploy.errors import LockHeld, PreflightRefused, Unreachable
-from kdeploy.remote import Process, Remote
+from kdeploy.remote import FENCE_MARK, FENCE_RC, Process, Remote
 
 READY = "@@ready"
 END = "@@end"
@@ -25,6 +33,9 @@ HELD_RC = 75
 RELEASE_WAIT = 5.0
 FORCE_WAIT = 5.0  # seconds `lock release --force` waits for the lock once it ended the holder
 FINISH_WAIT = 60.0
+BEAT = "@@hb"
+BEAT_EVERY = 5.0  # seconds between heartbeats (a third of the shortest lock_timeout when that is less)
+DEFAULT_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -62,11 +73,15 @@ def parse_info(text: str) -> LockInfo | None:
         return LockInfo(user="?", controller="?", pid=0, since="?", command=f"unreadable lock.json: {text[:60]}")
 
 
-def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: str = "") -> str:
+def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: str = "",
+                  timeout: float = DEFAULT_TIMEOUT) -> str:
     """Take the lock, record who holds it, run ``then`` (the state read), then hold until stdin closes.
 
     What arrives on stdin is the finish script (history, pruning), run under the lock as the holder's last
     act; only if it arrived whole (ends with ``@@end``): a dropped link must not run half a ``rm``.
+    Heartbeat lines (``@@hb``) between touch ``.lock.beat``; a watchdog (its own copy of the lock's fd
+    closed) ends the holder once that is ``timeout`` s old, after removing ``lock.json`` so the controller's
+    fence fails. It stops at the end of stdin: the finish script may take longer than the timeout.
     The service dir is created 0755 (the service runs in it, maybe as another user); what the holder writes
     there (``.lock``, ``lock.json``, ``history.jsonl``) is for root only: umask 077.
     """
@@ -86,8 +101,19 @@ def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: st
         "echo @@holder; echo $$",
         "echo @@then",
         then,
+        f"beat={d}/.lock.beat; : > \"$beat\"",
+        "(exec 9>&- </dev/null >/dev/null 2>&1",
+        " while sleep 1; do kill -0 $$ || exit 0",
+        f'  [ $(( $(date +%s) - $(stat -c %Y "$beat" || echo 0) )) -lt {int(timeout)} ] && continue',
+        f'  [ "$(cat {d}/lock.json)" = "$info" ] && rm -f {d}/lock.json',
+        "  kill -TERM $$; exit 0",
+        " done) &",
+        "watchdog=$!",
         f"echo {READY}",
-        "finish=$(cat)",
+        "finish=",
+        f'while IFS= read -r line; do if [ "$line" = {BEAT} ]; then : > "$beat"; else finish="${{finish:+$finish',
+        '}$line"; fi; done',
+        "kill $watchdog 2>/dev/null",
         f"case $finish in *{END}) (eval \"${{finish%{END}}}\") ;; esac",
         f"[ \"$(cat {d}/lock.json 2>/dev/null)\" = \"$info\" ] && rm -f {d}/lock.json",
         "exit 0",
@@ -111,7 +137,7 @@ def split_sections(text: str) -> dict[str, str]:
     return {k: "\n".join(v) for k, v in sections.items()}
 
 
-@dataclass
+@dataclass(eq=False)
 class HeldLock:
     """A lock this process holds; ``release`` ends the holder by closing its stdin."""
 
@@ -119,12 +145,27 @@ class HeldLock:
     output: str
     stale: LockInfo | None
     remote_pid: int | None = None  # the holder shell on the host (to end it if its link dies unnoticed)
+    timeout: float = DEFAULT_TIMEOUT
+    remote: Remote | None = None  # whose commands are fenced while the lock is held
+    _sending: threading.Lock = field(default_factory=threading.Lock)
+    _released: bool = False
+
+    def beat(self) -> None:
+        """One heartbeat; a link that is down just misses it (the holder's watchdog counts on that)."""
+        with self._sending:
+            if not self._released:
+                with contextlib.suppress(Unreachable):
+                    self.process.send(f"{BEAT}\n".encode())
 
     def release(self, finish: str = "") -> bool:
         """Hand the holder ``finish``, close its stdin and wait for it; a dead link must not hang us.
 
-        False when the holder's connection was already gone, so ``finish`` never ran there.
+        False when the holder's connection was already gone, so ``finish`` never ran there; the fence then
+        stays, so nothing else runs on the host in the lock's name.
         """
+        with self._sending:
+            self._released = True
+        _BEATS.remove(self)
         try:
             if not self.process.alive:
                 return False
@@ -132,6 +173,8 @@ class HeldLock:
                 self.process.send(f"{finish}\n{END}\n".encode())
             self.process.shutdown_write()
             self.process.wait(FINISH_WAIT if finish else RELEASE_WAIT)
+            if self.remote is not None:
+                self.remote.fence = None
             return True
         except Unreachable:
             return False
@@ -139,9 +182,55 @@ class HeldLock:
             self.process.close()
 
 
-def acquire(remote: Remote, service_dir: str, *, command: str, wait: float = 0, then: str = "") -> HeldLock:
-    """Take the lock (waiting up to ``wait`` s) and run ``then`` under it, in one round trip."""
-    process = remote.start(holder_script(service_dir, holder_info(command), wait=wait, then=then),
+class _Heartbeats:
+    """One thread beats for every lock the process holds (a fleet of hundreds holds hundreds at once)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.held: set[HeldLock] = set()
+        self.thread: threading.Thread | None = None
+
+    def add(self, held: HeldLock) -> None:
+        with self.lock:
+            self.held.add(held)
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="kdeploy-lock-heartbeat", daemon=True)
+                self.thread.start()
+
+    def remove(self, held: HeldLock) -> None:
+        with self.lock:
+            self.held.discard(held)
+
+    def _run(self) -> None:
+        every = BEAT_EVERY
+        while True:
+            threading.Event().wait(every)
+            with self.lock:
+                held = list(self.held)
+                if not held:
+                    self.thread = None
+                    return
+            every = min(BEAT_EVERY, min(h.timeout for h in held) / 3)
+            for h in held:
+                h.beat()
+
+
+_BEATS = _Heartbeats()
+
+
+def fence_command(service_dir: str, remote_pid: int) -> str:
+    """The shell test a held lock puts before every command of its controller: ``lock.json`` still names
+    our holder (the watchdog removes it before ending the holder; a later holder writes its own)."""
+    mark = shlex.quote(f'"remote_pid": {int(remote_pid)}}}')
+    return (f"grep -qF {mark} {shlex.quote(f'{service_dir}/lock.json')} 2>/dev/null || "
+            f"{{ echo {shlex.quote(FENCE_MARK)} >&2; exit {FENCE_RC}; }}")
+
+
+def acquire(remote: Remote, service_dir: str, *, command: str, wait: float = 0, then: str = "",
+            timeout: float = DEFAULT_TIMEOUT) -> HeldLock:
+    """Take the lock (waiting up to ``wait`` s) and run ``then`` under it, in one round trip; from then on
+    heartbeats keep it and the remote's commands are fenced by it."""
+    process = remote.start(holder_script(service_dir, holder_info(command), wait=wait, then=then, timeout=timeout),
                            timeout=max(30.0, wait + 30))
     try:
         text = process.read_until(READY.encode()).decode(errors="replace")
@@ -164,7 +253,15 @@ def acquire(remote: Remote, service_dir: str, *, command: str, wait: float = 0, 
         raise PreflightRefused(f"{remote.host.name}: cannot take the deploy lock, host unchanged: {why}")
     process.no_timeout()
     pid = sections.get("holder", "").strip()
-    return HeldLock(process, text, parse_info(sections.get("stale", "")), int(pid) if pid.isdigit() else None)
+    held = HeldLock(process, text, parse_info(sections.get("stale", "")), int(pid) if pid.isdigit() else None,
+                    timeout, remote)
+    if held.remote_pid is not None:
+        remote.fence = fence_command(service_dir, held.remote_pid)
+        remote.fence_reason = (f"this controller no longer holds the deploy lock: the host ended its holder after "
+                               f"{timeout:g}s without a heartbeat (a partitioned or frozen controller; another run "
+                               "may hold it now); stopped touching the host")
+    _BEATS.add(held)
+    return held
 
 
 def end_holder_command(service_dir: str, pid: int) -> str:

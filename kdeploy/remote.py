@@ -50,6 +50,9 @@ RETRY_WINDOW = 6.0
 RETRY_FIRST_DELAY = 0.5
 _TRANSIENT = {errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNRESET}
 _KNOWN_HOSTS_LOCK = threading.Lock()
+# A command refused by its fence (``Remote.fence``): the deploy lock this controller took is no longer its own.
+FENCE_RC = 76
+FENCE_MARK = "kdeploy-fence: the deploy lock is no longer ours"
 _T = TypeVar("_T")
 
 
@@ -480,6 +483,10 @@ class Remote:
         self.target = target
         self.new_host_key = new_host_key
         self.retries = retries  # why earlier connect attempts failed (a rebooting host)
+        # While this controller holds the host's deploy lock: a shell test every command runs first, failing
+        # with FENCE_RC once the host has ended the holder (``kdeploy.lock``), so nothing more is changed.
+        self.fence: str | None = None
+        self.fence_reason = ""
 
     @classmethod
     def connect(cls, host: HostConfig, target: Target, *, accept_new_host_keys: bool = False) -> Remote:
@@ -527,7 +534,7 @@ class Remote:
         try:
             channel = self.transport.open_session(timeout=timeout)
             channel.settimeout(timeout)
-            channel.exec_command(posix(command))
+            channel.exec_command(posix(command if self.fence is None else f"{self.fence}\n{command}"))
             try:
                 for chunk in _chunks(stdin):
                     if cancel is not None and cancel.is_set():
@@ -549,6 +556,10 @@ class Remote:
             raise Unreachable(f"{self.host.name}: connection lost: {exc or type(exc).__name__}") from None
         if rc == -1:
             raise Unreachable(f"{self.host.name}: connection lost while running a command")
+        if rc == FENCE_RC and FENCE_MARK.encode() in stderr:
+            raise Unreachable(f"{self.host.name}: {self.fence_reason}")
+        if rc != 0 and self.fence is not None and command != ":":
+            self.run(":", timeout=timeout)  # a failure may be another run's doing: is the lock still ours?
         return RunResult(rc, stdout.decode(errors="replace"), stderr.decode(errors="replace"))
 
     def start(self, command: str, timeout: float | None = 30.0) -> Process:

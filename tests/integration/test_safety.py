@@ -375,6 +375,48 @@ def test_full_disk_is_refused_and_leaves_the_host_unchanged(deployment: Deployme
                                                  f"rmdir {small}"], check=False)
 
 
+def test_a_controller_blackholed_while_staging_loses_the_lock_and_a_second_one_deploys(
+        deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without heartbeats the host frees the lock within ``lock_timeout`` (measured on the host), not when
+    TCP gives up hours later; the first controller, back on the link, changes nothing more (exit 3)."""
+    deployment.set_service(lock_timeout=5)
+    assert deployment.kdeploy("push", "test") == 0
+    d = deployment.service_dir
+    (deployment.payload / "weights.bin").write_bytes(os.urandom(1 << 20) * 200)  # seconds of upload
+    first = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--json", "--inventory",
+                              str(deployment.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not deployment.sh("h1", f"ls -d {d}/releases/.staging-* 2>/dev/null", check=False).strip():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+        deployment.fleet.blackhole("h1")
+        cut = time.monotonic()
+        try:
+            while deployment.fleet.exec("h1", ["flock", "-n", f"{d}/.lock", "true"], check=False).returncode:
+                assert time.monotonic() - cut < 30, "the lock is still held 30 s after the partition"
+                time.sleep(0.1)
+            freed = time.monotonic() - cut
+        finally:
+            deployment.fleet.heal("h1")
+        assert freed < 5 + 3, f"lock freed {freed:.1f}s after the partition"  # + the watchdog's 1 s ticks
+
+        (deployment.payload / "weights.bin").unlink()
+        (deployment.payload / "rev.txt").write_text("the second controller's")
+        code, doc = deployment.json(capsys, "push", "test")
+        assert (code, doc["hosts"][0]["result"]) == (0, "deployed"), doc
+        second = doc["hosts"][0]["release"]
+        out, _ = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    host = json.loads(out)["hosts"][0]
+    assert (first.returncode, host["result"]) == (3, "unreachable"), host
+    assert "no longer holds the deploy lock" in host["error"], host["error"]
+    assert deployment.sh("h1", f"readlink {d}/current").strip() == f"releases/{second}"
+    assert deployment.kdeploy("verify", "test") == 0
+
+
 def test_state_parser_reads_a_fresh_host(deployment: Deployment) -> None:
     host = deployment.load().hosts["h1"]
     with _connect(deployment) as remote:
