@@ -530,14 +530,19 @@ def drain(remote: Remote, host: HostConfig, result: HostResult, client: RouterCl
           cancel: threading.Event) -> None:
     """Take the host's worker out of the router, then wait (up to ``drain_timeout``) until SGLang's gauges show
     no request running or queued, so the restart cuts none off."""
-    from kdeploy.router import POLL
+    from kdeploy.router import POLL, api_key, arm_readmit_command, readmit_after
     from kdeploy.tunnel import ServiceHttp
 
     assert host.router is not None and host.worker_url is not None
     with result.phase("drain") as phase:
+        key = api_key(host.router)
+        out = remote.run(arm_readmit_command(host, key is not None), stdin=key.encode() if key else None, timeout=30)
+        if not out.ok:
+            raise PhaseFailed(f"could not arm the host's re-admit, host not drained: {out.last_error()}")
         was_in = client.remove(host.worker_url, cancel=lambda: _check(cancel))
         result.router = "out"
         phase.detail = f"{host.worker_url} removed from the router" if was_in else f"{host.worker_url} was not in"
+        phase.detail += f"; the host re-admits itself after {readmit_after(host):.0f}s unless kdeploy decides first"
         deadline = time.monotonic() + host.router.drain_timeout
         with ServiceHttp(remote, host.service.sglang.host, host.service.sglang.port) as http:
             while True:
@@ -595,12 +600,19 @@ def behind_router(remote: Remote, host: HostConfig, result: HostResult, client: 
     if client is None:
         restart()
         return
+    from kdeploy.router import disarm_readmit_command
+
     drain(remote, host, result, client, cancel)
     restart()
     if result.result in (Result.DEPLOYED, Result.RESTORED, Result.ROLLED_BACK):
         admit_serving(host, result, client)
     elif result.router == "out":
         result.log.append(f"left OUT of the router: fix the host, then `kdeploy router admit {host.name}`")
+    try:  # decided: in, or out on purpose (a failed host stays out): the host's own re-admit is not needed
+        remote.run(disarm_readmit_command(host), timeout=30)
+    except KdeployError as exc:
+        result.log.append(f"could not cancel the host's re-admit timer ({exc}): it re-admits the host itself "
+                          "if it serves a confirmed release then")
 
 
 def router_phase(inventory: Inventory, host: HostConfig, result: HostResult, opts: Options) -> bool:

@@ -339,6 +339,13 @@ class Router(_Strict):
         "http://{address}:{port}")
     drain_timeout: float = _doc("seconds a drained host may take to finish its requests before the restart goes "
                                 "ahead anyway", 120, gt=0, le=WEEK)
+    url_from_host: Annotated[str, AfterValidator(_no_control), AfterValidator(_router_url)] | None = _doc(
+        "the router's API as the hosts reach it, for a host's own re-admit (docs/router.md); set it when the "
+        "hosts see the router at another address than the controller", None, shown="`url`")
+    readmit_after: float | None = _doc(
+        "seconds after a rollout drained a host at which the host re-registers itself with the router if the "
+        "controller has not admitted it (or decided it stays out) by then, once it serves a confirmed release",
+        None, gt=0, le=WEEK, shown="`drain_timeout` + the revert deadline + 60")
     api_key_env: Annotated[str, AfterValidator(_api_key_env)] | None = _doc(
         "the name of an environment variable of the controller holding the router's API key (sent as "
         "`Authorization: Bearer`); the key itself never goes in the inventory", None)

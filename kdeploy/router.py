@@ -16,19 +16,26 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
+from kdeploy import provisional, readmit_host
 from kdeploy.errors import InvalidInput, KdeployError, Unreachable
 from kdeploy.inventory import HostConfig, Inventory, Router
+from kdeploy.render import service_dir
+from kdeploy.tunnel import dial_address
 
 POLL = 0.25
 ADMIT_TIMEOUT = 60.0  # registration probes the worker (health, server_info, model_info, tokenizer)
 CHANGE_TIMEOUT = 30.0
 IN_FLIGHT_GAUGES = ("sglang:num_running_reqs", "sglang:num_queue_reqs")  # sglang/srt/observability
+READMIT_TRYING = 900  # seconds the host's re-admit keeps waiting for a healthy, confirmed service once it fired
+READMIT_MARGIN = 60
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(?P<value>\S+)")
 
 
@@ -225,3 +232,51 @@ def preflight_verdict(workers: list[Worker], wanted: dict[str, str], batch: int,
     if out and healthy - out < 1:  # an empty router being filled (--router-add-missing) serves no one yet
         return f"only {healthy} healthy worker(s) in the router: a batch of {out} would leave none serving"
     return None
+
+
+# --- the host's own re-admit (a controller that dies after a drain must not leave capacity out) -------------
+
+def readmit_unit(service_name: str) -> str:
+    return "kdeploy-readmit-" + service_name.replace("@", "-at-")
+
+
+def readmit_after(host: HostConfig) -> float:
+    """When the host re-admits itself: after the drain, the restart and gate, and the host's own revert."""
+    assert host.router is not None
+    sv = host.service
+    revert = sv.gate.revert_after or provisional.deadline_seconds(sv.unit.timeout_stop_sec, sv.gate_timeout)
+    return host.router.readmit_after or host.router.drain_timeout + revert + READMIT_MARGIN
+
+
+def arm_readmit_command(host: HostConfig, with_key: bool) -> str:
+    """Arm the host's re-admit before the drain (so no drained host is ever without one): a transient timer
+    runs ``readmit_host`` with the service's python after ``readmit_after``. With ``with_key`` the router's API
+    key arrives on stdin and is kept root-only until the re-admit ran or was disarmed."""
+    assert host.router is not None and host.worker_url is not None
+    sv = host.service
+    d = service_dir(sv)
+    unit = readmit_unit(sv.name)
+    health = f"http://{_url_host(dial_address(sv.sglang.host))}:{sv.sglang.port}{sv.gate.ready_path}"
+    program = Path(readmit_host.__file__).read_text()
+    argv = ["systemd-run", "--quiet", "--collect", f"--unit={unit}", f"--on-active={max(1, int(readmit_after(host)))}",
+            "--timer-property=AccuracySec=1s", f"--description=kdeploy: re-admit {sv.name} to its router",
+            sv.python, "-I", "-u", f"{d}/.readmit.py", d, health, host.router.url_from_host or host.router.url,
+            host.worker_url, str(READMIT_TRYING)]
+    q = shlex.quote(d)
+    return "\n".join([
+        disarm_readmit_command(host),
+        f"(umask 077 && cat > {q}/.readmit.key)" if with_key else ":",
+        f"printf '%s\\n' {shlex.quote(program)} > {q}/.readmit.py",
+        " ".join(shlex.quote(a) for a in argv),
+    ])
+
+
+def disarm_readmit_command(host: HostConfig) -> str:
+    """Cancel the host's re-admit: the controller admitted the host, or decided it stays out."""
+    unit = shlex.quote(readmit_unit(host.service.name))
+    return (f"systemctl stop {unit}.timer {unit}.service 2>/dev/null; "
+            f"rm -f {shlex.quote(service_dir(host.service))}/.readmit.key; true")
+
+
+def _url_host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address

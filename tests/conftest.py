@@ -139,6 +139,7 @@ def deployment(fleet: Sandbox, tmp_path: Path, request: pytest.FixtureRequest) -
     finally:
         for host in hosts:
             fleet.exec(host, ["sh", "-c", f"systemctl disable --now --no-block {name} 2>/dev/null; "
+                                          f"systemctl stop kdeploy-readmit-{name}.timer 2>/dev/null; "
                                           f"systemctl kill -s KILL {name} 2>/dev/null; "
                                           f"cd /etc/systemd/system && rm -rf {name}.service {name}.service.wants "
                                           f"kdeploy-boot-guard-{name}.service; "

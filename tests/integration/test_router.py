@@ -79,9 +79,10 @@ def routed(deployment: Deployment, tmp_path: Path) -> Iterator[Routed]:
         host="0.0.0.0", extra_args=["--enable-metrics"]))
     assert deployment.kdeploy("push", "test", "--no-verify") == 0
     port = _free_port()
-    url = f"http://127.0.0.1:{port}"
+    gateway = deployment.fleet.gateway  # this machine on the hosts' bridge: the hosts reach the router too
+    url = f"http://{gateway}:{port}"
     workers = [f"http://{deployment.load().hosts[h].address}:{deployment.port}" for h in deployment.hosts]
-    argv = router_env.router_argv(router_env.ensure_venv(), "127.0.0.1", port, workers, health_interval=1,
+    argv = router_env.router_argv(router_env.ensure_venv(), gateway, port, workers, health_interval=1,
                                   health_failures=1, prometheus_port=_free_port())
     with router_env.running(argv, url, tmp_path / "router.log"):
         deployment.edit(lambda doc: doc["defaults"].update(router={"url": url, "drain_timeout": 30}))
@@ -220,6 +221,40 @@ def test_ctrl_c_mid_drain_reports_the_host_out_and_admit_fixes_it(routed: Routed
     assert out == [(200, 82, True)]
     assert dep.kdeploy("router", "admit", "h1") == 0
     assert routed.workers()[routed.worker_url("h1")] is True
+
+
+@pytest.mark.hosts(2)
+def test_a_controller_killed_after_the_drain_leaves_the_host_to_re_admit_itself(routed: Routed) -> None:
+    """The drain armed the host's re-admit first: with nobody left to admit it, the host registers itself
+    again once its deadline passed and it serves a confirmed release. The push is killed as soon as h1 is out
+    (before or after its switch, whichever came first): an unconfirmed switch is reverted by the host at
+    ``revert_after`` first, so it re-admits on its confirmed release either way."""
+    dep = routed.dep
+    dep.edit(lambda doc: doc["defaults"]["router"].update(readmit_after=8))
+    dep.edit(lambda doc: doc["defaults"]["service"]["gate"].update(revert_after=10))
+    h1 = routed.worker_url("h1")
+    (dep.payload / "rev.txt").write_text("9")
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1",
+                             "--inventory", str(dep.path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        routed.wait(lambda w: h1 not in w, "h1 drained", timeout=60)
+        proc.kill()
+        killed = time.monotonic()
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert h1 not in routed.workers()
+    routed.wait(lambda w: w.get(h1) is True, "h1 back and healthy", timeout=10 + 50)
+    assert time.monotonic() - killed >= 7  # by the host at its deadline, not by anything earlier
+    assert dep.sh("h1", f"ls {dep.service_dir}/pending 2>&1", check=False).endswith("No such file or directory\n")
+    unit = f"kdeploy-readmit-{dep.service}.service"
+    deadline = time.monotonic() + 15
+    while dep.sh("h1", f"systemctl is-active {unit}", check=False).strip() == "active":  # sees it listed, ends
+        assert time.monotonic() < deadline, "the re-admit never ended"
+        time.sleep(0.2)
+    journal = dep.sh("h1", f"journalctl -u {unit} -o cat --no-pager")
+    assert f"the controller did not admit {h1}: registering it with {routed.url}" in journal, journal
+    assert dep.sh("h1", f"ls {dep.service_dir}/.readmit.key 2>&1", check=False).endswith("No such file or directory\n")
 
 
 @pytest.mark.hosts(2)

@@ -95,3 +95,29 @@ def test_unset_api_key_variable_refuses_before_any_host(tmp_path, capsys, monkey
     code = cli.main(["router", "drain", "ct200", "--inventory", str(path)])
     assert code == ExitCode.INVALID
     assert "KD_NO_SUCH_KEY is not set" in capsys.readouterr().err
+
+
+def test_the_re_admit_is_armed_with_the_hosts_view_of_the_router_and_cancelled_by_name(tmp_path):
+    import shlex
+
+    from kdeploy import inventory
+    from kdeploy.router import arm_readmit_command, disarm_readmit_command, readmit_after
+
+    text = EXAMPLE.read_text().replace("defaults:\n", "defaults:\n  router: {url: 'http://127.0.0.1:9', "
+                                                      "url_from_host: 'http://10.0.0.254:9', drain_timeout: 20}\n", 1)
+    path = tmp_path / "inventory.yaml"
+    path.write_text(text)
+    host = inventory.load(path).hosts["ct200"]
+    sv = host.service
+    lines = arm_readmit_command(host, with_key=True).splitlines()
+    assert lines[0] == disarm_readmit_command(host)  # an earlier one is replaced, never doubled
+    assert lines[1].startswith("(umask 077 && cat > ") and lines[1].endswith("/.readmit.key)")
+    argv = shlex.split(lines[-1])
+    seconds = 20 + sv.unit.timeout_stop_sec + 60 + sv.gate_timeout + 60 + 60  # drain + revert deadline + margin
+    assert readmit_after(host) == seconds and f"--on-active={int(seconds)}" in argv
+    assert f"--unit=kdeploy-readmit-{sv.name}" in argv
+    assert argv[argv.index(sv.python):] == [
+        sv.python, "-I", "-u", f"/opt/kdeploy/{sv.name}/.readmit.py", f"/opt/kdeploy/{sv.name}",
+        f"http://127.0.0.1:{sv.sglang.port}/health", "http://10.0.0.254:9", host.worker_url, "900"]
+    assert "cat >" not in arm_readmit_command(host, with_key=False)
+    assert f"kdeploy-readmit-{sv.name}.timer" in disarm_readmit_command(host)
