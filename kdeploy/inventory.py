@@ -497,14 +497,20 @@ def checked(document: Any, text: str, path: Path) -> CommentedMap:
 
 
 def load(path: Path | str = DEFAULT_INVENTORY, service: Path | str | None = None) -> Inventory:
-    """A kdeploy inventory, or an Ansible one (INI or YAML) with the kdeploy service file ``service``."""
+    """A kdeploy inventory, or an Ansible one (any kind: docs/inventory.md) with the kdeploy service file
+    ``service``."""
     from kdeploy import ansible  # it builds on this module
 
     path = Path(path)
+    service_path = Path(service) if service is not None else None
+    if ansible.is_source(path):
+        ansible.require_service(path, service_path)  # before a script runs
+        return ansible.load(ansible.read_source(path), service_path)
     text = read_text(path)
     fmt, document = ansible.detect(path, text)
     if fmt is not None:
-        return ansible.load(path, text, fmt, Path(service) if service is not None else None)
+        ansible.require_service(path, service_path)
+        return ansible.load(ansible.read(path, text, fmt), service_path)
     if service is not None:
         raise service_without_ansible(path)
     return parse(checked(document, text, path), path)

@@ -134,8 +134,8 @@ class Selector:
         if not pattern:
             raise InvalidInput(f"{what}: {part!r} names nothing after {part[0]!r}")
         expr, subscript = _split_subscript(pattern)
-        found = self._enumerate(expr, what)
-        if subscript is not None and found:
+        named, found = self._enumerate(expr, what)
+        if subscript is not None and named:
             ranged = self._range(pattern, what)
             if ranged and ranged != set(found):
                 raise InvalidInput(
@@ -144,25 +144,27 @@ class Selector:
                     f"), not the host range ({', '.join(self._ordered_names(ranged))}); for the range use a regex "
                     "(~gpu0[1-4]$) or a list")
             return set(self._subscript(found, subscript, pattern, what))
-        if found or expr == "all":
+        if named:
             return set(found)
         ranged = self._range(pattern, what) if "[" in pattern and pattern[0] != "~" else None
         if ranged:
             return ranged
         raise InvalidInput(f"{what} {pattern!r}: no such host or group{suggest(pattern, self.names())}")
 
-    def _enumerate(self, expr: str, what: str) -> list[str]:
+    def _enumerate(self, expr: str, what: str) -> tuple[bool, list[str]]:
         """Ansible's ``_enumerate_matches``: the hosts of every group the expression matches, and the hosts it
-        matches when it matched no group or is a glob, regex or dotted name."""
+        matches when it matched no group or is a glob, regex or dotted name; and whether it matched any name
+        (a group with no hosts is a match, a typo is none)."""
         try:
             regex = re.compile(expr[1:]) if expr[0] == "~" else re.compile(fnmatch.translate(expr))
         except re.error as exc:
             raise InvalidInput(f"{what} {expr!r}: not a valid regular expression: {exc}") from None
         groups = [g for g in self.groups if regex.match(g)]
         found = [h for g in groups for h in self.groups[g]]
+        hosts = []
         if not groups or expr[0] == "~" or any(c in expr for c in _SPECIAL):
-            found += [h for h in self.hosts if regex.match(h)]
-        return list(dict.fromkeys(found))
+            hosts = [h for h in self.hosts if regex.match(h)]
+        return bool(groups or hosts), list(dict.fromkeys(found + hosts))
 
     def _range(self, pattern: str, what: str) -> set[str] | None:
         """The hosts an inventory range names (``gpu[01:16]``: each name as a host, group or glob); None when
@@ -176,7 +178,7 @@ class Selector:
             if name in self._index:
                 found.add(name)
             elif "[" not in name:
-                found.update(self._enumerate(name, what))
+                found.update(self._enumerate(name, what)[1])
         return found
 
     def _subscript(self, found: list[str], subscript: tuple[int, int | None], pattern: str, what: str) -> list[str]:
