@@ -135,7 +135,7 @@ class AnsibleInventory:
         ``group_vars/<group>`` in the same order < the host's inventory variables < ``host_vars/<host>``."""
         groups = sorted(self.groups_of[host], key=lambda g: (g.depth, _priority(g), g.name))
         merged: dict = {}
-        for variables in (self.groups["all"].vars, *(g.vars for g in groups), self._file_vars("group_vars", "all"),
+        for variables in (_own(self.groups["all"]), *map(_own, groups), self._file_vars("group_vars", "all"),
                           *(self._file_vars("group_vars", g.name) for g in groups), self.hosts[host],
                           self._file_vars("host_vars", host)):
             merged.update(variables)
@@ -151,6 +151,11 @@ class AnsibleInventory:
         if folder / name not in self.files:
             self.files[folder / name] = _vars_dir(folder, name)
         return self.files[folder / name]
+
+
+def _own(group: Group) -> dict:
+    """A group's variables as its hosts see them: ``ansible_group_priority`` orders groups, it is no variable."""
+    return {k: v for k, v in group.vars.items() if k != "ansible_group_priority"}
 
 
 def _priority(group: Group) -> int:
@@ -319,12 +324,13 @@ def timeout() -> float:
     return seconds
 
 
-def run_json(argv: list[str], what: str, deadline: float) -> Any:
+def run_json(argv: list[str], what: str, deadline: float, cwd: Path | None = None,
+             env: dict[str, str] | None = None) -> Any:
     """The JSON an inventory program prints, run in its own process group so that a hang kills it and its
     children; every failure one line naming ``what``."""
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
+                                start_new_session=True, cwd=cwd, env=env)
     except OSError as exc:
         raise InvalidInput(f"{what}: cannot run it: {exc.strerror}") from None
     try:
@@ -370,13 +376,18 @@ def ansible_inventory_command() -> str | None:
 
 def _ansible_inventory(path: Path, what: str) -> AnsibleInventory:
     """What Ansible's plugins make of ``path``: ``ansible-inventory -i PATH --list``, read as a --list JSON
-    (its host variables have group_vars/ and host_vars/ in them already)."""
+    (its host variables have group_vars/ and host_vars/ in them already). It runs in the inventory's directory:
+    ansible-inventory also reads the current directory's group_vars/, as a playbook's."""
     command = ansible_inventory_command()
     if command is None:
         raise InvalidInput(f"{path}: {what} is read by Ansible's inventory plugins: kdeploy runs `ansible-inventory "
                            "-i PATH --list` for it, and ansible-inventory is not installed (pip install ansible-core)")
-    data = run_json([command, "-i", str(path), "--list"], f"{path}: ansible-inventory -i {path} --list",
-                    time.monotonic() + timeout())
+    folder = path if path.is_dir() else path.parent if path.exists() else None
+    source = str(path.absolute() if folder else path)
+    # A source its plugin cannot parse is a warning and an empty inventory for ansible-inventory, unless asked.
+    env = {"ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED": "true", **os.environ}
+    data = run_json([command, "-i", source, "--list"], f"{path}: ansible-inventory -i {path} --list",
+                    time.monotonic() + timeout(), folder, env)
     found = AnsibleInventory(path)
     _read_list(found, data, path, None)
     found.reconcile()
