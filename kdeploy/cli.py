@@ -63,7 +63,7 @@ def complete_target(ctx: typer.Context, incomplete: str) -> list[str]:
 _PATTERN_HELP = "host pattern: host | group | all | a,b | 'gpu0*' | 'a:&b' | 'a:!b' | '~regex'"
 Target = Annotated[str, typer.Argument(help=_PATTERN_HELP, show_default=False, autocompletion=complete_target)]
 OptTarget = Annotated[str, typer.Argument(help=_PATTERN_HELP, autocompletion=complete_target)]
-LimitOpt = Annotated[str | None, typer.Option("--limit", "-l", envvar="KDEPLOY_LIMIT", autocompletion=complete_target,
+LimitOpt = Annotated[str | None, typer.Option("--limit", "-l", autocompletion=complete_target,
                                               help="Only the hosts of TARGET this pattern also names (as Ansible's "
                                                    "--limit; @FILE: patterns from FILE).", show_default=False)]
 InventoryOpt = Annotated[Path, typer.Option("--inventory", "-i", envvar="KDEPLOY_INVENTORY",
