@@ -249,11 +249,16 @@ def read(path: Path, text: str, fmt: Format) -> AnsibleInventory:
 def read_source(path: Path) -> AnsibleInventory:
     """The hosts, groups and variables of a directory, an inventory script or a host list (:func:`is_source`)."""
     if path.is_dir():
-        plugin = _needs_plugins(path)
-        if plugin is not None:
+        entries = _scan(path)
+        plugin = next((entry for entry, fmt, _ in entries if fmt == "plugin"), None)
+        if plugin is not None:  # then Ansible reads the whole directory, as it would
             return _ansible_inventory(path, f"{plugin} (in it)")
         found = AnsibleInventory(path, path)
-        _read_dir(found, path)
+        for entry, fmt, text in entries:
+            if fmt is None:
+                _read_list(found, _run_script(entry), entry, None)
+            else:
+                _read_file(found, entry, text, fmt)
     elif _is_script(path):
         found = AnsibleInventory(path, path.parent)
         _read_list(found, _run_script(path), path, None)
@@ -263,42 +268,28 @@ def read_source(path: Path) -> AnsibleInventory:
     return found
 
 
-def _entries(folder: Path) -> list[Path]:
-    """The files and folders of an inventory directory, in the order Ansible reads them."""
+def _scan(folder: Path) -> list[tuple[Path, Format | None, str]]:
+    """The inventories of a directory, in the order Ansible reads them (sorted, subdirectories in place, the
+    names it ignores skipped): each file's format and text, or None and "" for a script. Read into one, a
+    group or host named in several files is one, and a later file's variables win."""
     try:
         names = sorted(os.listdir(folder))
     except OSError as exc:
         raise InvalidInput(f"{folder}: cannot read the inventory directory: {exc.strerror}") from None
-    return [folder / name for name in names if not _IGNORED.search(name)]
-
-
-def _needs_plugins(folder: Path) -> Path | None:
-    """The first file of a directory only Ansible's plugins read (then ansible-inventory reads it all)."""
-    for entry in _entries(folder):
+    found: list[tuple[Path, Format | None, str]] = []
+    for entry in (folder / name for name in names if not _IGNORED.search(name)):
         if entry.is_dir():
-            found = _needs_plugins(entry)
-            if found is not None:
-                return found
-        elif not _is_script(entry) and detect(entry, inventory.read_text(entry))[0] == "plugin":
-            return entry
-    return None
-
-
-def _read_dir(found: AnsibleInventory, folder: Path) -> None:
-    """Every inventory of a directory, in Ansible's order, into one: a group or host named in several files is
-    one, a later file's variables win."""
-    for entry in _entries(folder):
-        if entry.is_dir():
-            _read_dir(found, entry)
+            found += _scan(entry)
         elif _is_script(entry):
-            _read_list(found, _run_script(entry), entry, None)
+            found.append((entry, None, ""))
         else:
             text = inventory.read_text(entry)
             fmt, _ = detect(entry, text)
             if fmt is None:
                 raise InvalidInput(f"{entry}: not an Ansible inventory (an inventory directory holds Ansible "
-                                   "INI, YAML or --list JSON files and scripts)")
-            _read_file(found, entry, text, fmt)
+                                   "INI, YAML or --list JSON files, inventory scripts and plugin configs)")
+            found.append((entry, fmt, text))
+    return found
 
 
 def _read_file(found: AnsibleInventory, path: Path, text: str, fmt: Format) -> None:
@@ -326,8 +317,8 @@ def timeout() -> float:
 
 def run_json(argv: list[str], what: str, deadline: float, cwd: Path | None = None,
              env: dict[str, str] | None = None) -> Any:
-    """The JSON an inventory program prints, run in its own process group so that a hang kills it and its
-    children; every failure one line naming ``what``."""
+    """The JSON an inventory program prints (None for no output at all), run in its own process group so that
+    a hang kills it and its children; every failure one line naming ``what``."""
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, cwd=cwd, env=env)
@@ -344,7 +335,8 @@ def run_json(argv: list[str], what: str, deadline: float, cwd: Path | None = Non
     if proc.returncode != 0:
         raise InvalidInput(f"{what}: exited {proc.returncode}{f': {last}' if last else ''}")
     try:
-        return json.loads(out.decode())
+        text = out.decode()
+        return json.loads(text) if text.strip() else None
     except UnicodeDecodeError:
         raise InvalidInput(f"{what}: its output is not UTF-8 text") from None
     except json.JSONDecodeError as exc:
@@ -355,13 +347,18 @@ def _run_script(path: Path) -> Any:
     """An inventory script's ``--list`` output; without ``_meta.hostvars`` in it, each host's ``--host`` output
     as its variables (as Ansible does), all within one time bound."""
     deadline = time.monotonic() + timeout()
-    data = run_json([str(path), "--list"], f"{path} --list (inventory script)", deadline)
+    program = str(path.absolute())  # a bare name would be looked up on PATH
+    data = run_json([program, "--list"], f"{path} --list (inventory script)", deadline)
     if isinstance(data, dict) and "_meta" not in data:
         hosts = AnsibleInventory(path)
         _read_list(hosts, data, path, None)
-        data["_meta"] = {"hostvars": {
-            host: run_json([str(path), "--host", host], f"{path} --host {host} (inventory script)", deadline) or {}
-            for host in hosts.hosts}}
+        hostvars = {}
+        for host in hosts.hosts:
+            what = f"{path} --host {host} (inventory script)"
+            hostvars[host] = run_json([program, "--host", host], what, deadline) or {}
+            if not isinstance(hostvars[host], dict):
+                raise InvalidInput(f"{what}: its output must be a JSON object of the host's variables")
+        data["_meta"] = {"hostvars": hostvars}
     return data
 
 

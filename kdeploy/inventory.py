@@ -436,9 +436,6 @@ class Inventory:
         patterns.Selector(self.hosts, self.groups).evaluate(parts, "--limit")
         return replace(self, limit=parts)
 
-    def names(self) -> list[str]:
-        return ["all", *self.groups, *self.hosts]
-
     def local_path(self, value: str) -> Path:
         """Paths in the inventory (template, payload, keys) are relative to the inventory file."""
         path = Path(value).expanduser()

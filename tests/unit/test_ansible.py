@@ -432,7 +432,7 @@ def test_a_dynamic_script_of_200_hosts_resolves_as_ansible_inventory(tmp_path):
     assert loaded.resolve("h100:&rack0[4:5]:!gpu07*") == [f"gpu{n:03d}" for n in range(61, 101) if n // 10 != 7]
 
 
-def test_a_script_without_meta_gives_each_hosts_variables_through_host(tmp_path):
+def test_a_script_without_meta_gives_each_hosts_variables_through_host(tmp_path, monkeypatch):
     body = ("import json, sys\nif sys.argv[1] == '--list':\n"
             "    print(json.dumps({'gpu': ['g1', 'g2'], 'edge': {'hosts': ['e1'], 'vars': {'ansible_port': 2022}}}))\n"
             "else:\n    print(json.dumps({'ansible_host': '192.0.2.' + sys.argv[2][1:]}))\n")
@@ -441,6 +441,8 @@ def test_a_script_without_meta_gives_each_hosts_variables_through_host(tmp_path)
     loaded = assert_resolves_as_ansible(path, service, ansible_list(str(path), tmp_path))
     assert [(h.address, h.port) for h in loaded.hosts.values()] == [("192.0.2.1", 22), ("192.0.2.2", 22),
                                                                      ("192.0.2.1", 2022)]
+    monkeypatch.chdir(tmp_path)  # `-i old.py`: run from here, not looked up on PATH
+    assert list(inventory.load(Path("old.py"), service).hosts) == ["g1", "g2", "e1"]
 
 
 @pytest.mark.parametrize("export", [False, True])
