@@ -26,7 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from kdeploy import __version__, fleet, junit, logs, patterns, progress, settings
+from kdeploy import __version__, ansible, fleet, junit, logs, patterns, progress, settings
 from kdeploy import inventory as inv
 from kdeploy.deploy import History, LockView, Options, Plan, StatusView
 from kdeploy.errors import ExitCode, InvalidInput, KdeployError
@@ -67,7 +67,8 @@ LimitOpt = Annotated[str | None, typer.Option("--limit", "-l", autocompletion=co
                                               help="Only the hosts of TARGET this pattern also names (as Ansible's "
                                                    "--limit; @FILE: patterns from FILE).", show_default=False)]
 InventoryOpt = Annotated[Path, typer.Option("--inventory", "-i", envvar="KDEPLOY_INVENTORY",
-                                            help="Inventory file: kdeploy's, or an Ansible INI/YAML one.")]
+                                            help="Inventory: kdeploy's file, or any Ansible one (file, script, "
+                                                 "directory, plugin config).")]
 ServiceOpt = Annotated[Path | None, typer.Option("--service", envvar="KDEPLOY_SERVICE", dir_okay=False,
                                                  help="kdeploy service file for an Ansible inventory.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout; human text on stderr.")]
@@ -436,6 +437,8 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
     """Make, check, write and roll out an edit under the lock of the file it edits (the inventory, or the service
     file of an Ansible inventory); a second kdeploy waits or exits 6. ``--limit``: the rollout goes to the changed
     hosts it names only; the others keep their config until a push (``status`` shows their drift)."""
+    if service is None and ansible.is_source(inventory):  # a directory or a script: there is no file to lock
+        ansible.require_service(inventory, None)
     with settings.locked(service or inventory, lock_wait, f"kdeploy {command}", service is not None):
         edit = make()  # under the lock: from the file as the previous edit left it
         if not edit.changed:
@@ -443,6 +446,7 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
             ui.report(Report(command, []), table=False)
             return
         local = fleet.check_edit(edit)
+        outside: list[str] = []
         if limit is not None:
             allowed = set(edit.new.subset(limit).resolve("all"))
             outside = [name for name in local if name not in allowed]
@@ -461,7 +465,7 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
             report = ui.run(lambda listener: fleet.apply_edit(edit, local, command, opts, parallel=parallel,
                                                               listener=listener))
             facts = report.extra["inventory"]
-            if not facts["rolled_out_to"]:
+            if not facts["rolled_out_to"] and not outside:
                 ui.err.print("no host's unit changed: nothing to roll out")
             elif facts["reverted"]:
                 ui.err.print(f"[red]rollout failed or interrupted: the edit of {edit.path} was REVERTED[/]; hosts "

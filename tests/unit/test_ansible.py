@@ -551,3 +551,24 @@ def test_set_env_on_an_inventory_directory_edits_the_service_file(tmp_path):
     edit = settings.set_env(inv, {"KDTREE_NSPLIT": "64"}, [], None, service)
     assert edit.path == service and set(edit.new.hosts) == {"g1", "g2"}
     assert all(h.service.env == {"KDTREE_NSPLIT": "64"} for h in edit.new.hosts.values())
+
+
+def test_cli_set_env_on_a_directory_needs_the_service_file(tmp_path, capsys):
+    inv = tmp_path / "inv"
+    _, service = write(tmp_path, "unused.ini", "", {"inv/hosts.ini": "[gpu]\ng1\n"})
+    assert cli.main(["set-env", "X=1", "-i", str(inv), "--no-apply"]) == 2
+    assert capsys.readouterr().err.startswith(f"kdeploy: {inv}: an Ansible inventory has no kdeploy service: ")
+    assert cli.main(["set-env", "X=1", "-i", str(inv), "--service", str(service), "--no-apply"]) == 0
+    assert "X: '1'" in service.read_text()
+
+
+def test_set_env_with_a_limit_that_names_no_changed_host_writes_and_rolls_out_to_none(tmp_path, capsys):
+    """--limit narrows set-env's rollout (here to none of the changed hosts: no host is contacted); the file is
+    edited for every host, and the hosts left out are named."""
+    path, service = write(tmp_path, "hosts.ini", "[gpu]\ng1\ng2\n[edge]\ne1\n")
+    assert cli.main(["set-env", "X=1", "-i", str(path), "--service", str(service), "--limit", "gpu:&edge",
+                     "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["inventory"]["rolled_out_to"] == []
+    assert "outside --limit 'gpu:&edge', not rolled out (they drift until `kdeploy push`): g1, g2, e1" in out.err
+    assert "nothing to roll out" not in out.err and "X: '1'" in service.read_text()
