@@ -13,6 +13,7 @@ tests/unit/test_ansible.py checks them against the real ``ansible-inventory --li
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import re
@@ -202,7 +203,8 @@ def detect(path: Path, text: str) -> tuple[Format | None, Any]:
         if "plugin" in data and suffix in (".yaml", ".yml"):
             return "plugin", data
         groups = [v for v in data.values() if v is not None]
-        if "_meta" in data or any(_listed(v) for v in groups):
+        kdeploy_keys = bool({"defaults", "groups", "hosts"} & set(data))  # `groups: {kimi: [ct200]}` is kdeploy's
+        if "_meta" in data or (not kdeploy_keys and any(_listed(v) for v in groups)):
             return "list", data
         if groups and all(isinstance(v, dict) and v and set(v) <= _SECTIONS for v in groups):
             return "yaml", data
@@ -238,9 +240,9 @@ def _is_script(path: Path) -> bool:
 
 def read(path: Path, text: str, fmt: Format) -> AnsibleInventory:
     """The hosts, groups and variables of one inventory file."""
-    found = AnsibleInventory(path, path.parent)
     if fmt == "plugin":
         return _ansible_inventory(path, "an inventory plugin's config")
+    found = AnsibleInventory(path, path.parent)
     _read_file(found, path, text, fmt)
     found.reconcile()
     return found
@@ -328,7 +330,8 @@ def run_json(argv: list[str], what: str, deadline: float, cwd: Path | None = Non
         out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.01))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a child that left the group may hold the pipes
+            proc.communicate(timeout=1)
         raise InvalidInput(f"{what}: did not finish within {timeout():g} s (killed; KDEPLOY_INVENTORY_TIMEOUT "
                            "sets the bound)") from None
     last = next((line.strip() for line in reversed(err.decode(errors="replace").splitlines()) if line.strip()), "")
