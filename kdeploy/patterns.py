@@ -136,14 +136,14 @@ class Selector:
         expr, subscript = _split_subscript(pattern)
         named, found = self._enumerate(expr, what)
         if subscript is not None and named:
+            chosen = self._subscript(found, subscript, pattern, what)
             ranged = self._range(pattern, what)
-            if ranged and ranged != set(found):
+            if ranged and ranged != set(chosen):
                 raise InvalidInput(
                     f"{what} {pattern!r} is ambiguous: {expr!r} names a group or host, so Ansible reads the "
-                    f"brackets as positions in its hosts ({', '.join(self._subscript(found, subscript, pattern, what))}"
-                    f"), not the host range ({', '.join(self._ordered_names(ranged))}); for the range use a regex "
-                    "(~gpu0[1-4]$) or a list")
-            return set(self._subscript(found, subscript, pattern, what))
+                    f"brackets as positions in its hosts ({', '.join(chosen)}), not the host range "
+                    f"({', '.join(self._ordered_names(ranged))}); for the range use a regex (~gpu0[1-4]$) or a list")
+            return set(chosen)
         if named:
             return set(found)
         ranged = self._range(pattern, what) if "[" in pattern and pattern[0] != "~" else None

@@ -145,7 +145,12 @@ def test_a_range_that_is_also_a_subscript_is_refused():
                                            r"reads the brackets as positions in its hosts \(gpu02, gpu03, gpu04, "
                                            r"gpu05\), not the host range \(gpu01, gpu02, gpu03, gpu04\)"):
         patterns.Selector(HOSTS, GROUPS).select("gpu[01:04]")
-    assert patterns.Selector(HOSTS, GROUPS).select("gpu[0:3]") == ["gpu01", "gpu02", "gpu03", "gpu04"]  # agree
+    # no host gpu0..gpu3: only Ansible's reading names hosts
+    assert patterns.Selector(HOSTS, GROUPS).select("gpu[0:3]") == ["gpu01", "gpu02", "gpu03", "gpu04"]
+    # both readings name the same hosts: no doubt
+    assert patterns.Selector(["n0", "n1", "n2"], {"n": ["n0", "n1", "n2"]}).select("n[1:2]") == ["n1", "n2"]
+    with pytest.raises(InvalidInput, match="ambiguous"):
+        patterns.Selector(["n1", "n2", "n3"], {"n": ["n1", "n2", "n3"]}).select("n[1:2]")
 
 
 @pytest.mark.parametrize(("pattern", "parts"), [
