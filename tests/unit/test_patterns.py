@@ -58,6 +58,11 @@ PARITY = [
     ("all", "gpu0*:!gpu03"), ("gpu", "h100"), ("prod", "edge,bastion"), ("gpu1*", "!gpu12"), ("a100", "canary"),
     ("gpu, a100 ,h100", None), ("gpu01 gpu02", None),
 ]
+# Every pair of these parts under every operator, as TARGET and as --limit of `all`.
+ATOMS = ["gpu", "a100", "h100", "canary", "edge", "prod", "bastion", "gpu0*", "gpu1?", "~gpu1[0-2]",
+         "edge-a.example.com", "*.example.com", "h100[1:3]", "gpu[0]", "empty"]
+PAIRS = [(f"{a}{op}{b}", None) for a in ATOMS for b in ATOMS for op in (":", ":&", ":!", ",!")]
+PAIRS += [("all", f"{a}:!{b}") for a in ATOMS for b in ATOMS]
 
 
 @pytest.fixture
@@ -90,12 +95,12 @@ def ansible_selects(path: Path, cases: list[tuple[str, str | None]]) -> list[lis
 def test_patterns_select_what_ansible_selects(fleet):
     path, service = fleet
     loaded = inventory.load(path, service)
-    reference = ansible_selects(path, PARITY)
-    for (pattern, limit), expected in zip(PARITY, reference, strict=True):
+    reference = ansible_selects(path, PARITY + PAIRS)
+    for (pattern, limit), expected in zip(PARITY + PAIRS, reference, strict=True):
         got = loaded.subset(limit).resolve(pattern)
         assert set(got) == set(expected), (pattern, limit)
         assert got == [h for h in loaded.hosts if h in set(expected)], (pattern, limit)  # inventory order
-    assert sum(map(len, reference)) > 200  # the reference is no empty answer
+    assert sum(map(len, reference)) > 2000 and sum(not r for r in reference) > 50  # full and empty answers
 
 
 HOSTS = [f"gpu{n:02d}" for n in range(1, 9)] + ["web1", "web2"]
