@@ -184,7 +184,8 @@ def _level(doc: CommentedMap, inv: inventory.Inventory, scope: str | None) -> Le
         if isinstance(groups.get(scope), list):  # short form `name: [h1, h2]` -> mapping with hosts
             groups[scope] = CommentedMap([("hosts", groups[scope])])
         return Level(top.child("groups", scope), f"groups.{scope}", top.shared)
-    raise InvalidInput(f"--target {scope!r}: no such host or group (scopes are a host or a group)")
+    raise InvalidInput(f"--target {scope!r}: no such host or group (--target is the host or group whose settings "
+                       "change; --limit PATTERN narrows the rollout)")
 
 
 def _shared(doc: CommentedMap) -> set[int]:
