@@ -101,6 +101,14 @@ def test_patterns_select_what_ansible_selects(fleet):
         assert set(got) == set(expected), (pattern, limit)
         assert got == [h for h in loaded.hosts if h in set(expected)], (pattern, limit)  # inventory order
     assert sum(map(len, reference)) > 2000 and sum(not r for r in reference) > 50  # full and empty answers
+    # The reference is what the `ansible` command itself lists.
+    home = path.parent / ".ansible"
+    env = {**os.environ, "ANSIBLE_HOME": str(home), "ANSIBLE_LOCAL_TEMP": str(home / "tmp"),
+           "ANSIBLE_CONFIG": str(home / "ansible.cfg")}
+    listed = subprocess.run([str(Path(sys.executable).with_name("ansible")), "all", "-i", str(path), "--list-hosts",
+                             "--limit", "gpu0*:!gpu03"], capture_output=True, text=True, env=env, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.split()[2:] == reference[PARITY.index(("all", "gpu0*:!gpu03"))]
 
 
 HOSTS = [f"gpu{n:02d}" for n in range(1, 9)] + ["web1", "web2"]
