@@ -1,29 +1,39 @@
-"""Ansible inventories (INI and YAML) read as kdeploy inventories, so a fleet kept for Ansible is not retyped.
+"""Ansible inventories read as kdeploy inventories, so a fleet kept for Ansible is not retyped.
 
-Ansible gives the hosts, the groups and the connection variables; what it lacks (the ``service:`` block and
-any other kdeploy defaults) comes from a service file (``--service FILE``: the shape of kdeploy's
-``defaults:``). The result goes through :func:`kdeploy.inventory.parse` like any kdeploy inventory. The rules
-follow ansible-core's own ``ini`` and ``yaml`` inventory plugins and its variable precedence;
+Every kind Ansible reads: INI and YAML files, ``ansible-inventory --list`` JSON, executable inventory scripts
+(run with ``--list``, as Ansible runs them), directories of inventories with ``group_vars/`` and ``host_vars/``,
+and, through ``ansible-inventory -i PATH --list`` where it is installed, anything its plugins read (cloud
+plugin configs, TOML, ...). Ansible gives the hosts, the groups and the connection variables; what it lacks
+(the ``service:`` block and any other kdeploy defaults) comes from a service file (``--service FILE``: the
+shape of kdeploy's ``defaults:``). The result goes through :func:`kdeploy.inventory.parse` like any kdeploy
+inventory. The rules follow ansible-core's own inventory plugins and its variable precedence;
 tests/unit/test_ansible.py checks them against the real ``ansible-inventory --list``.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import json
 import os
 import re
 import shlex
-import string
+import shutil
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from ruamel.yaml.error import YAMLError
 
-from kdeploy import inventory
+from kdeploy import inventory, patterns
 from kdeploy.errors import InvalidInput
 
-Format = Literal["ini", "yaml"]
+# ini, yaml: Ansible's own file formats; list: ansible-inventory --list JSON; plugin: only Ansible's plugins read it
+Format = Literal["ini", "yaml", "list", "plugin"]
 _SECTION = re.compile(r"^\[([^:\]\s]+)(?::(\w+))?\]\s*(?:#.*)?$")
 _GROUP_NAME = re.compile(r"^([^:\]\s]+)\s*(?:#.*)?$")
 _HOSTPORT = re.compile(r"^\[(.+)\]:([0-9]+)$|^((?:[^:\[\]]|\[[^\]]*\])*):([0-9]+)$")
@@ -39,6 +49,10 @@ CONNECTION_VARS = {
 SSH_ARGS_VARS = ("ansible_ssh_args", "ansible_ssh_common_args", "ansible_ssh_extra_args")
 SERVICE_FILE = ("service file", "--service FILE")  # how errors name it
 PREFIX = "kdeploy_"  # kdeploy_<setting>: any host-level kdeploy setting as an Ansible host or group variable
+SCRIPT_TIMEOUT = 60.0  # seconds an inventory script (or ansible-inventory) may run; KDEPLOY_INVENTORY_TIMEOUT
+# What a directory of inventories skips, as ansible-core (INVENTORY_IGNORE_EXTS' default and IGNORED_ALWAYS).
+_IGNORED = re.compile(r"^\.|^host_vars$|^group_vars$|^vars_plugins$|"
+                      r"(\.pyc|\.pyo|\.swp|\.bak|~|\.rpm|\.md|\.txt|\.rst|\.orig|\.cfg|\.retry)$")
 
 
 @dataclass
@@ -56,19 +70,19 @@ class AnsibleInventory:
     """Hosts and groups as Ansible builds them (``all`` and ``ungrouped`` included)."""
 
     path: Path
+    basedir: Path | None = None  # where group_vars/ and host_vars/ are (None: already in the variables)
     groups: dict[str, Group] = field(default_factory=dict)
     hosts: dict[str, dict] = field(default_factory=dict)  # host -> its own variables
-    lines: dict[str, int] = field(default_factory=dict)  # host -> line of its first definition
+    origin: dict[str, tuple[Path, int | None]] = field(default_factory=dict)  # host -> file, line it is first in
     groups_of: dict[str, list[Group]] = field(default_factory=dict)  # host -> its groups, ``all``'s children on
     files: dict[Path, dict] = field(default_factory=dict)  # group_vars/host_vars read so far
 
     def group(self, name: str) -> Group:
         return self.groups.setdefault(name, Group(name))
 
-    def add_host(self, name: str, group: str, variables: dict, line: int | None) -> None:
+    def add_host(self, name: str, group: str, variables: dict, where: tuple[Path, int | None]) -> None:
         self.hosts.setdefault(name, {}).update(variables)
-        if line:
-            self.lines.setdefault(name, line)
+        self.origin.setdefault(name, where)
         members = self.group(group).hosts
         if name not in members:
             members.append(name)
@@ -122,17 +136,27 @@ class AnsibleInventory:
         ``group_vars/<group>`` in the same order < the host's inventory variables < ``host_vars/<host>``."""
         groups = sorted(self.groups_of[host], key=lambda g: (g.depth, _priority(g), g.name))
         merged: dict = {}
-        for variables in (self.groups["all"].vars, *(g.vars for g in groups), self._file_vars("group_vars", "all"),
+        for variables in (_own(self.groups["all"]), *map(_own, groups), self._file_vars("group_vars", "all"),
                           *(self._file_vars("group_vars", g.name) for g in groups), self.hosts[host],
                           self._file_vars("host_vars", host)):
             merged.update(variables)
         return merged
 
+    def where(self, host: str) -> tuple[Path, int | None]:
+        return self.origin.get(host, (self.path, None))
+
     def _file_vars(self, kind: str, name: str) -> dict:
-        folder = self.path.parent / kind
+        if self.basedir is None:
+            return {}
+        folder = self.basedir / kind
         if folder / name not in self.files:
             self.files[folder / name] = _vars_dir(folder, name)
         return self.files[folder / name]
+
+
+def _own(group: Group) -> dict:
+    """A group's variables as its hosts see them: ``ansible_group_priority`` orders groups, it is no variable."""
+    return {k: v for k, v in group.vars.items() if k != "ansible_group_priority"}
 
 
 def _priority(group: Group) -> int:
@@ -159,20 +183,29 @@ def _vars_dir(folder: Path, name: str) -> dict:
 
 
 def detect(path: Path, text: str) -> tuple[Format | None, Any]:
-    """``ini`` or ``yaml`` for an Ansible inventory, None for a kdeploy one (top-level ``hosts:``/``defaults:``;
-    an Ansible YAML inventory has groups at the top, each a mapping of ``hosts``/``children``/``vars``).
+    """The Ansible format of an inventory file, None for a kdeploy one (top-level ``hosts:``/``defaults:``;
+    an Ansible YAML inventory has groups at the top, each a mapping of ``hosts``/``children``/``vars``;
+    ``ansible-inventory --list`` JSON has ``_meta`` or groups whose ``hosts`` are a list; a YAML file with a
+    top-level ``plugin:`` and ``.toml`` are for Ansible's plugins).
 
     Also the YAML document as parsed on the way (round trip; None where it is no YAML): parsing is most of
     an inventory's load time, so a kdeploy inventory's loader takes it from here rather than parse twice."""
     suffix = path.suffix.lower()
     if suffix in (".ini", ".cfg"):
         return "ini", None
+    if suffix == ".toml":
+        return "plugin", None
     try:
         data: Any = inventory.yaml_loader().load(text)
     except YAMLError:
         return (None if suffix in (".yaml", ".yml", ".json") else "ini"), None
     if isinstance(data, dict):
+        if "plugin" in data and suffix in (".yaml", ".yml"):
+            return "plugin", data
         groups = [v for v in data.values() if v is not None]
+        kdeploy_keys = bool({"defaults", "groups", "hosts"} & set(data))  # `groups: {kimi: [ct200]}` is kdeploy's
+        if "_meta" in data or (not kdeploy_keys and any(_listed(v) for v in groups)):
+            return "list", data
         if groups and all(isinstance(v, dict) and v and set(v) <= _SECTIONS for v in groups):
             return "yaml", data
         return None, data
@@ -181,25 +214,198 @@ def detect(path: Path, text: str) -> tuple[Format | None, Any]:
     return "ini", None
 
 
+def _listed(group: Any) -> bool:
+    """A group as ``--list`` JSON writes it: a list of hosts, or ``hosts``/``children`` as lists."""
+    return isinstance(group, list) or (isinstance(group, dict) and any(
+        isinstance(group.get(key), list) for key in ("hosts", "children")))
+
+
+def is_source(path: Path) -> bool:
+    """An inventory that is no file of text to read: a directory, an executable inventory script, or a
+    ``host1,host2`` list (Ansible's ``host_list``)."""
+    return path.is_dir() or _is_script(path) or (not path.exists() and "," in str(path))
+
+
+def _is_script(path: Path) -> bool:
+    """Executable, and a script or a program: an INI file left executable by a copy is still read as INI."""
+    if not path.is_file() or not os.access(path, os.X_OK):
+        return False
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+    except OSError:
+        return False
+    return head.startswith(b"#!") or head == b"\x7fELF"
+
+
 def read(path: Path, text: str, fmt: Format) -> AnsibleInventory:
-    found = AnsibleInventory(path)
-    (_read_ini if fmt == "ini" else _read_yaml)(found, text)
+    """The hosts, groups and variables of one inventory file."""
+    if fmt == "plugin":
+        return _ansible_inventory(path, "an inventory plugin's config")
+    found = AnsibleInventory(path, path.parent)
+    _read_file(found, path, text, fmt)
     found.reconcile()
     return found
 
 
-def load(path: Path, text: str, fmt: Format, service: Path | None,
-         service_text: str | None = None) -> inventory.Inventory:
+def read_source(path: Path) -> AnsibleInventory:
+    """The hosts, groups and variables of a directory, an inventory script or a host list (:func:`is_source`)."""
+    if path.is_dir():
+        entries = _scan(path)
+        plugin = next((entry for entry, fmt, _ in entries if fmt == "plugin"), None)
+        if plugin is not None:  # then Ansible reads the whole directory, as it would
+            return _ansible_inventory(path, f"{plugin} (in it)")
+        found = AnsibleInventory(path, path)
+        for entry, fmt, text in entries:
+            if fmt is None:
+                _read_list(found, _run_script(entry), entry, None)
+            else:
+                _read_file(found, entry, text, fmt)
+    elif _is_script(path):
+        found = AnsibleInventory(path, path.parent)
+        _read_list(found, _run_script(path), path, None)
+    else:
+        return _ansible_inventory(path, "a host list")
+    found.reconcile()
+    return found
+
+
+def _scan(folder: Path) -> list[tuple[Path, Format | None, str]]:
+    """The inventories of a directory, in the order Ansible reads them (sorted, subdirectories in place, the
+    names it ignores skipped): each file's format and text, or None and "" for a script. Read into one, a
+    group or host named in several files is one, and a later file's variables win."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as exc:
+        raise InvalidInput(f"{folder}: cannot read the inventory directory: {exc.strerror}") from None
+    found: list[tuple[Path, Format | None, str]] = []
+    for entry in (folder / name for name in names if not _IGNORED.search(name)):
+        if entry.is_dir():
+            found += _scan(entry)
+        elif _is_script(entry):
+            found.append((entry, None, ""))
+        else:
+            text = inventory.read_text(entry)
+            fmt, _ = detect(entry, text)
+            if fmt is None:
+                raise InvalidInput(f"{entry}: not an Ansible inventory (an inventory directory holds Ansible "
+                                   "INI, YAML or --list JSON files, inventory scripts and plugin configs)")
+            found.append((entry, fmt, text))
+    return found
+
+
+def _read_file(found: AnsibleInventory, path: Path, text: str, fmt: Format) -> None:
+    if fmt == "ini":
+        _read_ini(found, path, text)
+    elif fmt == "yaml":
+        _read_yaml(found, path, text)
+    else:
+        _read_list(found, inventory.parse_yaml(text, path), path, text)
+
+
+def timeout() -> float:
+    """How long an inventory script or ansible-inventory may run (``KDEPLOY_INVENTORY_TIMEOUT``, seconds)."""
+    value = os.environ.get("KDEPLOY_INVENTORY_TIMEOUT")
+    if value is None:
+        return SCRIPT_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0
+    if not 0 < seconds <= inventory.WEEK:
+        raise InvalidInput(f"KDEPLOY_INVENTORY_TIMEOUT={value!r}: expected seconds, a number above 0")
+    return seconds
+
+
+def run_json(argv: list[str], what: str, deadline: float, cwd: Path | None = None,
+             env: dict[str, str] | None = None) -> Any:
+    """The JSON an inventory program prints (None for no output at all), run in its own process group so that
+    a hang kills it and its children; every failure one line naming ``what``."""
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, cwd=cwd, env=env)
+    except OSError as exc:
+        raise InvalidInput(f"{what}: cannot run it: {exc.strerror}") from None
+    try:
+        out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.01))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a child that left the group may hold the pipes
+            proc.communicate(timeout=1)
+        raise InvalidInput(f"{what}: did not finish within {timeout():g} s (killed; KDEPLOY_INVENTORY_TIMEOUT "
+                           "sets the bound)") from None
+    last = next((line.strip() for line in reversed(err.decode(errors="replace").splitlines()) if line.strip()), "")
+    if proc.returncode != 0:
+        raise InvalidInput(f"{what}: exited {proc.returncode}{f': {last}' if last else ''}")
+    try:
+        text = out.decode()
+        return json.loads(text) if text.strip() else None
+    except UnicodeDecodeError:
+        raise InvalidInput(f"{what}: its output is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"{what}: its output is not JSON: {exc.msg} (line {exc.lineno})") from None
+
+
+def _run_script(path: Path) -> Any:
+    """An inventory script's ``--list`` output; without ``_meta.hostvars`` in it, each host's ``--host`` output
+    as its variables (as Ansible does), all within one time bound."""
+    deadline = time.monotonic() + timeout()
+    program = str(path.absolute())  # a bare name would be looked up on PATH
+    data = run_json([program, "--list"], f"{path} --list (inventory script)", deadline)
+    if isinstance(data, dict) and "_meta" not in data:
+        hosts = AnsibleInventory(path)
+        _read_list(hosts, data, path, None)
+        hostvars = {}
+        for host in hosts.hosts:
+            what = f"{path} --host {host} (inventory script)"
+            hostvars[host] = run_json([program, "--host", host], what, deadline) or {}
+            if not isinstance(hostvars[host], dict):
+                raise InvalidInput(f"{what}: its output must be a JSON object of the host's variables")
+        data["_meta"] = {"hostvars": hostvars}
+    return data
+
+
+def ansible_inventory_command() -> str | None:
+    """``ansible-inventory`` on PATH, else beside this Python (a virtualenv that has ansible-core too)."""
+    found = shutil.which("ansible-inventory")
+    if found:
+        return found
+    beside = Path(sys.executable).with_name("ansible-inventory")
+    return str(beside) if os.access(beside, os.X_OK) else None
+
+
+def _ansible_inventory(path: Path, what: str) -> AnsibleInventory:
+    """What Ansible's plugins make of ``path``: ``ansible-inventory -i PATH --list``, read as a --list JSON
+    (its host variables have group_vars/ and host_vars/ in them already). It runs in the inventory's directory:
+    ansible-inventory also reads the current directory's group_vars/, as a playbook's."""
+    command = ansible_inventory_command()
+    if command is None:
+        raise InvalidInput(f"{path}: {what} is read by Ansible's inventory plugins: kdeploy runs `ansible-inventory "
+                           "-i PATH --list` for it, and ansible-inventory is not installed (pip install ansible-core)")
+    folder = path if path.is_dir() else path.parent if path.exists() else None
+    source = str(path.absolute() if folder else path)
+    # A source its plugin cannot parse is a warning and an empty inventory for ansible-inventory, unless asked.
+    env = {"ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED": "true", **os.environ}
+    data = run_json([command, "-i", source, "--list"], f"{path}: ansible-inventory -i {path} --list",
+                    time.monotonic() + timeout(), folder, env)
+    found = AnsibleInventory(path)
+    _read_list(found, data, path, None)
+    found.reconcile()
+    return found
+
+
+def load(found: AnsibleInventory, service: Path | None, service_text: str | None = None) -> inventory.Inventory:
     """The kdeploy inventory of an Ansible inventory plus the service file (``service_text``: its content)."""
+    path = found.path
     service = require_service(path, service)
     if service_text is None:
         service_text = inventory.read_text(service, *SERVICE_FILE)
     defaults = inventory.parse_yaml(service_text, service, "the service file must be a mapping like defaults:")
-    found = read(path, text, fmt)
     hosts: dict[str, dict] = {}
     sources: dict[str, dict[str, str]] = {}
     for host in found.hosts:
-        hosts[host], sources[host] = to_kdeploy(host, found.host_vars(host), found.lines.get(host), path)
+        file, line = found.where(host)
+        hosts[host], sources[host] = to_kdeploy(host, found.host_vars(host), line, file)
     groups = {g: found.members(g) for g in found.groups if g != "all"}
     raw = {"defaults": defaults, "groups": {g: {"hosts": m} for g, m in groups.items()}, "hosts": hosts}
 
@@ -211,8 +417,8 @@ def load(path: Path, text: str, fmt: Format, service: Path | None,
         if level == "hosts" and len(rest) > 1:
             name, key = str(rest[0]), str(rest[1])
             var = sources[name].get(key, f"{PREFIX}{key}")
-            line = found.lines.get(name)
-            return f"{path}{f':{line}' if line else ''}: {name}: {'.'.join([var, *map(str, rest[2:])])}"
+            file, line = found.where(name)
+            return f"{file}{f':{line}' if line else ''}: {name}: {'.'.join([var, *map(str, rest[2:])])}"
         return f"{path}: {'.'.join(map(str, rest)) or level}"
 
     return inventory.parse(raw, service, locate=locate)  # paths in the service file are relative to it
@@ -284,15 +490,15 @@ def _plain(value: Any, where: str) -> Any:
     return value
 
 
-def _read_ini(found: AnsibleInventory, text: str) -> None:
+def _read_ini(found: AnsibleInventory, path: Path, text: str) -> None:
     """ansible-core's ``ini`` plugin: sections ``[g]``, ``[g:children]``, ``[g:vars]``; ``key=value`` values are
     Python literals where they parse as one; hosts before any section are ``ungrouped``."""
     group, state = "ungrouped", "hosts"
     pending: dict[str, tuple[int, str, list[str]]] = {}  # a group named before it is defined
-    defined = {"all", "ungrouped"}
+    defined = {"all", "ungrouped", *found.groups}  # in a directory, earlier files' groups too
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
-        where = f"{found.path}:{number}"
+        where = f"{path}:{number}"
         if not line or line[0] in "#;":
             continue
         m = _SECTION.match(line)
@@ -328,7 +534,7 @@ def _read_ini(found: AnsibleInventory, text: str) -> None:
             if port is not None:
                 variables["ansible_port"] = port
             for name in names:
-                found.add_host(name, group, variables, number)
+                found.add_host(name, group, variables, (path, number))
         elif state == "vars":
             if "=" not in line:
                 raise InvalidInput(f"{where}: expected key=value, got {line!r}")
@@ -345,9 +551,8 @@ def _read_ini(found: AnsibleInventory, text: str) -> None:
                 pending.setdefault(child, (number, "children", []))[2].append(group)
     for name, (number, state, parents) in pending.items():
         if state == "vars":
-            raise InvalidInput(f"{found.path}:{number}: section [{name}:vars] for undefined group {name!r}")
-        raise InvalidInput(f"{found.path}:{number}: section [{parents[-1]}:children] names undefined group "
-                           f"{name!r}")
+            raise InvalidInput(f"{path}:{number}: section [{name}:vars] for undefined group {name!r}")
+        raise InvalidInput(f"{path}:{number}: section [{parents[-1]}:children] names undefined group {name!r}")
 
 
 def _resolve_pending(found: AnsibleInventory, group: str, pending: dict) -> None:
@@ -366,16 +571,18 @@ def _literal(value: str) -> Any:
     return str(parsed) if parsed is ... or isinstance(parsed, complex) else parsed
 
 
-def _read_yaml(found: AnsibleInventory, text: str) -> None:
+def _read_yaml(found: AnsibleInventory, path: Path, text: str) -> None:
     """ansible-core's ``yaml`` plugin: top-level groups, each ``{hosts: {NAME: vars}, children: {...}, vars}``."""
-    data = inventory.parse_yaml(text, found.path)
+    data = inventory.parse_yaml(text, path)
+    known = list(found.hosts)
     for name, body in data.items():
-        _yaml_group(found, str(name), body)
+        _yaml_group(found, path, str(name), body)
     # The plugin reads a group's children before its hosts; the hosts keep the order they are written in.
-    found.hosts = dict(sorted(found.hosts.items(), key=lambda item: found.lines.get(item[0]) or 0))
+    new = sorted((h for h in found.hosts if h not in set(known)), key=lambda h: found.where(h)[1] or 0)
+    found.hosts = {h: found.hosts[h] for h in [*known, *new]}
 
 
-def _yaml_group(found: AnsibleInventory, name: str, body: Any) -> None:
+def _yaml_group(found: AnsibleInventory, path: Path, name: str, body: Any) -> None:
     found.group(name)
     if not isinstance(body, dict):
         return
@@ -384,25 +591,69 @@ def _yaml_group(found: AnsibleInventory, name: str, body: Any) -> None:
         if isinstance(value, str):
             value = {value: None}
         if value is not None and not isinstance(value, dict):
-            raise InvalidInput(f"{found.path}:{inventory.line_of(body, (section,))}: {name}.{section}: must be a "
-                               "mapping")
+            raise InvalidInput(f"{path}:{inventory.line_of(body, (section,))}: {name}.{section}: must be a mapping")
         if section == "vars":
             found.group(name).vars.update(value or {})
         elif section == "children":
             for child, child_body in (value or {}).items():
-                _yaml_group(found, str(child), child_body)
+                _yaml_group(found, path, str(child), child_body)
                 found.add_child(name, str(child))
         else:
             for pattern, variables in (value or {}).items():
-                where = f"{found.path}:{inventory.line_of(value, (pattern,))}"
+                line = inventory.line_of(value, (pattern,))
                 if not isinstance(variables, dict | None):
-                    raise InvalidInput(f"{where}: host {pattern}: its variables must be a mapping")
-                names, port = expand(str(pattern), where)
+                    raise InvalidInput(f"{path}:{line}: host {pattern}: its variables must be a mapping")
+                names, port = expand(str(pattern), f"{path}:{line}")
                 host_vars = dict(variables or {})
                 if port is not None:
                     host_vars["ansible_port"] = port
                 for host in names:
-                    found.add_host(host, name, host_vars, inventory.line_of(value, (pattern,)))
+                    found.add_host(host, name, host_vars, (path, line))
+
+
+def _read_list(found: AnsibleInventory, data: Any, path: Path, text: str | None) -> None:
+    """ansible-core's ``script`` plugin on ``--list`` JSON: groups (a list of hosts, or ``{hosts: [...], vars:
+    {...}, children: [...]}``), ``_meta.hostvars`` for the hosts the groups name. ``text``: the file it was read
+    from (lines in errors), None for a program's output."""
+    def where(*keys: Any) -> str:
+        line = inventory.line_of(data, keys) if text is not None else None
+        return f"{path}{f':{line}' if line else ''}" if text is not None else f"{path} (--list output)"
+
+    if not isinstance(data, dict):
+        raise InvalidInput(f"{where()}: an inventory's --list JSON must be an object of groups")
+    hostvars: Any = {}
+    if "_meta" in data:
+        meta = data["_meta"]
+        hostvars = meta.get("hostvars") if isinstance(meta, dict) else None
+        if not isinstance(hostvars, dict):
+            raise InvalidInput(f"{where('_meta')}: _meta.hostvars must be an object of host variables")
+    named: list[str] = []
+    for name, body in data.items():
+        if name == "_meta":
+            continue
+        group = str(name)
+        found.group(group)
+        if not isinstance(body, dict):
+            body = {"hosts": body}
+        elif not any(key in body for key in ("hosts", "vars", "children")):
+            body = {"hosts": [group], "vars": body}  # Ansible: a malformed group is its only host's variables
+        hosts, variables, children = body.get("hosts", []), body.get("vars", {}), body.get("children", [])
+        for key, value, kind in (("hosts", hosts, "a list"), ("vars", variables, "an object"),
+                                 ("children", children, "a list")):
+            if not isinstance(value, dict if kind == "an object" else list):
+                raise InvalidInput(f"{where(name, key)}: {group}.{key} must be {kind}")
+        for index, host in enumerate(hosts):
+            found.add_host(str(host), group, {}, (path, inventory.line_of(data, (name, "hosts", index))))
+            named.append(str(host))
+        found.group(group).vars.update(variables)
+        for child in children:
+            found.group(str(child))
+            found.add_child(group, str(child))
+    for host in dict.fromkeys(named):
+        own = hostvars.get(host, {})
+        if not isinstance(own, dict):
+            raise InvalidInput(f"{where('_meta', 'hostvars', host)}: _meta.hostvars.{host} must be an object")
+        found.hosts[host].update(own)
 
 
 def expand(pattern: str, where: str) -> tuple[list[str], int | None]:
@@ -414,32 +665,9 @@ def expand(pattern: str, where: str) -> tuple[list[str], int | None]:
     elif pattern.endswith(":"):
         raise InvalidInput(f"{where}: host pattern {pattern!r} ends in ':' (reserved for a port)")
     try:
-        return _ranges(pattern), port
+        return patterns.expand_ranges(pattern), port
     except ValueError as exc:
         raise InvalidInput(f"{where}: host pattern {pattern!r}: {exc}") from None
 
 
-def _ranges(pattern: str) -> list[str]:
-    if "[" not in pattern:
-        return [pattern]
-    head, rest = pattern.split("[", 1)
-    body, sep, tail = rest.partition("]")
-    bounds = body.split(":")
-    if not sep or len(bounds) not in (2, 3):
-        raise ValueError("a range is [begin:end] or [begin:end:step]")
-    beg, end = bounds[0] or "0", bounds[1]
-    step = int(bounds[2]) if len(bounds) == 3 else 1
-    if not end:
-        raise ValueError("a range needs an end")
-    width = len(beg) if beg[0] == "0" and len(beg) > 1 else 0
-    if width and width != len(end):
-        raise ValueError("begin and end of a zero-padded range must have the same length")
-    if beg in string.ascii_letters and end in string.ascii_letters:
-        i, j = string.ascii_letters.index(beg), string.ascii_letters.index(end)
-        if i > j:
-            raise ValueError("a range must have begin <= end")
-        seq = list(string.ascii_letters[i:j + 1:step])
-    else:
-        seq = [str(n).zfill(width) for n in range(int(beg), int(end) + 1, step)]
-    return [name for s in seq for name in _ranges(f"{head}{s}{tail}")]
 

@@ -26,7 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from kdeploy import __version__, fleet, junit, logs, progress, settings
+from kdeploy import __version__, ansible, fleet, junit, logs, patterns, progress, settings
 from kdeploy import inventory as inv
 from kdeploy.deploy import History, LockView, Options, Plan, StatusView
 from kdeploy.errors import ExitCode, InvalidInput, KdeployError
@@ -49,24 +49,26 @@ app.add_typer(schema_app, name="schema")
 
 
 def complete_target(ctx: typer.Context, incomplete: str) -> list[str]:
-    """Shell completion of TARGET: ``all``, the inventory's hosts and groups, after the last comma of a list."""
+    """Shell completion of TARGET and ``--limit``: ``all``, the inventory's groups and hosts that complete the
+    pattern's last part (after its last ``,`` or ``:``, keeping a ``!`` or ``&``)."""
     path = ctx.params.get("inventory") or os.environ.get("KDEPLOY_INVENTORY") or inv.DEFAULT_INVENTORY
     service = ctx.params.get("service") or os.environ.get("KDEPLOY_SERVICE")
     try:
         loaded = inv.load(Path(path), service)
     except (KdeployError, OSError):
         return []
-    done, _, last = incomplete.rpartition(",")
-    head = f"{done}," if done else ""
-    names = ["all", *sorted(loaded.groups), *sorted(loaded.hosts)]
-    return [head + n for n in names if n.startswith(last) and n not in done.split(",")]
+    return patterns.complete(incomplete, ["all", *sorted(loaded.groups), *sorted(loaded.hosts)])
 
 
-Target = Annotated[str, typer.Argument(help="host | group | all | comma list", show_default=False,
-                                       autocompletion=complete_target)]
-OptTarget = Annotated[str, typer.Argument(help="host | group | all | comma list", autocompletion=complete_target)]
+_PATTERN_HELP = "host pattern: host | group | all | a,b | 'gpu0*' | 'a:&b' | 'a:!b' | '~regex'"
+Target = Annotated[str, typer.Argument(help=_PATTERN_HELP, show_default=False, autocompletion=complete_target)]
+OptTarget = Annotated[str, typer.Argument(help=_PATTERN_HELP, autocompletion=complete_target)]
+LimitOpt = Annotated[str | None, typer.Option("--limit", "-l", autocompletion=complete_target,
+                                              help="Only the hosts of TARGET this pattern also names (as Ansible's "
+                                                   "--limit; @FILE: patterns from FILE).", show_default=False)]
 InventoryOpt = Annotated[Path, typer.Option("--inventory", "-i", envvar="KDEPLOY_INVENTORY",
-                                            help="Inventory file: kdeploy's, or an Ansible INI/YAML one.")]
+                                            help="Inventory: kdeploy's file, or any Ansible one (file, script, "
+                                                 "directory, plugin config).")]
 ServiceOpt = Annotated[Path | None, typer.Option("--service", envvar="KDEPLOY_SERVICE", dir_okay=False,
                                                  help="kdeploy service file for an Ansible inventory.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout; human text on stderr.")]
@@ -230,15 +232,20 @@ def _exit(report: Report) -> None:
     raise typer.Exit(report.exit_code)
 
 
-def _load(path: Path, service: Path | None) -> inv.Inventory:
-    return inv.load(path, service)
+def _load(path: Path, service: Path | None, target: str | None = None, limit: str | None = None) -> inv.Inventory:
+    """The inventory narrowed to ``--limit``; TARGET is checked here, before anything else (exit 2), and a
+    selection of no host is said (the command then acts on none and exits 0, as for an empty group)."""
+    loaded = inv.load(path, service).subset(limit)
+    if target is not None and not loaded.resolve(target):
+        sys.stderr.write(f"kdeploy: no hosts matched {target!r}{f' with --limit {limit!r}' if limit else ''}\n")
+    return loaded
 
 
 @app.command()
 def render(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
-           service: ServiceOpt = None) -> None:
+           service: ServiceOpt = None, limit: LimitOpt = None) -> None:
     """Print each host's rendered systemd unit."""
-    loaded = _load(inventory, service)
+    loaded = _load(inventory, service, target, limit)
     for name in loaded.resolve(target):
         sys.stdout.write(f"# ---- {name} ----\n{render_unit(loaded, loaded.hosts[name])}")
 
@@ -303,25 +310,26 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
          max_fail: Annotated[str | None, typer.Option("--max-fail", help="N or N%: failures before stopping.")] = None,
          router_add_missing: Annotated[bool, typer.Option(
              "--router-add-missing", help="Register hosts the router does not know after their deploy.")] = False,
-         ) -> None:
+         limit: LimitOpt = None) -> None:
     """Ship the payload and unit, restart, gate; roll back by itself when the gate fails."""
     if dry_run:
-        _plan(target, inventory, service, as_json, accept_new_host_keys, parallel)
+        _plan(target, inventory, service, as_json, accept_new_host_keys, parallel, limit)
         return
     ui = Ui(as_json, junit_path)
     opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
                     lock_wait=lock_wait, workers=workers, timeout=timeout, canary=canary, batch=batch,
                     max_fail=max_fail, skip_preflight=skip_preflight, router_add_missing=router_add_missing,
                     command=command_line(ctx))
-    loaded = _load(inventory, service)
+    loaded = _load(inventory, service, target, limit)
     report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report, inventory=loaded)
     _exit(report)
 
 
-def _plan(target: str, inventory: Path, service: Path | None, as_json: bool, accept: bool, parallel: int) -> None:
+def _plan(target: str, inventory: Path, service: Path | None, as_json: bool, accept: bool, parallel: int,
+          limit: str | None) -> None:
     ui = Ui(as_json)
-    loaded = _load(inventory, service)
+    loaded = _load(inventory, service, target, limit)
     report = fleet.push(loaded, target, _options(accept_new_host_keys=accept), dry_run=True, parallel=parallel)
 
     def show(rep: Report) -> None:
@@ -346,9 +354,10 @@ def _plan(target: str, inventory: Path, service: Path | None, as_json: bool, acc
 @app.command()
 def plan(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
          service: ServiceOpt = None, as_json: JsonOpt = False,
-         accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
+         accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+         limit: LimitOpt = None) -> None:
     """Show what a push would change (unit diff, files, reload/restart); changes nothing."""
-    _plan(target, inventory, service, as_json, accept_new_host_keys, parallel)
+    _plan(target, inventory, service, as_json, accept_new_host_keys, parallel, limit)
 
 
 @app.command()
@@ -356,11 +365,11 @@ def verify(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
            service: ServiceOpt = None, as_json: JsonOpt = False,
            junit_path: JunitOpt = None, workers: WorkersOpt = None, timeout: TimeoutOpt = None,
            accept_new_host_keys: AcceptOpt = False,
-           parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
+           parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, limit: LimitOpt = None) -> None:
     """Run the health gate against what runs now (exit 4 when unhealthy); changes nothing."""
     ui = Ui(as_json, junit_path)
     opts = _options(workers=workers, timeout=timeout, accept_new_host_keys=accept_new_host_keys)
-    loaded = _load(inventory, service)
+    loaded = _load(inventory, service, target, limit)
     report = ui.run(lambda listener: fleet.verify(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report, lambda rep: _phases_table(ui, rep), table=False, inventory=loaded)
     _exit(report)
@@ -372,12 +381,12 @@ def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.D
              as_json: JsonOpt = False, junit_path: JunitOpt = None,
              to: Annotated[str | None, typer.Option("--to", help="Release id (default: the previous one).")] = None,
              lock_wait: LockWaitOpt = 0, accept_new_host_keys: AcceptOpt = False,
-             parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
+             parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, limit: LimitOpt = None) -> None:
     """Re-activate an older release and its unit, restart and gate."""
     ui = Ui(as_json, junit_path)
     opts = _options(to_release=to, lock_wait=lock_wait, accept_new_host_keys=accept_new_host_keys,
                     command=command_line(ctx))
-    loaded = _load(inventory, service)
+    loaded = _load(inventory, service, target, limit)
     report = ui.run(lambda listener: fleet.rollback(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report, inventory=loaded)
     _exit(report)
@@ -386,11 +395,12 @@ def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.D
 @app.command()
 def probe(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
           service: ServiceOpt = None, as_json: JsonOpt = False,
-          accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
+          accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+          limit: LimitOpt = None) -> None:
     """What each host's service python offers the payload: SGLang version, plugin loader, hooks, registry."""
     ui = Ui(as_json)
-    report = fleet.probe(_load(inventory, service), target, _options(accept_new_host_keys=accept_new_host_keys),
-                         parallel=parallel)
+    loaded = _load(inventory, service, target, limit)
+    report = fleet.probe(loaded, target, _options(accept_new_host_keys=accept_new_host_keys), parallel=parallel)
 
     def show(rep: Report) -> None:
         for host in rep.hosts:
@@ -404,12 +414,12 @@ def probe(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVEN
 @app.command()
 def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
             service: ServiceOpt = None, as_json: JsonOpt = False,
-            limit: Annotated[int, typer.Option("--limit", min=1, help="Entries per host.")] = 20,
-            accept_new_host_keys: AcceptOpt = False) -> None:
+            last: Annotated[int, typer.Option("--last", "-n", min=1, help="Entries per host.")] = 20,
+            accept_new_host_keys: AcceptOpt = False, limit: LimitOpt = None) -> None:
     """Show each host's deploy history."""
     ui = Ui(as_json)
-    report = fleet.history(_load(inventory, service), target,
-                           _options(history_limit=limit, accept_new_host_keys=accept_new_host_keys))
+    report = fleet.history(_load(inventory, service, target, limit), target,
+                           _options(history_limit=last, accept_new_host_keys=accept_new_host_keys))
 
     def show(rep: Report) -> None:
         table = ui.table("deploy history", "host", "time", "user", "controller", "release", "result", "seconds")
@@ -423,9 +433,12 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
 
 
 def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[], settings.Edit], ui: Ui,
-          no_apply: bool, accept: bool, parallel: int, lock_wait: float, line: str) -> None:
+          no_apply: bool, accept: bool, parallel: int, lock_wait: float, line: str, limit: str | None) -> None:
     """Make, check, write and roll out an edit under the lock of the file it edits (the inventory, or the service
-    file of an Ansible inventory); a second kdeploy waits or exits 6."""
+    file of an Ansible inventory); a second kdeploy waits or exits 6. ``--limit``: the rollout goes to the changed
+    hosts it names only; the others keep their config until a push (``status`` shows their drift)."""
+    if service is None and ansible.is_source(inventory):  # a directory or a script: there is no file to lock
+        ansible.require_service(inventory, None)
     with settings.locked(service or inventory, lock_wait, f"kdeploy {command}", service is not None):
         edit = make()  # under the lock: from the file as the previous edit left it
         if not edit.changed:
@@ -433,6 +446,14 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
             ui.report(Report(command, []), table=False)
             return
         local = fleet.check_edit(edit)
+        outside: list[str] = []
+        if limit is not None:
+            allowed = set(edit.new.subset(limit).resolve("all"))
+            outside = [name for name in local if name not in allowed]
+            local = {name: step for name, step in local.items() if name in allowed}
+            if outside:
+                ui.err.print(f"outside --limit {limit!r}, not rolled out (they drift until `kdeploy push`): "
+                             f"{', '.join(outside)}", markup=False)
         ui.err.print(edit.diff(), markup=False, end="")
         if no_apply:
             settings.write(edit)
@@ -444,7 +465,7 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
             report = ui.run(lambda listener: fleet.apply_edit(edit, local, command, opts, parallel=parallel,
                                                               listener=listener))
             facts = report.extra["inventory"]
-            if not facts["rolled_out_to"]:
+            if not facts["rolled_out_to"] and not outside:
                 ui.err.print("no host's unit changed: nothing to roll out")
             elif facts["reverted"]:
                 ui.err.print(f"[red]rollout failed or interrupted: the edit of {edit.path} was REVERTED[/]; hosts "
@@ -469,13 +490,14 @@ def set_env(ctx: typer.Context,
             target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
             service: ServiceOpt = None,
             as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
-            parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0) -> None:
+            parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0,
+            limit: LimitOpt = None) -> None:
     """Set or unset service environment flags in the inventory and roll them out (gated, reverted on failure)."""
     pairs = dict(settings.split_assignment(a) for a in assignments or [])
     if not pairs and not unset:
         raise InvalidInput("set-env: give KEY=VALUE or --unset KEY")
     _edit("set-env", inventory, service, lambda: settings.set_env(inventory, pairs, list(unset or []), target, service),
-          Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx))
+          Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx), limit)
 
 
 @app.command("set")
@@ -485,21 +507,23 @@ def set_(ctx: typer.Context,
          target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
          service: ServiceOpt = None,
          as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
-         parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0) -> None:
+         parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0,
+         limit: LimitOpt = None) -> None:
     """Change typed service settings (hicache.ratio=4.0, gate.workers=8, ...) and roll them out."""
     pairs = dict(settings.split_assignment(a) for a in assignments)
     _edit("set", inventory, service, lambda: settings.set_values(inventory, pairs, target, service),
-          Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx))
+          Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx), limit)
 
 
 @app.command()
 def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
            service: ServiceOpt = None, as_json: JsonOpt = False,
-           accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL) -> None:
+           accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+           limit: LimitOpt = None) -> None:
     """One row per host: state, uptime, release, env flags in effect, last deploy, drift."""
     ui = Ui(as_json)
-    report = fleet.status(_load(inventory, service), target, _options(accept_new_host_keys=accept_new_host_keys),
-                          parallel=parallel)
+    loaded = _load(inventory, service, target, limit)
+    report = fleet.status(loaded, target, _options(accept_new_host_keys=accept_new_host_keys), parallel=parallel)
 
     def show(rep: Report) -> None:
         routed = any(host.router for host in rep.hosts)
@@ -521,9 +545,10 @@ def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
     _exit(report)
 
 
-def _lock(target: str, inventory: Path, service: Path | None, as_json: bool, release: bool, force: bool) -> None:
+def _lock(target: str, inventory: Path, service: Path | None, as_json: bool, release: bool, force: bool,
+          limit: str | None) -> None:
     ui = Ui(as_json)
-    report = fleet.lock(_load(inventory, service), target, _options(force=force), release=release)
+    report = fleet.lock(_load(inventory, service, target, limit), target, _options(force=force), release=release)
 
     def show(rep: Report) -> None:
         for host in rep.hosts:
@@ -537,17 +562,18 @@ def _lock(target: str, inventory: Path, service: Path | None, as_json: bool, rel
 
 @lock_app.command("status")
 def lock_status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None,
-                as_json: JsonOpt = False) -> None:
+                as_json: JsonOpt = False, limit: LimitOpt = None) -> None:
     """Who holds each host's deploy lock (free / held / stale)."""
-    _lock(target, inventory, service, as_json, False, False)
+    _lock(target, inventory, service, as_json, False, False, limit)
 
 
 @lock_app.command("release")
 def lock_release(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
                  service: ServiceOpt = None, as_json: JsonOpt = False,
-                 force: Annotated[bool, typer.Option("--force", help="Also end a LIVE holder.")] = False) -> None:
+                 force: Annotated[bool, typer.Option("--force", help="Also end a LIVE holder.")] = False,
+                 limit: LimitOpt = None) -> None:
     """Clear a stale lock (with --force, end a live holder too)."""
-    _lock(target, inventory, service, as_json, True, force)
+    _lock(target, inventory, service, as_json, True, force, limit)
 
 
 @app.command("logs")
@@ -561,11 +587,11 @@ def logs_(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, servi
                                                               "service.")] = logs.Run.ALL,
           follow: Annotated[bool, typer.Option("--follow", "-f", help="Follow every host at once (Ctrl-C ends).")]
           = False,
-          accept_new_host_keys: AcceptOpt = False) -> None:
+          accept_new_host_keys: AcceptOpt = False, limit: LimitOpt = None) -> None:
     """The service's journal on each host, every line prefixed by its host."""
     query = logs.LogQuery(lines=lines, grep=grep, since=since, run=run, follow=follow)
     query.check()
-    loaded = _load(inventory, service)
+    loaded = _load(inventory, service, target, limit)
     stop = threading.Event()
 
     def emit(line: str) -> None:
@@ -601,9 +627,10 @@ def schema_inventory() -> None:
     sys.stdout.write(json.dumps(schema.inventory_schema(), indent=2) + "\n")
 
 
-def _router(action: str, target: str, inventory: Path, service: Path | None, as_json: bool, accept: bool) -> None:
+def _router(action: str, target: str, inventory: Path, service: Path | None, as_json: bool, accept: bool,
+            limit: str | None) -> None:
     ui = Ui(as_json)
-    loaded = _load(inventory, service)
+    loaded = _load(inventory, service, target, limit)
     report = ui.run(lambda listener: fleet.router(loaded, target, action, _options(accept_new_host_keys=accept),
                                                   listener=listener))
     ui.report(report)
@@ -613,17 +640,17 @@ def _router(action: str, target: str, inventory: Path, service: Path | None, as_
 @router_app.command("admit")
 def router_admit(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
                  service: ServiceOpt = None, as_json: JsonOpt = False,
-                 accept_new_host_keys: AcceptOpt = False) -> None:
+                 accept_new_host_keys: AcceptOpt = False, limit: LimitOpt = None) -> None:
     """Register hosts' servers in their router again and wait until it lists them healthy."""
-    _router("admit", target, inventory, service, as_json, accept_new_host_keys)
+    _router("admit", target, inventory, service, as_json, accept_new_host_keys, limit)
 
 
 @router_app.command("drain")
 def router_drain(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
                  service: ServiceOpt = None, as_json: JsonOpt = False,
-                 accept_new_host_keys: AcceptOpt = False) -> None:
+                 accept_new_host_keys: AcceptOpt = False, limit: LimitOpt = None) -> None:
     """Take hosts' servers out of their router (new requests go to the others)."""
-    _router("drain", target, inventory, service, as_json, accept_new_host_keys)
+    _router("drain", target, inventory, service, as_json, accept_new_host_keys, limit)
 
 
 InstanceOpt = Annotated[int, typer.Option("--instance", min=0, max=9, help="Sandbox number (0-9), for several.")]

@@ -7,12 +7,11 @@ because a newline in a value would inject a unit directive.
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import re
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -31,6 +30,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 from ruamel.yaml.error import YAMLError
 
+from kdeploy import patterns
 from kdeploy.errors import InvalidInput
 
 DEFAULT_INVENTORY = Path("inventory.yaml")
@@ -421,34 +421,31 @@ class Inventory:
     path: Path
     hosts: dict[str, HostConfig]
     groups: dict[str, list[str]]
+    limit: tuple[str, ...] | None = None  # ``--limit``'s patterns: every TARGET is narrowed to them
 
     @property
     def base_dir(self) -> Path:
         return self.path.parent
 
     def resolve(self, target: str | None) -> list[str]:
-        """Host names for TARGET (host | group | ``all`` | comma list), in inventory order. ``None`` (the library's
-        default) is ``all``; a blank TARGET is refused: ``kdeploy push "$UNSET"`` must not reach every host."""
-        if target is None:
-            target = "all"
-        if not target.strip():
-            raise InvalidInput(f"target {target!r} is blank: name a host, a group, `all` or a comma list")
-        wanted: set[str] = set()
-        for part in (p.strip() for p in target.split(",")):
-            if not part:
-                raise InvalidInput(f"target {target!r}: empty name in comma list")
-            if part == "all":
-                wanted.update(self.hosts)
-            elif part in self.hosts:
-                wanted.add(part)
-            elif part in self.groups:
-                wanted.update(self.groups[part])
-            else:
-                raise InvalidInput(f"target {part!r}: no such host or group{_suggest(part, self.names())}")
-        return [name for name in self.hosts if name in wanted]
+        """Host names for TARGET, a host pattern in Ansible's language (docs/inventory.md, TARGET), in inventory
+        order, narrowed by the ``--limit`` of :meth:`subset`. ``None`` (the library's default) is ``all``; a
+        blank TARGET is refused: ``kdeploy push "$UNSET"`` must not reach every host."""
+        selector = patterns.Selector(self.hosts, self.groups)
+        names = selector.select("all" if target is None else target)
+        if self.limit is not None:
+            allowed = set(selector.evaluate(self.limit, "--limit"))
+            names = [n for n in names if n in allowed]
+        return names
 
-    def names(self) -> list[str]:
-        return ["all", *self.groups, *self.hosts]
+    def subset(self, limit: str | None) -> Inventory:
+        """This inventory with every TARGET narrowed to the hosts ``limit`` names (``--limit``, as Ansible's
+        ``--limit``; ``@FILE`` reads patterns from FILE, one a line). Checked here, before any host is touched."""
+        if limit is None:
+            return self
+        parts = tuple(patterns.limit_parts(limit, lambda path: read_text(path, "--limit file", "--limit @FILE")))
+        patterns.Selector(self.hosts, self.groups).evaluate(parts, "--limit")
+        return replace(self, limit=parts)
 
     def local_path(self, value: str) -> Path:
         """Paths in the inventory (template, payload, keys) are relative to the inventory file."""
@@ -460,9 +457,7 @@ class Inventory:
         return self.local_path(payload if "/" in payload else f"kernels/{payload}")
 
 
-def _suggest(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+_suggest = patterns.suggest
 
 
 def yaml_loader() -> YAML:
@@ -510,14 +505,20 @@ def checked(document: Any, text: str, path: Path) -> CommentedMap:
 
 
 def load(path: Path | str = DEFAULT_INVENTORY, service: Path | str | None = None) -> Inventory:
-    """A kdeploy inventory, or an Ansible one (INI or YAML) with the kdeploy service file ``service``."""
+    """A kdeploy inventory, or an Ansible one (any kind: docs/inventory.md) with the kdeploy service file
+    ``service``."""
     from kdeploy import ansible  # it builds on this module
 
     path = Path(path)
+    service_path = Path(service) if service is not None else None
+    if ansible.is_source(path):
+        ansible.require_service(path, service_path)  # before a script runs
+        return ansible.load(ansible.read_source(path), service_path)
     text = read_text(path)
     fmt, document = ansible.detect(path, text)
     if fmt is not None:
-        return ansible.load(path, text, fmt, Path(service) if service is not None else None)
+        ansible.require_service(path, service_path)
+        return ansible.load(ansible.read(path, text, fmt), service_path)
     if service is not None:
         raise service_without_ansible(path)
     return parse(checked(document, text, path), path)

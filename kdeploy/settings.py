@@ -184,7 +184,8 @@ def _level(doc: CommentedMap, inv: inventory.Inventory, scope: str | None) -> Le
         if isinstance(groups.get(scope), list):  # short form `name: [h1, h2]` -> mapping with hosts
             groups[scope] = CommentedMap([("hosts", groups[scope])])
         return Level(top.child("groups", scope), f"groups.{scope}", top.shared)
-    raise InvalidInput(f"--target {scope!r}: no such host or group (scopes are a host or a group)")
+    raise InvalidInput(f"--target {scope!r}: no such host or group (--target is the host or group whose settings "
+                       "change; --limit PATTERN narrows the rollout)")
 
 
 def _shared(doc: CommentedMap) -> set[int]:
@@ -248,11 +249,13 @@ def _prune(node: CommentedMap, key: str) -> None:
 
 
 def _apply(path: Path, scope: str | None, change: Callable[[Level], None], service: Path | None = None) -> Edit:
+    if ansible.is_source(path):  # an Ansible directory or script: its service file is what is edited
+        return _apply_service(path, None, service, scope, change)
     before = inventory.read_text(path, exact=True)  # read once: the edit, its checks and its undo start from this
     text = _lf(before)
     fmt, document = ansible.detect(path, text)
     if fmt is not None:
-        return _apply_service(path, text, fmt, service, scope, change)
+        return _apply_service(path, (text, fmt), service, scope, change)
     if service is not None:
         raise inventory.service_without_ansible(path)
     original = inventory.checked(document, text, path)
@@ -265,21 +268,22 @@ def _apply(path: Path, scope: str | None, change: Callable[[Level], None], servi
     return Edit(path, before, after, level.name, old, new, tuple(diff(original, doc)))
 
 
-def _apply_service(path: Path, text: str, fmt: ansible.Format, service: Path | None, scope: str | None,
+def _apply_service(path: Path, file: tuple[str, ansible.Format] | None, service: Path | None, scope: str | None,
                    change: Callable[[Level], None]) -> Edit:
-    """An Ansible inventory: its hosts, groups and variables stay Ansible's; the edit goes to the service file,
-    the defaults level of every host."""
+    """An Ansible inventory (``file``: its text and format; None for a directory or script): its hosts, groups
+    and variables stay Ansible's; the edit goes to the service file, the defaults level of every host."""
     if scope is not None:
         raise InvalidInput(f"--target {scope}: {path} is an Ansible inventory: set-env/set edit its service file, "
                            "for all hosts; per host or group, set kdeploy_service in Ansible's variables")
     service = ansible.require_service(path, service)
     before = inventory.read_text(service, *ansible.SERVICE_FILE, exact=True)
-    old = ansible.load(path, text, fmt, service, _lf(before))
+    found = ansible.read(path, *file) if file else ansible.read_source(path)  # once: a script runs once
+    old = ansible.load(found, service, _lf(before))
     original = inventory.parse_yaml(_lf(before), service)
     doc = inventory.parse_yaml(_lf(before), service)
     change(Level(doc, "defaults", _shared(doc)))
     after, _ = _write_out(doc, before)
-    new = ansible.load(path, text, fmt, service, _lf(after))
+    new = ansible.load(found, service, _lf(after))
     return Edit(service, before, after, "defaults", old, new, tuple(diff(original, doc)))
 
 

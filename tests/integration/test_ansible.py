@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from ruamel.yaml import YAML
@@ -27,9 +28,9 @@ def test_push_and_status_through_an_ansible_inventory(deployment: Deployment, tm
     with service.open("w") as fh:
         YAML().dump(defaults, fh)  # the service block and what else kdeploy needs (known_hosts or ssh_config)
 
-    def run(*args: str) -> tuple[int, dict]:
+    def run(*args: str, target: str = "prod", source: str = str(hosts_ini)) -> tuple[int, dict]:
         capsys.readouterr()
-        code = cli.main([*args, "prod", "-i", str(hosts_ini), "--service", str(service), "--json"])
+        code = cli.main([*args, target, "-i", source, "--service", str(service), "--json"])
         return code, json.loads(capsys.readouterr().out)
 
     code, pushed = run("push")
@@ -39,3 +40,18 @@ def test_push_and_status_through_an_ansible_inventory(deployment: Deployment, tm
     code, status = run("status")
     assert code == 0, status
     assert status["hosts"][0]["release"] == pushed["hosts"][0]["release"]
+
+    # The same host from a dynamic inventory script in an inventory directory, selected by a pattern and --limit.
+    listing = {"gpu": [host], "prod": {"children": ["gpu"]},
+               "_meta": {"hostvars": {host: dict(v.split("=", 1) for v in variables)}}}
+    inv = tmp_path / "inventories"
+    inv.mkdir()
+    (inv / "cloud.py").write_text(f"#!{sys.executable}\nprint({json.dumps(json.dumps(listing))})\n")
+    (inv / "cloud.py").chmod(0o755)
+    source = ["-i", str(inv), "--service", str(service), "--limit", f"{host[:-1]}*"]
+    capsys.readouterr()
+    assert cli.main(["status", "prod:&gpu:!nohost", *source]) == 2  # a typo in an exclusion: refused, no host
+    assert capsys.readouterr().err.startswith("kdeploy: target 'nohost': no such host or group")
+    code, status = run("status", "--limit", f"{host[:-1]}*", target="prod:&gpu", source=str(inv))
+    assert code == 0, status
+    assert [(h["host"], h["release"]) for h in status["hosts"]] == [(host, pushed["hosts"][0]["release"])]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import cli, inventory, settings
+from kdeploy import ansible, cli, inventory, settings
 from kdeploy.errors import InvalidInput
 
 REPO = Path(__file__).resolve().parents[2]
@@ -337,3 +337,238 @@ def test_yaml_hosts_keep_the_order_they_are_written_in(tmp_path):
     yml = ("all:\n  children:\n    gpu:\n      hosts:\n        a1:\n        a2:\n      children:\n"
            "        sub:\n          hosts:\n            b1:\n")
     assert list(inventory.load(*write(tmp_path, "hosts.yml", yml)).hosts) == ["a1", "a2", "b1"]
+
+
+# -- dynamic and directory inventories: every kind ansible-inventory reads, kdeploy resolves the same ----------
+
+def ansible_env(home: Path) -> dict[str, str]:
+    home.mkdir(exist_ok=True)
+    (home / "ansible.cfg").write_text("")
+    return {"ANSIBLE_HOME": str(home), "ANSIBLE_LOCAL_TEMP": str(home / "tmp"),
+            "ANSIBLE_CONFIG": str(home / "ansible.cfg")}
+
+
+def ansible_list(source: str, tmp: Path, *extra: str) -> dict:
+    """``ansible-inventory -i SOURCE --list`` (any source: a directory, a script, a host list), run in an empty
+    directory: ansible-inventory also reads the group_vars/ of the current directory, as a playbook's."""
+    cwd = tmp / "cwd"
+    cwd.mkdir(exist_ok=True)
+    env = {**os.environ, **ansible_env(tmp / ".ansible"), "ANSIBLE_INVENTORY_UNPARSED_FAILED": "true"}
+    done = subprocess.run([str(Path(sys.executable).with_name("ansible-inventory")), "-i", source, "--list", *extra],
+                          capture_output=True, text=True, env=env, cwd=cwd, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def read_any(path: Path) -> ansible.AnsibleInventory:
+    if ansible.is_source(path):
+        return ansible.read_source(path)
+    text = path.read_text()
+    fmt, _ = ansible.detect(path, text)
+    assert fmt is not None
+    return ansible.read(path, text, fmt)
+
+
+def assert_resolves_as_ansible(path: Path, service: Path, listing: dict) -> inventory.Inventory:
+    """kdeploy's hosts, each group's hosts and children, and each host's variables are ansible-inventory's."""
+    found, loaded = read_any(path), inventory.load(path, service)
+    assert loaded.hosts and set(loaded.hosts) == members(listing, "all")
+    for group, entry in listing.items():
+        if group == "_meta":
+            continue
+        assert set(found.groups[group].hosts) == set(entry.get("hosts", [])), group
+        assert set(found.groups[group].children) == set(entry.get("children", [])), group
+        if group != "all":
+            assert set(loaded.groups[group]) == members(listing, group), group
+    assert all(not g.hosts and not g.children for n, g in found.groups.items() if n not in listing)
+    hostvars = listing["_meta"]["hostvars"]
+    for host in loaded.hosts:
+        assert found.host_vars(host) == hostvars.get(host, {}), host
+    return loaded
+
+
+# 200 hosts in 12 groups: rack01-rack10 (20 hosts each, gpu001 in rack10 too), h100 and a100 over them;
+# variables at every level, a group priority, a host in two groups, and a group_vars file beside the script.
+SCRIPT_200 = """\
+import json, sys
+hosts = [f"gpu{n:03d}" for n in range(1, 201)]
+groups = {f"rack{r:02d}": {"hosts": hosts[(r - 1) * 20:r * 20], "vars": {"ansible_port": 2200 + r}}
+          for r in range(1, 11)}
+groups["rack10"]["hosts"].append("gpu001")
+groups["h100"] = {"children": [f"rack{r:02d}" for r in range(1, 6)],
+                  "vars": {"ansible_user": "h100", "kdeploy_service": {"sglang": {"tp": 8}}}}
+groups["a100"] = {"children": [f"rack{r:02d}" for r in range(6, 11)],
+                  "vars": {"ansible_user": "a100", "ansible_group_priority": 5}}
+groups["all"] = {"vars": {"ansible_ssh_private_key_file": "/keys/fleet", "region": "eu"}}
+hostvars = {h: {"ansible_host": f"10.1.{i // 200}.{i % 200 + 1}", "rack_slot": i % 20} for i, h in enumerate(hosts)}
+hostvars["gpu007"]["ansible_user"] = "special"
+hostvars["gpu150"]["kdeploy_connect_timeout"] = 3
+if sys.argv[1:] == ["--list"]:
+    print(json.dumps({**groups, "_meta": {"hostvars": hostvars}}))
+else:
+    print("{}")
+"""
+
+
+def script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text(f"#!{sys.executable}\n{body}")
+    path.chmod(0o755)
+    return path
+
+
+def test_a_dynamic_script_of_200_hosts_resolves_as_ansible_inventory(tmp_path):
+    """The done-when of issue 26: hosts, groups and variables of an executable script are ansible-inventory's."""
+    path, service = write(tmp_path, "fleet.py", "", {"group_vars/rack03.yml": "ansible_user: rack03\n"})
+    script(tmp_path, "fleet.py", SCRIPT_200)
+    listing = ansible_list(str(path), tmp_path)
+    loaded = assert_resolves_as_ansible(path, service, listing)
+    assert len(loaded.hosts) == 200 and len([g for g in loaded.groups if g != "ungrouped"]) == 12
+    gpu001, gpu007, gpu041, gpu150 = (loaded.hosts[h] for h in ("gpu001", "gpu007", "gpu041", "gpu150"))
+    assert (gpu001.address, gpu001.port, gpu001.user) == ("10.1.0.1", 2210, "a100")  # rack10 > rack01; priority
+    assert (gpu007.user, gpu007.service.sglang.tp, gpu001.service.sglang.tp) == ("special", 8, 8)
+    assert (gpu041.user, gpu041.port, gpu041.identity_file) == ("rack03", 2203, "/keys/fleet")  # group_vars file
+    assert (gpu150.connect_timeout, gpu150.user, gpu150.service.sglang.tp) == (3, "a100", 1)
+    assert loaded.resolve("h100:&rack0[4:5]:!gpu07*") == [f"gpu{n:03d}" for n in range(61, 101) if n // 10 != 7]
+
+
+def test_a_script_without_meta_gives_each_hosts_variables_through_host(tmp_path, monkeypatch):
+    body = ("import json, sys\nif sys.argv[1] == '--list':\n"
+            "    print(json.dumps({'gpu': ['g1', 'g2'], 'edge': {'hosts': ['e1'], 'vars': {'ansible_port': 2022}}}))\n"
+            "else:\n    print(json.dumps({'ansible_host': '192.0.2.' + sys.argv[2][1:]}))\n")
+    path, service = write(tmp_path, "old.py", "")
+    script(tmp_path, "old.py", body)
+    loaded = assert_resolves_as_ansible(path, service, ansible_list(str(path), tmp_path))
+    assert [(h.address, h.port) for h in loaded.hosts.values()] == [("192.0.2.1", 22), ("192.0.2.2", 22),
+                                                                     ("192.0.2.1", 2022)]
+    monkeypatch.chdir(tmp_path)  # `-i old.py`: run from here, not looked up on PATH
+    assert list(inventory.load(Path("old.py"), service).hosts) == ["g1", "g2", "e1"]
+
+
+@pytest.mark.parametrize("export", [False, True])
+def test_ansible_inventory_list_json_file(tmp_path, export):
+    """A saved ``ansible-inventory --list`` (or ``--list --export``: group variables under the groups) reads as
+    Ansible reads the same JSON from a script; without --export, as the inventory it was made from."""
+    source, service = write(tmp_path, "precedence.ini", PRECEDENCE, VAR_FILES)
+    listing = ansible_list(str(source), tmp_path)
+    saved = tmp_path / "saved" / "fleet.json"
+    saved.parent.mkdir()
+    saved.write_text(json.dumps(ansible_list(str(source), tmp_path, *(["--export"] if export else [])), indent=1))
+    cat = script(saved.parent, "cat.py", f"print(open({str(saved)!r}).read())\n")
+    assert_resolves_as_ansible(saved, service, ansible_list(str(cat), tmp_path))
+    if not export:
+        assert_resolves_as_ansible(saved, service, listing)
+    assert inventory.load(saved, service).hosts["h2"].user == "fromfile"
+
+
+def test_an_inventory_directory_reads_as_ansible_reads_it(tmp_path):
+    """Files in sorted order (a later one's variables win), subdirectories, a script among them, ignored names
+    (hidden, .md, .cfg, .bak, ~), group_vars/ and host_vars/ of the directory."""
+    inv = tmp_path / "inv"
+    files = {
+        "inv/01-hosts.ini": "[gpu]\ng[1:3]\n[gpu:vars]\nansible_user=ini\nansible_port=2000\n",
+        "inv/02-more.yml": "all:\n  children:\n    gpu:\n      vars: {ansible_user: yaml}\n      hosts: {g4: }\n"
+                           "    edge:\n      hosts: {e1: {ansible_host: 192.0.2.9}}\n",
+        "inv/sub/05.ini": "[prod:children]\ngpu\nedge\n[edge:vars]\nansible_port=2222\n",
+        "inv/README.md": "[broken\n", "inv/.hidden": "[broken\n", "inv/old.cfg": "[broken\n",
+        "inv/hosts.bak": "[broken\n", "inv/hosts~": "[broken\n",
+        "inv/group_vars/all.yml": "region: eu\n", "inv/group_vars/gpu/main.yml": "tier: gpu\nansible_port: 2001\n",
+        "inv/host_vars/g2.yml": "ansible_user: g2file\n",
+    }
+    _, service = write(tmp_path, "unused.ini", "", files)
+    script(inv, "03-cloud", "import json\nprint(json.dumps({'gpu': {'hosts': ['c1']}, '_meta': {'hostvars': "
+                            "{'c1': {'ansible_host': '198.51.100.1'}}}}))\n")
+    loaded = assert_resolves_as_ansible(inv, service, ansible_list(str(inv), tmp_path))
+    assert list(loaded.hosts) == ["g1", "g2", "g3", "g4", "e1", "c1"]
+    assert [(h.user, h.port) for h in loaded.hosts.values()] == [
+        ("yaml", 2001), ("g2file", 2001), ("yaml", 2001), ("yaml", 2001), ("root", 2222), ("yaml", 2001)]
+    assert loaded.resolve("prod:!gpu") == ["e1"]
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("fleet.toml", '[gpu.hosts]\ng1 = { ansible_port = 2201 }\ng2 = {}\n[gpu.vars]\nansible_user = "toml"\n'),
+    ("layers.yml", "plugin: ansible.builtin.generator\nhosts:\n  name: '{{ role }}-{{ zone }}'\n  parents:\n"
+                   "    - name: '{{ role }}'\nlayers:\n  role: [gpu, cpu]\n  zone: [a, b]\n"),
+])
+def test_what_only_ansibles_plugins_read_comes_through_ansible_inventory(tmp_path, monkeypatch, name, text):
+    path, service = write(tmp_path, name, text)
+    for key, value in ansible_env(tmp_path / ".ansible").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    loaded = assert_resolves_as_ansible(path, service, ansible_list(str(path), tmp_path))
+    assert len(loaded.hosts) in (2, 4)
+
+
+def test_a_host_list_comes_through_ansible_inventory(tmp_path, monkeypatch):
+    _, service = write(tmp_path, "unused.ini", "")
+    for key, value in ansible_env(tmp_path / ".ansible").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    loaded = inventory.load(Path("h1,10.0.0.2:2202,"), service)
+    assert [(h.name, h.address, h.port) for h in loaded.hosts.values()] == [("h1", "h1", 22),
+                                                                           ("10.0.0.2", "10.0.0.2", 2202)]
+
+
+def test_without_ansible_inventory_a_plugin_config_is_refused_by_name(tmp_path, monkeypatch, capsys):
+    path, service = write(tmp_path, "aws_ec2.yml", "plugin: amazon.aws.aws_ec2\nregions: [eu-west-1]\n")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    assert cli.main(["render", "-i", str(path), "--service", str(service)]) == 2
+    assert capsys.readouterr().err == (
+        f"kdeploy: {path}: an inventory plugin's config is read by Ansible's inventory plugins: kdeploy runs "
+        "`ansible-inventory -i PATH --list` for it, and ansible-inventory is not installed (pip install "
+        "ansible-core)\n")
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ("import sys\nsys.stderr.write('cloud API: 403 Forbidden\\n')\nsys.exit(3)\n",
+     r"fleet\.py --list \(inventory script\): exited 3: cloud API: 403 Forbidden"),
+    ("print('Traceback? no: hosts')\n", r"fleet\.py --list \(inventory script\): its output is not JSON: "
+                                        r"Expecting value \(line 1\)"),
+    ("import time\ntime.sleep(60)\n", r"fleet\.py --list \(inventory script\): did not finish within 1 s \(killed"),
+    ("print('[1, 2]')\n", r"fleet\.py \(--list output\): an inventory's --list JSON must be an object of groups"),
+    ("print('{\"gpu\": {\"hosts\": \"g1\"}}')\n", r"fleet\.py \(--list output\): gpu\.hosts must be a list"),
+    ("print('{\"gpu\": [\"g1\"], \"_meta\": {\"hostvars\": []}}')\n", r"_meta\.hostvars must be an object"),
+])
+def test_a_bad_inventory_script_is_one_line_exit_2(tmp_path, monkeypatch, capsys, body, message):
+    path, service = write(tmp_path, "fleet.py", "")
+    script(tmp_path, "fleet.py", body)
+    monkeypatch.setenv("KDEPLOY_INVENTORY_TIMEOUT", "1")
+    assert cli.main(["render", "-i", str(path), "--service", str(service)]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"kdeploy: .*{message}.*\n", err), err
+
+
+def test_an_executable_ini_file_is_still_ini(tmp_path):
+    path, service = write(tmp_path, "hosts", "[gpu]\ng1\n")
+    path.chmod(0o755)  # copied from a share that marks everything executable: no #!, so not a script
+    assert list(inventory.load(path, service).hosts) == ["g1"]
+
+
+def test_set_env_on_an_inventory_directory_edits_the_service_file(tmp_path):
+    inv = tmp_path / "inv"
+    _, service = write(tmp_path, "unused.ini", "", {"inv/hosts.ini": "[gpu]\ng1\ng2\n"})
+    edit = settings.set_env(inv, {"KDTREE_NSPLIT": "64"}, [], None, service)
+    assert edit.path == service and set(edit.new.hosts) == {"g1", "g2"}
+    assert all(h.service.env == {"KDTREE_NSPLIT": "64"} for h in edit.new.hosts.values())
+
+
+def test_cli_set_env_on_a_directory_needs_the_service_file(tmp_path, capsys):
+    inv = tmp_path / "inv"
+    _, service = write(tmp_path, "unused.ini", "", {"inv/hosts.ini": "[gpu]\ng1\n"})
+    assert cli.main(["set-env", "X=1", "-i", str(inv), "--no-apply"]) == 2
+    assert capsys.readouterr().err.startswith(f"kdeploy: {inv}: an Ansible inventory has no kdeploy service: ")
+    assert cli.main(["set-env", "X=1", "-i", str(inv), "--service", str(service), "--no-apply"]) == 0
+    assert "X: '1'" in service.read_text()
+
+
+def test_set_env_with_a_limit_that_names_no_changed_host_writes_and_rolls_out_to_none(tmp_path, capsys):
+    """--limit narrows set-env's rollout (here to none of the changed hosts: no host is contacted); the file is
+    edited for every host, and the hosts left out are named."""
+    path, service = write(tmp_path, "hosts.ini", "[gpu]\ng1\ng2\n[edge]\ne1\n")
+    assert cli.main(["set-env", "X=1", "-i", str(path), "--service", str(service), "--limit", "gpu:&edge",
+                     "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["inventory"]["rolled_out_to"] == []
+    assert "outside --limit 'gpu:&edge', not rolled out (they drift until `kdeploy push`): g1, g2, e1" in out.err
+    assert "nothing to roll out" not in out.err and "X: '1'" in service.read_text()

@@ -466,10 +466,10 @@ def test_inventory_that_is_not_utf8(tmp_path, capsys):
     assert line.startswith(f"kdeploy: {path}:2: inventory is not UTF-8 text ("), line
 
 
-def test_directory_is_not_readable(tmp_path, capsys):
+def test_directory_is_an_ansible_inventory_directory(tmp_path, capsys):
     rc, line = render_cli(tmp_path, capsys)
     assert rc == 2
-    assert line.startswith(f"kdeploy: {tmp_path}: cannot read inventory: "), line
+    assert line.startswith(f"kdeploy: {tmp_path}: an Ansible inventory has no kdeploy service: "), line
 
 
 @pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])
