@@ -156,10 +156,13 @@ class _ProxyCommand:
         """Up to ``size`` bytes; b"" once the command closed its stdout (paramiko's own ProxyCommand waits
         out its timeout there again and again instead of seeing the end)."""
         stdout = self.process.stdout
-        ready, _, _ = select.select([stdout], [], [], self.timeout)
-        if not ready:
-            raise TimeoutError
-        return os.read(stdout.fileno(), size)  # type: ignore[union-attr]
+        try:
+            ready, _, _ = select.select([stdout], [], [], self.timeout)
+            if not ready:
+                raise TimeoutError
+            return os.read(stdout.fileno(), size)  # type: ignore[union-attr]
+        except ValueError:  # closed meanwhile (by close(), from another thread): the end
+            return b""
 
     def settimeout(self, timeout: float | None) -> None:
         self.timeout = timeout
@@ -181,12 +184,12 @@ class _ProxyCommand:
         return f"ProxyCommand {self.command!r} exited with status {status}" + (f": {said}" if said else "")
 
     def _said(self) -> str:
-        """The last line it wrote to stderr."""
+        """The last two lines it wrote to stderr (ssh -W: why, then "stdio forwarding failed")."""
         if self.errors.closed:
             return self.last_said
         self.errors.seek(0)
         lines = [line.strip() for line in self.errors.read()[-4096:].decode(errors="replace").splitlines()]
-        return next((line for line in reversed(lines) if line), "")
+        return "; ".join([line for line in lines if line][-2:])
 
     def close(self) -> None:
         if self.closed:
