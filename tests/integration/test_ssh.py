@@ -252,6 +252,36 @@ def test_host_certificates(deployment: Deployment, ca: dict[str, Path], capsys: 
         assert "\n" not in host["error"]
 
 
+def test_a_user_certificate_named_by_certificate_file_logs_in(
+        deployment: Deployment, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """sshd trusts a user CA (TrustedUserCAKeys), not the key: the key's certificate, named by CertificateFile
+    in ssh_config (not beside the key), gets in; without the config, authentication fails (exit 3)."""
+    for name in ("user_ca", "id_cert"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
+    subprocess.run(["ssh-keygen", "-q", "-s", str(tmp_path / "user_ca"), "-I", "kdeploy-test", "-n", "root",
+                    "-V", "-5m:+1h", str(tmp_path / "id_cert.pub")], check=True, capture_output=True)
+    cert = tmp_path / "certs" / "fleet-cert.pub"
+    cert.parent.mkdir()
+    (tmp_path / "id_cert-cert.pub").rename(cert)
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host *\n  CertificateFile {cert}\n")
+    fleet = deployment.fleet
+    fleet.exec("h1", ["sh", "-c", "cat > /etc/ssh/kdeploy_user_ca.pub && printf 'TrustedUserCAKeys "
+                                  "/etc/ssh/kdeploy_user_ca.pub\\n' > /etc/ssh/sshd_config.d/40-user-ca.conf && "
+                                  "systemctl reload ssh"], input=(tmp_path / "user_ca.pub").read_text())
+    try:
+        only(deployment, "h1")
+        deployment.edit(lambda doc: doc["defaults"].update(identity_file=str(tmp_path / "id_cert"),
+                                                           ssh_config=str(config)))
+        code, host = connect_only(deployment, capsys)
+        assert code == 0, host
+        code, host = connect_only(deployment, capsys, "--ssh-config", "none")
+        assert code == 3 and "SSH authentication failed" in host["error"], host
+    finally:
+        fleet.exec("h1", ["sh", "-c", "rm -f /etc/ssh/sshd_config.d/40-user-ca.conf /etc/ssh/kdeploy_user_ca.pub; "
+                                      "systemctl reload ssh"])
+
+
 @pytest.fixture
 def passphrase_key(deployment: Deployment, tmp_path: Path) -> Iterator[Path]:
     """A passphrase-protected key h1 accepts (removed from its authorized_keys afterwards)."""

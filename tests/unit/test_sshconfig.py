@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import paramiko
 import pytest
 
 from kdeploy import inventory, remote, sshconfig
@@ -307,6 +308,7 @@ PARITY = [  # (config, host, inventory user, the builtin parser supports it)
     ("main.conf", "alias-x", None, True),        # %h in HostName
     ("main.conf", "behind-1", None, True),       # a ProxyJump chain, each hop resolved itself
     ("main.conf", "piped", None, True),          # ProxyCommand with tokens
+    ("main.conf", "deep-1", None, True),         # a jump host reached by its own ProxyCommand
     ("main.conf", "gpu-3", None, True),          # a relative Include (from ~/.ssh), %d and %u
     ("main.conf", "local-1", None, True),        # Match localuser
     ("main.conf", "10.9.0.7", None, True),       # Match host on an address
@@ -341,6 +343,9 @@ def test_parity_spot_checks(corpus: Path, monkeypatch: pytest.MonkeyPatch) -> No
         "ssh -W 10.7.0.5:22 -l fallback gateway.example"
     assert by_kdeploy(main, "behind-1", None, "openssh", monkeypatch)["jumps"] == [
         ("jumper", "bastion.example", 2222), ("fallback", "inner.example", 22)]
+    loaded = inventory_with(main, "deep-1")
+    (edge,) = sshconfig.target_for(loaded, loaded.hosts["h"]).jumps
+    assert edge.proxy_command == "nc -X connect -x proxy.example:3128 edge.example 22"
     assert by_kdeploy(corpus / "exec.conf", "exec-1", None, "openssh", monkeypatch)["port"] == 7000
     (corpus / "flag").unlink()
     sshconfig.clear_cache()
@@ -490,3 +495,40 @@ def test_proxy_command_that_exits_is_one_line_unreachable_not_retried(tmp_path: 
     assert str(raised.value) == (f"h: h1 (root@h1:22): ProxyCommand '{script} h1 22' exited with status 7: "
                                  "no route to h1 port 22")
     assert count.read_text() == "run\n"
+
+
+def test_user_certificates_are_offered_before_their_key(tmp_path: Path) -> None:
+    """CertificateFile and KEY-cert.pub (made by the real ssh-keygen) pair with the key they certify only."""
+    for name in ("ca", "id_a", "id_b"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
+    for name in ("id_a", "id_b"):
+        subprocess.run(["ssh-keygen", "-q", "-s", str(tmp_path / "ca"), "-I", name, "-n", "root",
+                        str(tmp_path / f"{name}.pub")], check=True, capture_output=True)
+    moved = tmp_path / "certs" / "a.cert"
+    moved.parent.mkdir()
+    (tmp_path / "id_a-cert.pub").rename(moved)  # only CertificateFile names it now
+    hop = sshconfig._hop("h", "h", {"identityfile": [str(tmp_path / "id_a")],
+                                    "certificatefile": [str(moved), str(tmp_path / "id_b-cert.pub")]},
+                         user=None, port=None, identity=(), known_hosts=(), connect_timeout=None, default_user="root")
+    keys, skipped = remote._identities(hop, None)
+    assert not skipped and len(keys) == 2
+    assert keys[0].public_blob is not None and keys[0].public_blob.key_type.endswith("-cert-v01@openssh.com")
+    assert keys[0].public_blob.key_blob == paramiko.PublicBlob.from_file(str(moved)).key_blob
+    assert keys[1].public_blob is None and keys[1].asbytes() == keys[0].asbytes()
+
+
+@pytest.mark.parametrize("resolver", [pytest.param("openssh", marks=needs_ssh), "builtin"])
+def test_kdeploy_defaults_follow_HOME_where_no_file_sets_a_value(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 resolver: str) -> None:
+    """A CI job with its own HOME writes ~/.ssh/id_ed25519 and known_hosts there: OpenSSH's defaults (from the
+    passwd home) are not taken for set values, kdeploy's own defaults (from $HOME) apply."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(sshconfig.RESOLVER_VAR, resolver)
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "id_ed25519").touch()
+    config = tmp_path / "empty"
+    config.touch()
+    hop = sshconfig.target_for(*one_host(inventory_with(config, "10.0.0.9"))).host
+    assert hop.identity_files == (tmp_path / ".ssh" / "id_ed25519",)
+    assert hop.user_known_hosts[0] == tmp_path / ".ssh" / "known_hosts"
+    assert (hop.connect_timeout, hop.keepalive, hop.keepalive_count) == (10.0, 10, 3)
