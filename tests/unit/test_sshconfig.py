@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import json
 import os
 import pwd
 import shutil
@@ -532,3 +533,20 @@ def test_kdeploy_defaults_follow_HOME_where_no_file_sets_a_value(tmp_path: Path,
     assert hop.identity_files == (tmp_path / ".ssh" / "id_ed25519",)
     assert hop.user_known_hosts[0] == tmp_path / ".ssh" / "known_hosts"
     assert (hop.connect_timeout, hop.keepalive, hop.keepalive_count) == (10.0, 10, 3)
+
+
+@needs_ssh
+@pytest.mark.parametrize("config", ["Host *\n  Bogus 1\n", "Include {dir}/config\n"])
+def test_a_config_ssh_refuses_is_exit_2_one_line_per_host_before_any_connection(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], config: str) -> None:
+    from kdeploy import cli
+    monkeypatch.setenv(sshconfig.RESOLVER_VAR, "openssh")
+    path = tmp_path / "config"
+    path.write_text(config.format(dir=tmp_path))
+    loaded = inventory_with(path, "192.0.2.1")  # TEST-NET: a connection attempt would time out, not exit 2
+    capsys.readouterr()
+    assert cli.main(["history", "all", "-i", str(loaded.path), "--json"]) == 2
+    (host_doc,) = json.loads(capsys.readouterr().out)["hosts"]
+    assert host_doc["result"] == "invalid" and "\n" not in host_doc["error"]
+    assert ("line 2: Bad configuration option: bogus" in host_doc["error"]
+            or f"{path}:1: Include loop: {path}:1 -> {path}" in host_doc["error"]), host_doc["error"]
