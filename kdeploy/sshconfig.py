@@ -115,10 +115,11 @@ def config_paths(inventory_value: str | bool | None, cli_value: str | None,
         if value is True:
             break
         return [base / Path(str(value)).expanduser()]
-    return [USER_CONFIG.expanduser(), SYSTEM_CONFIG]
+    return default_paths()
 
 
 def default_paths() -> list[Path]:
+    """What ``ssh`` reads when no file is named: the user's config, then the system's."""
     return [USER_CONFIG.expanduser(), SYSTEM_CONFIG]
 
 
@@ -411,11 +412,6 @@ def load_builtin(paths: list[Path], *, required: bool) -> tuple[paramiko.SSHConf
     return config, out.unhonoured
 
 
-def load(paths: list[Path], *, required: bool) -> paramiko.SSHConfig:
-    """The builtin parser's config for ``paths`` (see :func:`load_builtin`)."""
-    return load_builtin(paths, required=required)[0]
-
-
 def builtin_lookup(config: paramiko.SSHConfig) -> Callable[..., Options]:
     """A lookup with :meth:`OpenSSH.lookup`'s shape over paramiko's parser."""
     def lookup(name: str, user: str | None = None, port: int | None = None,
@@ -545,11 +541,9 @@ def _jump_chain(spec: str, lookup: Callable[..., Options], *, identity: tuple[Pa
     return hops
 
 
-def resolve(host: HostConfig, lookup: Callable[..., Options] | paramiko.SSHConfig, *, base_dir: Path) -> Target:
+def resolve(host: HostConfig, lookup: Callable[..., Options], *, base_dir: Path) -> Target:
     """The host's :class:`Target`: its inventory settings where set explicitly, else the config's (asked
     through ``lookup`` with the inventory's user and port, as ``ssh -l -p``)."""
-    if isinstance(lookup, paramiko.SSHConfig):
-        lookup = builtin_lookup(lookup)
     explicit = host.model_fields_set
     identity = _paths(host.identity_file, base_dir) if "identity_file" in explicit else ()
     known = _paths(host.known_hosts, base_dir) if "known_hosts" in explicit else ()

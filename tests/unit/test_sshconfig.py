@@ -13,7 +13,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -57,14 +57,19 @@ def host(**values: object) -> inventory.HostConfig:
     return inventory.HostConfig.model_validate({"name": "h", "address": "gpu-1", "service": service, **values})
 
 
+def load(paths: list[Path], *, required: bool) -> Callable[..., sshconfig.Options]:
+    """The builtin parser's lookup over ``paths``."""
+    return sshconfig.builtin_lookup(sshconfig.load_builtin(paths, required=required)[0])
+
+
 @pytest.fixture
-def config(tmp_path: Path) -> sshconfig.paramiko.SSHConfig:
+def config(tmp_path: Path) -> Callable[..., sshconfig.Options]:
     path = tmp_path / "config"
     path.write_text(CONFIG)
-    return sshconfig.load([path], required=True)
+    return load([path], required=True)
 
 
-def test_alias_gets_every_setting_from_ssh_config(config: sshconfig.paramiko.SSHConfig) -> None:
+def test_alias_gets_every_setting_from_ssh_config(config: Callable[..., sshconfig.Options]) -> None:
     target = sshconfig.resolve(host(), config, base_dir=Path("/inv"))
     hop = target.host
     assert (hop.hostname, hop.user, hop.port) == ("10.1.0.1", "deployer", 2222)
@@ -79,7 +84,7 @@ def test_alias_gets_every_setting_from_ssh_config(config: sshconfig.paramiko.SSH
     assert not target.notes
 
 
-def test_explicit_inventory_values_win_over_ssh_config(config: sshconfig.paramiko.SSHConfig) -> None:
+def test_explicit_inventory_values_win_over_ssh_config(config: Callable[..., sshconfig.Options]) -> None:
     target = sshconfig.resolve(host(user="root", port=22, identity_file="keys/id", known_hosts="kh",
                                     connect_timeout=9, proxy_jump="none"), config, base_dir=Path("/inv"))
     hop = target.host
@@ -89,7 +94,7 @@ def test_explicit_inventory_values_win_over_ssh_config(config: sshconfig.paramik
 
 
 def test_kdeploy_defaults_when_neither_sets_a_value(tmp_path: Path) -> None:
-    empty = sshconfig.load([], required=False)
+    empty = load([], required=False)
     target = sshconfig.resolve(host(address="10.2.0.1"), empty, base_dir=tmp_path)
     hop = target.host
     assert (hop.hostname, hop.user, hop.port, hop.connect_timeout) == ("10.2.0.1", "root", 22, 10.0)
@@ -99,13 +104,13 @@ def test_kdeploy_defaults_when_neither_sets_a_value(tmp_path: Path) -> None:
     assert sshconfig.resolve(host(address="::1", port=2222), empty, base_dir=tmp_path).host.where == "root@[::1]:2222"
 
 
-def test_match_host_and_proxy_jump_chain_from_the_inventory(config: sshconfig.paramiko.SSHConfig) -> None:
+def test_match_host_and_proxy_jump_chain_from_the_inventory(config: Callable[..., sshconfig.Options]) -> None:
     target = sshconfig.resolve(host(address="10.9.0.3", proxy_jump="a@j1:2201,[j2]"), config, base_dir=Path("/"))
     assert target.host.user == "matched"
     assert [(j.user, j.hostname, j.port) for j in target.jumps] == [("a", "j1", 2201), ("fallback", "j2", 22)]
 
 
-def test_strict_host_key_checking_no_is_overridden_and_said(config: sshconfig.paramiko.SSHConfig) -> None:
+def test_strict_host_key_checking_no_is_overridden_and_said(config: Callable[..., sshconfig.Options]) -> None:
     (note,) = sshconfig.resolve(host(address="lax"), config, base_dir=Path("/")).notes
     assert "StrictHostKeyChecking no" in note and "verifies host keys anyway" in note
 
@@ -114,16 +119,16 @@ def test_bad_values_are_one_line_invalid_input(tmp_path: Path) -> None:
     path = tmp_path / "config"
     path.write_text("Host *\n  User x\nMatch exec \"true\"\n  User y\n")
     with pytest.raises(InvalidInput, match=r"config:3: `Match exec` is not supported"):
-        sshconfig.load([path], required=True)
+        load([path], required=True)
     with pytest.raises(InvalidInput, match="not found"):
-        sshconfig.load([tmp_path / "missing"], required=True)
-    assert sshconfig.load([tmp_path / "missing"], required=False).get_hostnames() == set()
+        load([tmp_path / "missing"], required=True)
+    assert load([tmp_path / "missing"], required=False)("h") == {"hostname": ["h"]}
     for spec in ("a@", "h:99999", "h:x"):
         with pytest.raises(InvalidInput, match="proxy_jump"):
             sshconfig.parse_jumps(spec)
     path.write_text("Host *\n  Port many\n")
     with pytest.raises(InvalidInput, match="h: port 'many' is not a number"):
-        sshconfig.resolve(host(), sshconfig.load([path], required=True), base_dir=tmp_path)
+        sshconfig.resolve(host(), load([path], required=True), base_dir=tmp_path)
 
 
 def test_config_file_precedence() -> None:
