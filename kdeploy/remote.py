@@ -130,7 +130,7 @@ def _socket(address: str, port: int, timeout: float, user_timeout: float) -> soc
 class _ProxyCommand:
     """A ProxyCommand used as the connection's socket: run as OpenSSH runs it (``$SHELL -c 'exec CMD'``), what
     is sent goes to its stdin, what it prints is what the host sent. Its stderr goes to a file whose last
-    line says why it ended. It runs in its own session (a Ctrl-C at the terminal reaches kdeploy, which
+    lines say why it ended. It runs in its own session (a Ctrl-C at the terminal reaches kdeploy, which
     closes connections in order) and ends when the connection is closed, or when kdeploy exits (EOF)."""
 
     def __init__(self, command: str) -> None:
@@ -161,7 +161,7 @@ class _ProxyCommand:
             if not ready:
                 raise TimeoutError
             return os.read(stdout.fileno(), size)  # type: ignore[union-attr]
-        except ValueError:  # closed meanwhile (by close(), from another thread): the end
+        except (ValueError, OSError):  # closed meanwhile (by close(), from another thread): the end
             return b""
 
     def settimeout(self, timeout: float | None) -> None:
