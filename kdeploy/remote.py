@@ -138,6 +138,7 @@ class _ProxyCommand:
         self.errors = tempfile.TemporaryFile()  # noqa: SIM115 (open as long as the command runs: close())
         self.timeout: float | None = None
         self.closed = False
+        self.ended = False  # it closed its stdout by itself
         self.last_said = ""
         try:
             self.process = subprocess.Popen([os.environ.get("SHELL") or "/bin/sh", "-c", f"exec {command}"],
@@ -158,11 +159,14 @@ class _ProxyCommand:
         stdout = self.process.stdout
         try:
             ready, _, _ = select.select([stdout], [], [], self.timeout)
-            if not ready:
-                raise TimeoutError
-            return os.read(stdout.fileno(), size)  # type: ignore[union-attr]
+            data = os.read(stdout.fileno(), size) if ready else None  # type: ignore[union-attr]
         except (ValueError, OSError):  # closed meanwhile (by close(), from another thread): the end
             return b""
+        if data is None:
+            raise TimeoutError
+        if not data:
+            self.ended = True
+        return data
 
     def settimeout(self, timeout: float | None) -> None:
         self.timeout = timeout
@@ -175,9 +179,11 @@ class _ProxyCommand:
         return self.closed
 
     def failure(self) -> str | None:
-        """Why the command ended (one line), or None while it runs."""
+        """Why the command ended by itself (one line), or None when it did not (it runs, or was closed)."""
+        if not self.ended:
+            return None
         try:
-            status = self.process.wait(0.5)
+            status = self.process.wait(2)
         except subprocess.TimeoutExpired:
             return None
         said = self._said()
@@ -198,6 +204,9 @@ class _ProxyCommand:
         for pipe in (self.process.stdin, self.process.stdout):
             with contextlib.suppress(OSError):
                 pipe.close()  # type: ignore[union-attr]
+        if self.ended:  # it closed its stdout: let it exit by itself, with its own status
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(2)
         with contextlib.suppress(OSError):
             self.process.send_signal(signal.SIGTERM)
         try:
