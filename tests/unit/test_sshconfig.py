@@ -378,6 +378,12 @@ def test_the_default_user_applies_only_where_no_config_sets_one(corpus: Path) ->
     resolver = sshconfig.OpenSSH(ssh, [corpus / "main.conf"])
     assert resolver.lookup("web-1", default_user="svc-deployer")["user"] == ["web"]
     assert resolver.lookup("web-1", "ops", default_user="svc-deployer")["user"] == ["ops"]
+    # with ssh's own files (~/.ssh/config + /etc/ssh/ssh_config), everything but the user is as `ssh -G` says
+    plain = sshconfig.without_defaults(ssh_g(None, "gpu-default.example"), resolver._defaults())
+    wrapped = sshconfig.OpenSSH(ssh, sshconfig.default_paths()).lookup("gpu-default.example",
+                                                                       default_user="svc-deployer")
+    assert wrapped["user"] == (plain["user"] if plain["user"] != [LOCAL_USER] else ["svc-deployer"])
+    assert {k: v for k, v in wrapped.items() if k != "user"} == {k: v for k, v in plain.items() if k != "user"}
 
 
 @needs_ssh
