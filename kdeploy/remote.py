@@ -138,7 +138,8 @@ class _ProxyCommand:
         self.errors = tempfile.TemporaryFile()  # noqa: SIM115 (open as long as the command runs: close())
         self.timeout: float | None = None
         self.closed = False
-        self.ended = False  # it closed its stdout by itself
+        self.ended = False  # it closed its stdout or stdin by itself
+        self.terminated = False  # kdeploy ended it
         self.last_said = ""
         try:
             self.process = subprocess.Popen([os.environ.get("SHELL") or "/bin/sh", "-c", f"exec {command}"],
@@ -151,7 +152,11 @@ class _ProxyCommand:
     def send(self, data: bytes) -> int:
         if self.closed:
             raise OSError(errno.EPIPE, "ProxyCommand closed")
-        return os.write(self.process.stdin.fileno(), data)  # type: ignore[union-attr]
+        try:
+            return os.write(self.process.stdin.fileno(), data)  # type: ignore[union-attr]
+        except BrokenPipeError:  # it closed its stdin: it is ending by itself
+            self.ended = True
+            raise
 
     def recv(self, size: int) -> bytes:
         """Up to ``size`` bytes; b"" once the command closed its stdout (paramiko's own ProxyCommand waits
@@ -179,11 +184,11 @@ class _ProxyCommand:
         return self.closed
 
     def failure(self) -> str | None:
-        """Why the command ended by itself (one line), or None when it did not (it runs, or was closed)."""
-        if not self.ended:
+        """Why the command ended by itself (one line), or None when it did not (it runs, or kdeploy ended it)."""
+        if self.terminated:
             return None
         try:
-            status = self.process.wait(2)
+            status = self.process.wait(2 if self.ended else 0.2)
         except subprocess.TimeoutExpired:
             return None
         said = self._said()
@@ -204,16 +209,18 @@ class _ProxyCommand:
         for pipe in (self.process.stdin, self.process.stdout):
             with contextlib.suppress(OSError):
                 pipe.close()  # type: ignore[union-attr]
-        if self.ended:  # it closed its stdout: let it exit by itself, with its own status
+        if self.ended:  # it closed its stdout or stdin: let it exit by itself, with its own status
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(2)
-        with contextlib.suppress(OSError):
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(2)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process.poll() is None:
+            self.terminated = True
+            with contextlib.suppress(OSError):
+                self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(2)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
         self.last_said = self._said()
         self.errors.close()
 

@@ -225,8 +225,8 @@ class OpenSSH:
         if user is None and default_user is not None and default_user != _local_user():
             config, wrapper = [Path("/dev/stdin")], self.wrapper(default_user)
         command = ssh_g_command(self.ssh, name, config, user=user, port=port)
-        return _memo((tuple(command), wrapper, stamp(self.paths)),
-                     lambda: without_defaults(self._run(command, name, wrapper), self._defaults()))
+        return _memo((tuple(command), wrapper, stamp(self.paths)), lambda: expand_options(
+            without_defaults(self._run(command, name, wrapper), self._defaults()), name))
 
     def _run(self, command: list[str], name: str, config_text: str | None = None) -> Options:
         try:
@@ -316,6 +316,22 @@ def proxy_tokens(command: str, *, host: str, original: str, user: str, port: int
     """ProxyCommand's tokens, as OpenSSH expands them when it runs it."""
     tokens = {"%": "%", "h": host, "n": original, "p": str(port), "r": user}
     return re.sub(r"%(.)", lambda m: tokens.get(m.group(1), m.group(0)), command)
+
+
+def expand_options(options: Options, name: str) -> Options:
+    """``ssh -G`` prints IdentityFile, CertificateFile and ProxyCommand as written: expanded here as ssh
+    expands them when it uses them (with the final host name, user and port, which ``ssh -G`` prints)."""
+    where = {"host": _one(options, "hostname") or name, "original": name, "user": _one(options, "user") or "",
+             "port": int(_one(options, "port") or DEFAULT_PORT)}
+    out = dict(options)
+    for key in ("identityfile", "certificatefile"):
+        if key in out:
+            out[key] = [v if v.lower() == "none" else expand_tokens(v.strip('"'), **where,
+                                                                    alias=_one(options, "hostkeyalias"))
+                        for v in out[key]]
+    if "proxycommand" in out and out["proxycommand"][0].lower() != "none":
+        out["proxycommand"] = [proxy_tokens(out["proxycommand"][0], **where)]
+    return out
 
 
 # --- the builtin parser (no OpenSSH client) --------------------------------------------------------------
@@ -473,10 +489,8 @@ def _number(options: Options, key: str, kind: type, where: str) -> float | int |
         raise InvalidInput(f"ssh_config: {where}: {key} {value!r} is not a number") from None
 
 
-def _files(options: Options, key: str, *, name: str, hostname: str, user: str, port: int) -> tuple[Path, ...]:
-    values = [v.strip('"') for v in options.get(key, []) if v.lower() != "none"]
-    return tuple(Path(expand_tokens(v, host=hostname, original=name, user=user, port=port,
-                                    alias=_one(options, "hostkeyalias"))) for v in values)
+def _files(options: Options, key: str) -> tuple[Path, ...]:
+    return tuple(Path(v.strip('"')).expanduser() for v in options.get(key, []) if v.lower() != "none")
 
 
 def _hop(label: str, name: str, options: Options, *, user: str | None, port: int | None,
@@ -487,8 +501,7 @@ def _hop(label: str, name: str, options: Options, *, user: str | None, port: int
     cfg_port = _number(options, "port", int, label)
     hop_port = port or cfg_port or DEFAULT_PORT
     hop_user = user or _one(options, "user") or default_user
-    where = {"name": name, "hostname": hostname, "user": hop_user, "port": hop_port}
-    identities = identity or _files(options, "identityfile", **where) or tuple(
+    identities = identity or _files(options, "identityfile") or tuple(
         p for p in _paths(list(DEFAULT_IDENTITIES)) if p.exists())
     agent = _one(options, "identityagent")
     if agent is not None and agent.upper() == "SSH_AUTH_SOCK":
@@ -514,9 +527,8 @@ def _hop(label: str, name: str, options: Options, *, user: str | None, port: int
         connect_timeout=connect_timeout or timeout or DEFAULT_CONNECT_TIMEOUT,
         keepalive=DEFAULT_KEEPALIVE if keepalive is None or keepalive <= 0 else keepalive,
         keepalive_count=count or DEFAULT_KEEPALIVE_COUNT,
-        proxy_command=None if proxy is None or proxy.lower() == "none" else proxy_tokens(
-            proxy, host=hostname, original=name, user=hop_user, port=hop_port),
-        certificate_files=_files(options, "certificatefile", **where),
+        proxy_command=None if proxy is None or proxy.lower() == "none" else proxy,
+        certificate_files=_files(options, "certificatefile"),
     )
 
 

@@ -500,7 +500,7 @@ def test_proxy_command_that_exits_is_one_line_unreachable_not_retried(tmp_path: 
     script = tmp_path / "proxy"
     script.write_text(f"#!/bin/sh\necho run >> {count}\necho \"no route to $1 port $2\" >&2\nexit 7\n")
     script.chmod(0o755)
-    hop = sshconfig._hop("h1", "h1", {"proxycommand": [f"{script} %h %p"]}, user=None, port=None, identity=(),
+    hop = sshconfig._hop("h1", "h1", {"proxycommand": [f"{script} h1 22"]}, user=None, port=None, identity=(),
                          known_hosts=(tmp_path / "kh",), connect_timeout=5, default_user="root")
     with pytest.raises(Unreachable) as raised:
         remote.Remote.connect(host(address="h1"), sshconfig.Target(hop))
