@@ -53,6 +53,7 @@ HONOURED = frozenset({
     "host", "match", "include", "hostname", "user", "port", "identityfile", "identitiesonly", "identityagent",
     "certificatefile", "proxyjump", "proxycommand", "connecttimeout", "serveraliveinterval",
     "serveralivecountmax", "userknownhostsfile", "globalknownhostsfile", "hostkeyalias", "stricthostkeychecking",
+    "canonicalizehostname", "canonicaldomains", "canonicalizemaxdots", "canonicalizefallbacklocal",
 })
 # `ssh -G` prints every setting, defaults included; these are kdeploy's own defaults where ssh's apply.
 _DEFAULTED = ("identityfile", "userknownhostsfile", "globalknownhostsfile", "connecttimeout",
