@@ -381,6 +381,7 @@ def _read(path: Path, base: Path, stack: tuple[tuple[Path, int], ...], out: _Rea
         if keyword != "include":
             out.lines.append(line)
             continue
+        start = len(out.lines)
         for pattern in words[1:]:
             expanded = Path(os.path.expanduser(pattern))
             for found in sorted(glob.glob(str(expanded if expanded.is_absolute() else base / expanded))):
@@ -395,6 +396,10 @@ def _read(path: Path, base: Path, stack: tuple[tuple[Path, int], ...], out: _Rea
                 if len(chain) > 16:
                     raise InvalidInput(f"ssh_config {path}:{number}: more than 16 nested Includes")
                 _read(included, base, tuple(chain), out)
+        if header != "Host *" and any(_words(x)[:1] and _words(x)[0].lower() in ("host", "match")
+                                      for x in out.lines[start:]):  # OpenSSH: only where the enclosing block matches
+            out.unhonoured.setdefault("An Include inside a Host/Match block whose file has Host/Match blocks "
+                                      "(they apply unconditionally here)", f"{path}:{number}")
         out.lines.append(header)
 
 
@@ -405,7 +410,7 @@ def find_include_loop(paths: list[Path]) -> str | None:
             if path.is_file():
                 _read(path, _include_base(path), (), _Read())
     except InvalidInput as exc:
-        return str(exc)
+        return str(exc) if "Include" in str(exc) else None
     except OSError:
         return None
     return None
