@@ -11,11 +11,17 @@ long-running commands (the lock holder, the exit watcher) are handed out as :cla
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import logging
+import os
 import random
+import select
 import shlex
+import signal
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -94,7 +100,7 @@ class _Transport(paramiko.Transport):
         return super().preferred_keys
 
 
-def _new_transport(sock: socket.socket | _Tunnel) -> _Transport:
+def _new_transport(sock: socket.socket | _Tunnel | _ProxyCommand) -> _Transport:
     transport = _Transport(sock)
     options = transport.get_security_options()
     options.ciphers = PREFERRED_CIPHERS + tuple(c for c in options.ciphers if c not in PREFERRED_CIPHERS)
@@ -122,6 +128,112 @@ def _socket(address: str, port: int, timeout: float, user_timeout: float) -> soc
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
     return sock
+
+
+class _ProxyCommand:
+    """A ProxyCommand used as the connection's socket: run as OpenSSH runs it (``$SHELL -c 'exec CMD'``), what
+    is sent goes to its stdin, what it prints is what the host sent. Its stderr goes to a file whose last
+    lines say why it ended. It runs in its own session (a Ctrl-C at the terminal reaches kdeploy, which
+    closes connections in order) and ends when the connection is closed, or when kdeploy exits (EOF)."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+        self.errors = tempfile.TemporaryFile()  # noqa: SIM115 (open as long as the command runs: close())
+        self.timeout: float | None = None
+        self.closed = False
+        self.ended = False  # it closed its stdout or stdin by itself
+        self.terminated = False  # kdeploy ended it
+        self.last_said = ""
+        try:
+            self.process = subprocess.Popen([os.environ.get("SHELL") or "/bin/sh", "-c", f"exec {command}"],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors,
+                                            bufsize=0, start_new_session=True)
+        except OSError as exc:
+            self.errors.close()
+            raise Unreachable(f"ProxyCommand {command!r} could not start: {exc.strerror}") from None
+
+    def send(self, data: bytes) -> int:
+        if self.closed:
+            raise OSError(errno.EPIPE, "ProxyCommand closed")
+        try:
+            return os.write(self.process.stdin.fileno(), data)  # type: ignore[union-attr]
+        except BrokenPipeError:  # it closed its stdin: it is ending by itself
+            self.ended = True
+            raise
+
+    def recv(self, size: int) -> bytes:
+        """Up to ``size`` bytes; b"" once the command closed its stdout (paramiko's own ProxyCommand waits
+        out its timeout there again and again instead of seeing the end)."""
+        stdout = self.process.stdout
+        try:
+            ready, _, _ = select.select([stdout], [], [], self.timeout)
+            data = os.read(stdout.fileno(), size) if ready else None  # type: ignore[union-attr]
+        except (ValueError, OSError):  # closed meanwhile (by close(), from another thread): the end
+            return b""
+        if data is None:
+            raise TimeoutError
+        if not data:
+            self.ended = True
+        return data
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.timeout = timeout
+
+    def gettimeout(self) -> float | None:
+        return self.timeout
+
+    @property
+    def _closed(self) -> bool:  # paramiko's Transport reads it like socket._closed
+        return self.closed
+
+    def failure(self) -> str | None:
+        """Why the command ended by itself (one line), or None when it did not (it runs, or kdeploy ended it)."""
+        if self.terminated:
+            return None
+        try:
+            status = self.process.wait(2 if self.ended else 0.2)
+        except subprocess.TimeoutExpired:
+            return None
+        said = self._said()
+        return f"ProxyCommand {self.command!r} exited with status {status}" + (f": {said}" if said else "")
+
+    def _said(self) -> str:
+        """The last two lines it wrote to stderr (ssh -W: why, then "stdio forwarding failed")."""
+        if self.errors.closed:
+            return self.last_said
+        self.errors.seek(0)
+        lines = [line.strip() for line in self.errors.read()[-4096:].decode(errors="replace").splitlines()]
+        return "; ".join([line for line in lines if line][-2:])
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for pipe in (self.process.stdin, self.process.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()  # type: ignore[union-attr]
+        if self.ended:  # it closed its stdout or stdin: let it exit by itself, with its own status
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(2)
+        if self.process.poll() is None:
+            self.terminated = True
+            with contextlib.suppress(OSError):
+                self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(2)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.last_said = self._said()
+        self.errors.close()
+
+
+def _opener(hop: Hop) -> Callable[[], socket.socket | _ProxyCommand]:
+    """How the first hop is reached: its ProxyCommand, else a TCP connection."""
+    if hop.proxy_command is not None:
+        command = hop.proxy_command
+        return lambda: _ProxyCommand(command)
+    return lambda: _socket(hop.hostname, hop.port, hop.connect_timeout, _user_timeout(hop))
 
 
 def _retrying(attempt: Callable[[], _T], *, window: float = RETRY_WINDOW,
@@ -210,7 +322,8 @@ def _identities(hop: Hop, agent: _Agent | None) -> tuple[list[paramiko.PKey], li
             if public in in_agent:
                 continue
         try:
-            files.append(_private_key(path))
+            key = _private_key(path)
+            files += [*_certified(key, path, hop), key]
         except (paramiko.PasswordRequiredException, TypeError) as exc:  # never prompt: a deploy is unattended
             # (cryptography raises TypeError for an OpenSSH-format key that needs a passphrase)
             if isinstance(exc, TypeError) and "password" not in str(exc):
@@ -226,6 +339,23 @@ def _identities(hop: Hop, agent: _Agent | None) -> tuple[list[paramiko.PKey], li
 
 
 _KEYS: FileCache[paramiko.PKey] = FileCache()
+
+
+def _certified(key: paramiko.PKey, path: Path, hop: Hop) -> list[paramiko.PKey]:
+    """``key`` with each user certificate issued for it (``CertificateFile``s, ``PATH-cert.pub``), offered
+    before the plain key as OpenSSH does; a certificate for another key is passed over."""
+    out = []
+    for cert in dict.fromkeys((*hop.certificate_files, Path(f"{path}-cert.pub"))):
+        try:
+            blob = paramiko.PublicBlob.from_file(str(cert))
+            if knownhosts.hostcert.parse(blob.key_blob).public_key != key.asbytes():
+                continue
+        except (OSError, ValueError, paramiko.SSHException):
+            continue
+        certified = copy.copy(key)  # the cached key stays plain
+        certified.public_blob = blob
+        out.append(certified)
+    return out
 
 
 def _private_key(path: Path) -> paramiko.PKey:
@@ -261,7 +391,7 @@ def _authenticate(transport: paramiko.Transport, hop: Hop) -> None:
                       f"{'; ' + '; '.join(skipped) if skipped else ''})")
 
 
-def _handshake(hop: Hop, open_sock: Callable[[], socket.socket | _Tunnel],
+def _handshake(hop: Hop, open_sock: Callable[[], socket.socket | _Tunnel | _ProxyCommand],
                accept_new: bool) -> tuple[paramiko.Transport, str | None, list[str]]:
     """Connect (retrying transient failures), verify the host key, authenticate: (transport, newly recorded
     key, failed attempts). Unreachable names the hop."""
@@ -278,7 +408,12 @@ def _handshake(hop: Hop, open_sock: Callable[[], socket.socket | _Tunnel],
         try:
             try:
                 transport.start_client(timeout=hop.connect_timeout)
-            except (EOFError, ConnectionResetError) as exc:
+            except (EOFError, ConnectionResetError, paramiko.SSHException) as exc:
+                ended = sock.failure() if isinstance(sock, _ProxyCommand) else None
+                if ended is not None:  # not retried: the command decided, and it may do anything
+                    raise Unreachable(ended) from None
+                if isinstance(exc, paramiko.SSHException):
+                    raise
                 raise _Transient(f"connection closed during the SSH handshake ({exc or type(exc).__name__})") \
                     from None
             recorded = _check_host_key(transport, hop, entries, name, accept_new)
@@ -317,8 +452,8 @@ class _JumpPool:
             if held and held[0].is_active():
                 return held[0]
             hop = chain[-1]
-            opener = (lambda: _socket(hop.hostname, hop.port, hop.connect_timeout, _user_timeout(hop))) \
-                if len(chain) == 1 else _channel_opener(self.transport(chain[:-1], accept_new), hop)
+            opener = _opener(hop) if len(chain) == 1 else _channel_opener(self.transport(chain[:-1], accept_new),
+                                                                          hop)
             transport, _, _ = _handshake(hop, opener, accept_new)
             held[:] = [transport]
             return transport
@@ -497,8 +632,7 @@ class Remote:
                 via = _JUMPS.transport(target.jumps, accept_new_host_keys)
                 opener = _channel_opener(via, hop)
             else:
-                def opener() -> socket.socket:
-                    return _socket(hop.hostname, hop.port, hop.connect_timeout, _user_timeout(hop))
+                opener = _opener(hop)
             transport, recorded, failures = _handshake(hop, opener, accept_new_host_keys)
         except Unreachable as exc:
             raise Unreachable(f"{host.name}: {exc}" if not str(exc).startswith(f"{host.name} ") else str(exc)) \
@@ -509,6 +643,9 @@ class Remote:
         """The connect phase's detail: where, through which hops, after which retries, new keys."""
         hop = self.target.host
         text = hop.where + "".join(f" via {j.where}" for j in reversed(self.target.jumps))
+        first = self.target.jumps[0] if self.target.jumps else hop
+        if first.proxy_command is not None:
+            text += f" via ProxyCommand {first.proxy_command!r}"
         if self.retries:
             text += f" (after {len(self.retries)} failed attempts: {self.retries[-1]})"
         if self.new_host_key:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import remote
+from kdeploy import remote, sshconfig
 from tests.conftest import Deployment
 
 pytestmark = pytest.mark.hosts(4)
@@ -133,6 +133,63 @@ def test_a_dead_bastion_is_unreachable_naming_it(deployment: Deployment, hidden:
     assert "refused" in host["error"].lower()
 
 
+def test_hosts_reached_only_through_a_proxy_command_and_only_through_an_included_file(
+        deployment: Deployment, hidden: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """h2 and h3 answer only h1. Every setting of theirs is in a file the config Includes (by a glob): h2 is
+    reached through `ProxyCommand ssh -W %h:%p bastion` (a real OpenSSH client process), h3 through
+    `ProxyJump bastion`. Both are pushed and verified; then a ProxyCommand that exits is one line, exit 3."""
+    monkeypatch.setenv(sshconfig.RESOLVER_VAR, "openssh")
+    sshconfig.clear_cache()
+    doc = deployment.load()
+    key, known = doc.hosts["h1"].identity_file, doc.hosts["h1"].known_hosts
+    config, included = tmp_path / "ssh_config", tmp_path / "ssh_config.d"
+    included.mkdir()
+    config.write_text(f"Include {included}/*.conf\nHost *\n  User root\n  IdentityFile {key}\n"
+                      f"  IdentitiesOnly yes\n  UserKnownHostsFile {known}\n  BatchMode yes\n")
+
+    def fleet_conf(proxy_port: str) -> None:
+        (included / "10-fleet.conf").write_text(
+            f"Host bastion\n  HostName {addr(deployment, 'h1')}\n"
+            f"Host gpu-proxied\n  HostName {addr(deployment, 'h2')}\n"
+            f"  ProxyCommand ssh -F {config} -W %h:{proxy_port} bastion\n"
+            f"Host gpu-included\n  HostName {addr(deployment, 'h3')}\n  ProxyJump bastion\n")
+        sshconfig.clear_cache()
+
+    fleet_conf("%p")
+
+    def use_config(doc: dict) -> None:
+        for k in ("user", "port", "identity_file", "known_hosts"):
+            doc["defaults"].pop(k)
+        doc["defaults"]["ssh_config"] = str(config)
+        for name in ("h1", "h4"):
+            doc["hosts"].pop(name)
+        doc["hosts"]["h2"]["address"] = "gpu-proxied"
+        doc["hosts"]["h3"]["address"] = "gpu-included"
+        doc["groups"] = {"test": {"hosts": ["h2", "h3"]}}
+    deployment.edit(use_config)
+    code, pushed = deployment.json(capsys, "push", "test")
+    assert code == 0, [h["error"] for h in pushed["hosts"]]
+    details = {h["host"]: connect_detail(h) for h in pushed["hosts"]}
+    assert details["h2"] == (f"root@{addr(deployment, 'h2')}:22 via ProxyCommand "
+                             f"'ssh -F {config} -W {addr(deployment, 'h2')}:22 bastion'")
+    assert details["h3"] == f"root@{addr(deployment, 'h3')}:22 via root@{addr(deployment, 'h1')}:22"
+    code, verified = deployment.json(capsys, "verify", "test")
+    assert code == 0, [h.get("error") for h in verified["hosts"]]
+    # without the Included file the aliases lead nowhere: that file alone reached them
+    (included / "10-fleet.conf").rename(included / "10-fleet.off")
+    sshconfig.clear_cache()
+    code, _ = deployment.json(capsys, "history", "test")
+    assert code == 3
+    # a ProxyCommand that exits (ssh -W to a closed port): one line naming it and what it said, exit 3
+    fleet_conf("2")
+    code, doc_ = deployment.json(capsys, "history", "test")
+    error = next(h["error"] for h in doc_["hosts"] if h["host"] == "h2")
+    assert code == 3 and "\n" not in error, error
+    assert f"ProxyCommand 'ssh -F {config} -W {addr(deployment, 'h2')}:2 bastion' exited with status 255" in error
+    assert error.endswith("Connection refused; stdio forwarding failed"), error
+
+
 def test_hashed_known_hosts_are_read_and_new_keys_written_hashed(
         deployment: Deployment, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     only(deployment, "h1")
@@ -193,6 +250,36 @@ def test_host_certificates(deployment: Deployment, ca: dict[str, Path], capsys: 
         assert code == 3 and host["result"] == "unreachable", host
         assert "host key refused" in host["error"] and reason in host["error"], host["error"]
         assert "\n" not in host["error"]
+
+
+def test_a_user_certificate_named_by_certificate_file_logs_in(
+        deployment: Deployment, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """sshd trusts a user CA (TrustedUserCAKeys), not the key: the key's certificate, named by CertificateFile
+    in ssh_config (not beside the key), gets in; without the config, authentication fails (exit 3)."""
+    for name in ("user_ca", "id_cert"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
+    subprocess.run(["ssh-keygen", "-q", "-s", str(tmp_path / "user_ca"), "-I", "kdeploy-test", "-n", "root",
+                    "-V", "-5m:+1h", str(tmp_path / "id_cert.pub")], check=True, capture_output=True)
+    cert = tmp_path / "certs" / "fleet-cert.pub"
+    cert.parent.mkdir()
+    (tmp_path / "id_cert-cert.pub").rename(cert)
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host *\n  CertificateFile {cert}\n")
+    fleet = deployment.fleet
+    fleet.exec("h1", ["sh", "-c", "cat > /etc/ssh/kdeploy_user_ca.pub && printf 'TrustedUserCAKeys "
+                                  "/etc/ssh/kdeploy_user_ca.pub\\n' > /etc/ssh/sshd_config.d/40-user-ca.conf && "
+                                  "systemctl reload ssh"], input=(tmp_path / "user_ca.pub").read_text())
+    try:
+        only(deployment, "h1")
+        deployment.edit(lambda doc: doc["defaults"].update(identity_file=str(tmp_path / "id_cert"),
+                                                           ssh_config=str(config)))
+        code, host = connect_only(deployment, capsys)
+        assert code == 0, host
+        code, host = connect_only(deployment, capsys, "--ssh-config", "none")
+        assert code == 3 and "SSH authentication failed" in host["error"], host
+    finally:
+        fleet.exec("h1", ["sh", "-c", "rm -f /etc/ssh/sshd_config.d/40-user-ca.conf /etc/ssh/kdeploy_user_ca.pub; "
+                                      "systemctl reload ssh"])
 
 
 @pytest.fixture
