@@ -72,6 +72,24 @@ def _gate(revert_after: float = REVERT_AFTER) -> dict:
             "revert_after": revert_after}
 
 
+def _killed_during_the_gate(dep: Deployment) -> str:
+    """A push SIGKILLed once h1 restarted on the new release (a slow start keeps its gate waiting): that
+    release, switched and never confirmed."""
+    dep.set_service(env={"REFSERVER_SLOW_START": "30"})
+    before = dep.show("h1", "InvocationID")
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--inventory", str(dep.path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while dep.show("h1", "InvocationID") == before:
+            assert proc.poll() is None and time.monotonic() < deadline, "h1 was never restarted"
+            time.sleep(0.05)
+        return _current(dep)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+
 @pytest.fixture
 def quick(deployment: Deployment) -> Deployment:
     deployment.set_service(gate=_gate())
@@ -81,21 +99,7 @@ def quick(deployment: Deployment) -> Deployment:
 def test_controller_killed_during_the_gate_host_reverts_by_itself(quick: Deployment,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     old = _deployed(quick, capsys)
-    quick.set_service(env={"REFSERVER_SLOW_START": "30"})  # the gate is still waiting when we kill it
-    before = quick.show("h1", "InvocationID")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--inventory", str(quick.path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while quick.show("h1", "InvocationID") == before:
-            assert proc.poll() is None and time.monotonic() < deadline, "h1 was never restarted"
-            time.sleep(0.05)
-        new = _current(quick)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    new = _killed_during_the_gate(quick)
     assert new != old
 
     # Before the deadline the next run sees the truth: an unconfirmed switch is a change, not "unchanged".
@@ -118,19 +122,7 @@ def test_host_reset_before_the_confirm_boots_on_its_last_confirmed_release(
     old = _deployed(deployment, capsys)
     guard = provisional.guard_unit(f"{deployment.service}.service")
     assert deployment.sh("h1", f"systemctl is-enabled {guard}").strip() == "enabled"
-    deployment.set_service(env={"REFSERVER_SLOW_START": "30"})
-    before = deployment.show("h1", "InvocationID")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--inventory", str(deployment.path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while deployment.show("h1", "InvocationID") == before:
-            assert proc.poll() is None and time.monotonic() < deadline, "h1 was never restarted"
-            time.sleep(0.05)
-        new = _current(deployment)
-    finally:
-        proc.kill()
-        proc.wait(10)
+    new = _killed_during_the_gate(deployment)
     assert new != old
     deployment.fleet.reboot("h1")
 
