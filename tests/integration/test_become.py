@@ -34,6 +34,8 @@ USER = "deploy"
 HOSTS = ["h1", "h2"]
 REVERT_AFTER = 12
 SUDOERS = "/etc/sudoers.d/kdeploy-sandbox"
+SECRETS_FILE = "/etc/kdbecome-secrets.env"
+TOKEN = "tok-become-1"
 
 
 def _free_port() -> int:
@@ -63,9 +65,13 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         service["gate"] = {"workers": 8, "poll_interval": 0.25, "markers": [TEST_MARKER], "timeout": 60,
                            "revert_after": REVERT_AFTER}
         service["env"] = {}
+        service["environment_file"] = SECRETS_FILE
+        service["secrets"] = {"env": ["KDT_BECOME_TOKEN"]}
         path = tmp / "inventory.yaml"
         box.write_inventory(path, service)
-        yield Deployment(box, path, payload, "kdbecome", HOSTS, port)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("KDT_BECOME_TOKEN", TOKEN)
+            yield Deployment(box, path, payload, "kdbecome", HOSTS, port)
     finally:
         box.down()
 
@@ -96,11 +102,14 @@ def test_push_verify_status_logs_set_env_rollback_as_the_user(dep: Deployment, c
     # what kdeploy wrote is root's, with the modes it has when root logs in; none of it is writable by others
     d = dep.service_dir
     unit = f"/etc/systemd/system/{dep.service}.service"
-    assert dep.sh("h1", f"stat -c '%U:%G %a' {unit} {d} {d}/history.jsonl {d}/.lock").split() == [
-        "root:root", "644", "root:root", "755", "root:root", "600", "root:root", "600"]
-    assert dep.sh("h1", f"find {d} {unit} ! -user root -o ! -type l -perm -o+w").strip() == ""
+    assert dep.sh("h1", f"stat -c '%U:%G %a' {unit} {d} {d}/history.jsonl {d}/.lock {SECRETS_FILE}").split() == [
+        "root:root", "644", "root:root", "755", "root:root", "600", "root:root", "600", "root:root", "600"]
+    pid = dep.show("h1", "MainPID")
+    assert f"KDT_BECOME_TOKEN={TOKEN}" in dep.sh("h1", f"tr '\\0' '\\n' < /proc/{pid}/environ").splitlines()
+    assert dep.sh("h1", f"find {d} {unit} {SECRETS_FILE} ! -user root -o ! -type l -perm -o+w").strip() == ""
     assert dep.sh("h1", f"stat -c %a {d}/releases/{first['h1']}/.kdeploy").strip() == "700"
-    assert _ssh(dep, USER, f"test -w {d} || test -w {unit} || echo read-only").stdout.strip() == "read-only"
+    assert _ssh(dep, USER, f"test -w {d} || test -w {unit} || test -r {SECRETS_FILE} || echo no-access").stdout \
+        .strip() == "no-access"
 
     code, doc = dep.json(capsys, "verify", "all")
     assert code == 0 and {h["result"] for h in doc["hosts"]} == {"healthy"}, doc
