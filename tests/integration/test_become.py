@@ -81,6 +81,11 @@ def _ssh(dep: Deployment, user: str, command: str) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=30, check=False)
 
 
+def _deployed(dep: Deployment) -> None:
+    """Every host on a confirmed release (a no-op when an earlier test of the module left it so)."""
+    assert dep.kdeploy("push", "all") == 0
+
+
 def _phase(host: dict, name: str) -> dict:
     return next(p for p in host["phases"] if p["name"] == name)
 
@@ -154,6 +159,7 @@ def _follow_ends_on_the_host_when_stopped(dep: Deployment) -> None:
 
 
 def test_lock_is_held_by_a_root_shell_under_sudo_and_force_released(dep: Deployment, capsys) -> None:
+    _deployed(dep)
     inv = dep.load()
     host = inv.hosts["h1"]
     with Remote.connect(host, sshconfig.target_for(inv, host)) as remote:
@@ -188,6 +194,7 @@ def test_lock_is_held_by_a_root_shell_under_sudo_and_force_released(dep: Deploym
 
 
 def test_controller_killed_after_the_switch_host_reverts_by_itself(dep: Deployment, capsys) -> None:
+    _deployed(dep)
     old = provisional_tests._current(dep, "h1")
     dep.set_service(env={"REFSERVER_SLOW_START": "30"})  # the gate is still waiting when we kill it
     before = dep.show("h1", "InvocationID")
@@ -212,6 +219,7 @@ def test_controller_killed_after_the_switch_host_reverts_by_itself(dep: Deployme
 
 def test_router_drain_and_admit_through_a_become_host(dep: Deployment, tmp_path: Path, capsys) -> None:
     """The router listens on the bridge only; kdeploy reaches its API through h2's connection (``via``)."""
+    _deployed(dep)
     gateway = dep.fleet.gateway
     port = _free_port()
     url = f"http://{gateway}:{port}"
@@ -238,6 +246,7 @@ def test_router_drain_and_admit_through_a_become_host(dep: Deployment, tmp_path:
 
 
 def test_sudo_that_wants_a_password_is_refused_at_connect_and_nothing_changes(dep: Deployment, capsys) -> None:
+    _deployed(dep)
     before = provisional_tests._current(dep, "h2")
     invocation = dep.show("h2", "InvocationID")
     releases = dep.sh("h2", f"ls {dep.service_dir}/releases").split()
