@@ -384,11 +384,11 @@ class HostConfig(_Strict):
     port: int = _doc("SSH port (not the SGLang port, that is `service.sglang.port`)", 22, gt=0, lt=65536)
     user: SafeStr = _doc("SSH user: root, or a user with passwordless sudo and `become: true` (docs/ssh.md, become)",
                          "root")
-    become: bool = _doc("run every command on the host as `become_user` through `sudo -n` (Ansible's `become`), "
-                        "for a `user` that is not root", False)
+    become: bool = _doc("run every command on the host as `become_user` through `become_method` (Ansible's "
+                        "`become`), for a `user` that is not root", False)
     become_user: Annotated[str, AfterValidator(_user_name)] = _doc("who the commands run as with `become`", "root")
-    become_method: Literal["sudo"] = _doc("how: `sudo` (with `-n`: a sudo that asks for a password is refused at "
-                                          "connect, exit 3)", "sudo")
+    become_method: Literal["sudo", "doas"] = _doc("`sudo -n` or `doas -n`: one that asks for a password is refused "
+                                                  "at connect, exit 3", "sudo")
     identity_file: SafeStr | None = _doc("private key (the SSH agent's keys are offered too); without it: "
                                          "ssh_config's `IdentityFile`s, else the usual `~/.ssh/id_*` keys", None)
     known_hosts: SafeStr | None = _doc("host keys are always checked against this file (docs/push.md, host keys)",

@@ -8,8 +8,8 @@ naming the hop, so the CLI can exit 3 without a traceback. paramiko is used here
 long-running commands (the lock holder, the exit watcher) are handed out as :class:`Process`.
 
 Privilege escalation (``become``) lives here too, in :func:`posix`, the one place every command passes: with
-it each command runs as ``become_user`` through ``sudo -n``, and :meth:`Remote.connect` checks once, before
-any command, that sudo lets it in without a password.
+it each command runs as ``become_user`` through ``sudo -n`` (or ``doas -n``), and :meth:`Remote.connect`
+checks once, before any command, that it lets us in without a password.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 RETRY_WINDOW = 6.0
 RETRY_FIRST_DELAY = 0.5
 BECOME_OK = "@@become-ok"  # what the connect check prints once sudo let it in
+# become_method -> what runs the shell as {user}: never a prompt (-n), the command's stdin and stdout untouched
+BECOME = {"sudo": "sudo -n -u {user} --", "doas": "doas -n -u {user}"}
 _TRANSIENT = {errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNRESET}
 _KNOWN_HOSTS_LOCK = threading.Lock()
 _T = TypeVar("_T")
@@ -485,7 +487,7 @@ class Remote:
         self.target = target
         self.new_host_key = new_host_key
         self.retries = retries  # why earlier connect attempts failed (a rebooting host)
-        self._become = host.become_user if host.become else None
+        self._become_user = host.become_user if host.become else None
 
     @classmethod
     def connect(cls, host: HostConfig, target: Target, *, accept_new_host_keys: bool = False) -> Remote:
@@ -514,7 +516,7 @@ class Remote:
     def _check_become(self) -> None:
         """One round trip before any other command: does sudo let us in without a password?"""
         failure = become_failure(self.run(f"echo {BECOME_OK}", timeout=self.target.host.connect_timeout + 20),
-                                 self.target.host.user, self.host.become_user)
+                                 self.target.host.user, self.host.become_user, self.host.become_method)
         if failure:
             raise Unreachable(f"{self.host.name}: {failure}")
 
@@ -549,7 +551,7 @@ class Remote:
         try:
             channel = self.transport.open_session(timeout=timeout)
             channel.settimeout(timeout)
-            channel.exec_command(posix(command, self._become))
+            channel.exec_command(posix(command, self._become_user, self.host.become_method))
             try:
                 for chunk in _chunks(stdin):
                     if cancel is not None and cancel.is_set():
@@ -578,7 +580,7 @@ class Remote:
         try:
             channel = self.transport.open_session(timeout=timeout)
             channel.settimeout(timeout)
-            channel.exec_command(posix(command, self._become))
+            channel.exec_command(posix(command, self._become_user, self.host.become_method))
         except (OSError, paramiko.SSHException, EOFError) as exc:
             raise Unreachable(f"{self.host.name}: connection lost: {exc or type(exc).__name__}") from None
         return Process(self.host.name, channel)
@@ -600,41 +602,46 @@ class InputFailed(Exception):
     """Reading what ``Remote.run`` streams to a command's stdin failed (a local file vanished or shrank)."""
 
 
-def posix(command: str, become_user: str | None = None) -> str:
+def posix(command: str, become_user: str | None = None, method: str = "sudo") -> str:
     """What sshd hands the login shell: ``command`` run by ``/bin/sh`` whatever that shell is (zsh, say,
     fails on a glob that matches nothing, where kdeploy's POSIX scripts expect it kept as it is). The login
     shell still sets the environment up first; ``exec`` keeps the PID, which the lock holder reports.
 
-    With ``become_user`` the shell runs as that user through ``sudo -n`` (never a prompt: a sudo that wants a
-    password fails at once). sudo hands the command the channel's stdin and stdout as they are, so uploads
-    stream into a root process and a holder still sees EOF when the channel closes; the script's ``$$`` is the
-    shell under sudo, which is what a forced lock release ends."""
+    With ``become_user`` the shell runs as that user through ``sudo -n`` or ``doas -n`` (``method``; never a
+    prompt: one that wants a password fails at once). Both hand the command the channel's stdin and stdout as
+    they are, so uploads stream into a root process and a holder still sees EOF when the channel closes; the
+    script's ``$$`` is the shell under sudo, which is what a forced lock release ends."""
     shell = "/bin/sh -c " + shlex.quote(command)
     if become_user is None:
         return "exec " + shell
-    return f"exec sudo -n -u {shlex.quote(become_user)} -- {shell}"
+    return f"exec {BECOME[method].format(user=shlex.quote(become_user))} {shell}"
 
 
 # Shell lines that set $c to the PID of the sshd process that serves this command's connection (it ends when the
-# connection does): the parent of the command's shell, or with become the parent of sudo, which lives as long as
-# the shell it runs.
-CONNECTION_PID = 'c=$PPID; [ "$(cat /proc/$c/comm 2>/dev/null)" != sudo ] || c=$(cut -d" " -f4 /proc/$c/stat)'
+# connection does): the parent of the command's shell, or with become the parent of sudo (doas), which lives as
+# long as the shell it runs.
+CONNECTION_PID = ('c=$PPID; case "$(cat /proc/$c/comm 2>/dev/null)" in sudo|doas) c=$(cut -d" " -f4 /proc/$c/stat) ;; '
+                  'esac')
 
 
-def become_failure(result: RunResult, user: str, become_user: str) -> str | None:
+def become_failure(result: RunResult, user: str, become_user: str, method: str = "sudo") -> str | None:
     """Why the connect check (``echo BECOME_OK`` through :func:`posix`) did not get in; None when it did."""
     if result.rc == 0 and BECOME_OK in result.stdout.split():
         return None
     err = result.stderr
-    if "password is required" in err:
-        return (f"sudo: a password is required (become: {user} needs passwordless sudo to {become_user}, e.g. "
-                f"`{user} ALL=({become_user}) NOPASSWD: ALL` in /etc/sudoers.d; kdeploy never types a password); "
-                "nothing was changed")
-    if "not allowed to execute" in err or "not in the sudoers" in err:
-        return f"sudo refused: {user} may not run /bin/sh as {become_user} ({result.last_error()}); nothing was changed"
-    if result.rc == 127 and "sudo" in err:
-        return f"become: sudo is not installed on the host ({result.last_error()})"
-    return f"become via sudo failed: {result.last_error()}"
+    rule = (f"`{user} ALL=({become_user}) NOPASSWD: ALL` in /etc/sudoers.d" if method == "sudo" else
+            f"`permit nopass {user} as {become_user}` in /etc/doas.conf")
+    if "password is required" in err or "Authentication required" in err:
+        return (f"{method}: a password is required (become: {user} needs passwordless {method} to {become_user}, "
+                f"e.g. {rule}; kdeploy never types a password); nothing was changed")
+    refusals = ("not allowed to execute", "not in the sudoers") if method == "sudo" else \
+        ("doas: Operation not permitted",)
+    if any(s in err for s in refusals):
+        return (f"{method} refused: {user} may not run /bin/sh as {become_user} ({result.last_error()}); nothing "
+                "was changed")
+    if result.rc == 127 and method in err:
+        return f"become: {method} is not installed on the host ({result.last_error()})"
+    return f"become via {method} failed: {result.last_error()}"
 
 
 def _chunks(stdin: bytes | Iterable[bytes] | None) -> Iterator[bytes]:

@@ -95,6 +95,7 @@ MaxSessions 100
 MaxStartups 100:30:200
 """
 SUDO = Path("/usr/bin/sudo")
+DOAS = Path("/usr/bin/doas")
 BECOME_UID = 1500  # the become user's uid and gid in every host
 USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}\Z")
 # tool -> Debian package, for the one-line install hint
@@ -706,7 +707,7 @@ class Sandbox:
     @staticmethod
     def _add_become_user(etc: Path, name: str, client_pub: str) -> None:
         """``name`` in the host's passwd/group/shadow (the machine's, plus one line: the upper /etc replaces
-        whole files), its key, its home (made at boot by tmpfiles) and passwordless sudo for it."""
+        whole files), its key, its home (made at boot by tmpfiles) and passwordless sudo (and doas) for it."""
         for file, line, mode in (("passwd", f"{name}:x:{BECOME_UID}:{BECOME_UID}::/home/{name}:/bin/sh", 0o644),
                                  ("group", f"{name}:x:{BECOME_UID}:", 0o644),
                                  ("shadow", f"{name}:*:19000:0:99999:7:::", 0o640)):
@@ -721,6 +722,8 @@ class Sandbox:
         _write(etc / "tmpfiles.d" / "kdeploy-sandbox.conf", f"d /home/{name} 0750 {name} {name} -\n")
         (etc / "sudoers.d").mkdir(mode=0o755, exist_ok=True)
         _write(etc / "sudoers.d" / "kdeploy-sandbox", f"{name} ALL=(ALL:ALL) NOPASSWD: ALL\n", 0o440)
+        if DOAS.exists():  # optional: `become_method: doas` works on these hosts too
+            _write(etc / "doas.conf", f"permit nopass {name} as root\n", 0o600)
 
     def _ssh_options(self, connect_timeout: int = 5) -> list[str]:
         return ["-F", "none", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",

@@ -265,3 +265,42 @@ def test_sudo_that_wants_a_password_is_refused_at_connect_and_nothing_changes(de
         dep.sh("h2", f"cp /root/sudoers.keep {SUDOERS}")
     code, doc = dep.json(capsys, "push", "h2")
     assert code == 0, doc
+
+
+@pytest.mark.skipif(not Path("/usr/bin/doas").exists(), reason="doas is not installed here (make installs opendoas)")
+def test_doas_instead_of_sudo(dep: Deployment, capsys) -> None:
+    """``become_method: doas`` with sudo refusing everyone: every step still runs, through doas."""
+    _deployed(dep)
+    for host in HOSTS:
+        dep.sh(host, f"mv {SUDOERS} /root/sudoers.keep")
+    dep.edit(lambda doc: doc["defaults"].update(become_method="doas"))
+    try:
+        (dep.payload / "rev.txt").write_text("doas")
+        code, doc = dep.json(capsys, "push", "all")
+        assert code == 0, doc
+        for host in doc["hosts"]:
+            assert host["result"] == "deployed" and "become root via doas" in _phase(host, "connect")["detail"]
+        code, doc = dep.json(capsys, "verify", "all")
+        assert code == 0, doc
+        inv = dep.load()
+        host = inv.hosts["h1"]
+        with Remote.connect(host, sshconfig.target_for(inv, host)) as remote:
+            held = lock.acquire(remote, service_dir(host.service), command="doas holder")
+            try:
+                pid = held.remote_pid
+                assert dep.sh("h1", f"ps -o user=,comm= -p {pid}; ps -o comm= -p $(ps -o ppid= -p {pid})").split() \
+                    == ["root", "sh", "doas"]
+                code, doc = dep.json(capsys, "lock", "release", "h1", "--force")
+                assert code == 0 and doc["hosts"][0]["lock"] == {"state": "free", "holder": None}, doc
+            finally:
+                held.process.close()
+        dep.sh("h2", "cp /etc/doas.conf /root/doas.keep && echo 'permit deploy as root' > /etc/doas.conf")
+        try:
+            code, doc = dep.json(capsys, "push", "h2", "--force-restart")
+            assert code == 3 and "doas: a password is required" in doc["hosts"][0]["error"], doc
+        finally:
+            dep.sh("h2", "cp /root/doas.keep /etc/doas.conf")
+    finally:
+        dep.edit(lambda doc: doc["defaults"].pop("become_method"))
+        for host in HOSTS:
+            dep.sh(host, f"mv /root/sudoers.keep {SUDOERS}")

@@ -242,7 +242,7 @@ def test_service_file_is_the_defaults_level_and_ansible_vars_override(tmp_path):
     ("g1 ansible_ssh_common_args='-o ProxyCommand=\"ssh -W %h:%p j\"'\n", "", r"ProxyCommand is not supported"),
     ("g1 ansible_connection=local\n", "", r"kdeploy reaches hosts over SSH only"),
     ("[gpu]\ng1 ansible_become=true ansible_become_method=su\n", "",
-     r"hosts\.ini:2: g1: ansible_become_method: invalid value 'su': expected one of 'sudo'"),
+     r"hosts\.ini:2: g1: ansible_become_method: invalid value 'su': expected one of 'sudo' or 'doas'"),
     ("g1 ansible_become_user='root;id'\n", "", r"hosts\.ini:1: g1: ansible_become_user: .*must be a user name"),
     ("[a:children]\nb\n", "", r"hosts\.ini:2: section \[a:children\] names undefined group 'b'"),
     ("[a:vars]\nx=1\n", "", r"hosts\.ini:1: section \[a:vars\] for undefined group 'a'"),

@@ -236,12 +236,13 @@ def test_exit_watch_ends_with_the_session_that_started_it():
         os.killpg(session.pid, signal.SIGKILL)
 
 
-def test_exit_watch_under_sudo_ends_with_the_session_above_sudo(tmp_path):
-    """With become the watcher's parent is sudo, which lives as long as the watcher: it watches sudo's parent
-    (the sshd session) instead. A shell named ``sudo`` stands for sudo here."""
-    shutil.copy("/bin/sh", tmp_path / "sudo")
+@pytest.mark.parametrize("become", ["sudo", "doas"])
+def test_exit_watch_under_become_ends_with_the_session_above_it(tmp_path, become):
+    """With become the watcher's parent is sudo (doas), which lives as long as the watcher: it watches that
+    one's parent (the sshd session) instead. A shell named ``sudo`` (``doas``) stands for it here."""
+    shutil.copy("/bin/sh", tmp_path / become)
     (tmp_path / "watch").write_text(exit_watch_command(os.getpid(), 60))
-    session = subprocess.Popen(["sh", "-c", f"{tmp_path}/sudo -c 'sh {tmp_path}/watch; true' & echo $!; wait"],
+    session = subprocess.Popen(["sh", "-c", f"{tmp_path}/{become} -c 'sh {tmp_path}/watch; true' & echo $!; wait"],
                                stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         sudo = int(session.stdout.readline())

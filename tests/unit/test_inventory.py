@@ -263,8 +263,8 @@ BAD = [
                  "hosts.ct200.service.hicache.mem_layout",
                  "invalid value 'rows': expected one of 'layer_first', 'page_first', 'page_first_direct', "
                  "'page_first_kv_split' or 'page_head'", id="enum-mem-layout"),
-    pytest.param(BASE.replace("defaults:\n", "defaults:\n  become_method: doas  # <-\n"),
-                 "defaults.become_method", "invalid value 'doas': expected one of 'sudo'", id="become-method"),
+    pytest.param(BASE.replace("defaults:\n", "defaults:\n  become_method: su  # <-\n"),
+                 "defaults.become_method", "invalid value 'su': expected one of 'sudo' or 'doas'", id="become-method"),
     pytest.param(BASE.replace("    address: 10.0.0.2", "    address: 10.0.0.2\n    become_user: '-u root'  # <-"),
                  "hosts.ct201.become_user", "must be a user name", id="become-user"),
     pytest.param(BASE.replace("defaults:\n", "defaults:\n  become: maybe  # <-\n"),

@@ -117,10 +117,12 @@ def test_posix_runs_the_script_under_sh_and_become_puts_sudo_n_in_front(tmp_path
     done = _sh(f"PATH={tmp_path}:$PATH; {wrapped}", stdin="from stdin\n")
     assert (done.returncode, done.stdout) == (0, "/bin/sh it's 2\nfrom stdin\n")
     assert (tmp_path / "args").read_text().startswith("-n -u svc-user -- /bin/sh -c ")
+    assert remote.posix(script, "root", "doas") == "exec doas -n -u root /bin/sh -c " + remote.shlex.quote(script)
 
 
 @pytest.mark.parametrize(("rc", "stdout", "stderr", "expected"), [
     (0, "@@become-ok\n", "", None),
+    (0, "banner from .bashrc\n@@become-ok\n", "sudo: unable to resolve host h1\n", None),
     (1, "", "sudo: a password is required\n", "sudo: a password is required (become: deploy needs passwordless "
      "sudo to root, e.g. `deploy ALL=(root) NOPASSWD: ALL` in /etc/sudoers.d"),
     (1, "", "Sorry, user deploy is not allowed to execute '/bin/sh -c echo @@become-ok' as root on h1.\n",
@@ -136,3 +138,14 @@ def test_become_failure_names_why_sudo_did_not_let_us_in(rc, stdout, stderr, exp
         assert failure is None
     else:
         assert failure is not None and failure.startswith(expected) and "\n" not in failure
+
+
+@pytest.mark.parametrize(("rc", "stderr", "expected"), [
+    (1, "doas: Authentication required\n", "doas: a password is required (become: deploy needs passwordless doas to "
+     "root, e.g. `permit nopass deploy as root` in /etc/doas.conf"),
+    (1, "doas: Operation not permitted\n", "doas refused: deploy may not run /bin/sh as root"),
+    (127, "sh: 1: exec: doas: not found\n", "become: doas is not installed on the host"),
+])
+def test_become_failure_with_doas(rc, stderr, expected) -> None:
+    failure = remote.become_failure(remote.RunResult(rc, "", stderr), "deploy", "root", "doas")
+    assert failure is not None and failure.startswith(expected)
