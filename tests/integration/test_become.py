@@ -2,9 +2,10 @@
 
 sshd refuses root there (``PermitRootLogin no``, although root's key is authorized); ``deploy`` logs in with the
 sandbox key and has passwordless sudo. One fleet of two hosts for the module; its tests share one service and run
-in order: push, verify, status, logs, set-env, rollback; the lock (held, forced away through sudo); a controller
-SIGKILLed after the switch (the host's own revert); router drain/admit through a tunnel from a become host; and
-a sudo that wants a password, refused at connect with nothing changed.
+in order: push, verify, status, plan, history, probe, logs (and -f), set-env, rollback, with the secrets file; the
+lock (held, forced away through sudo, freed on EOF); a controller SIGKILLed after the switch (the host's own revert);
+router drain/admit through a tunnel from a become host; a sudo that wants a password, refused at connect with
+nothing changed; and all of it again through doas, with sudo refusing everyone.
 """
 
 from __future__ import annotations
@@ -120,6 +121,12 @@ def test_push_verify_status_logs_set_env_rollback_as_the_user(dep: Deployment, c
     assert code == 0 and {h["result"] for h in doc["hosts"]} == {"healthy"}, doc
     code, doc = dep.json(capsys, "status", "all")
     assert code == 0, doc
+    code, doc = dep.json(capsys, "plan", "all")
+    assert code == 0 and not any(h["plan"]["restart"] for h in doc["hosts"]), doc
+    code, doc = dep.json(capsys, "history", "h1")
+    assert code == 0 and doc["hosts"][0]["history"][-1]["release"] == first["h1"], doc
+    code, doc = dep.json(capsys, "probe", "h1")  # the probe program ran (as on a root login: no sglang here)
+    assert code == 7 and "sglang not installed" in doc["hosts"][0]["probe"]["summary"], doc
     capsys.readouterr()
     assert dep.kdeploy("logs", "h1", "-n", "20") == 0
     lines = capsys.readouterr().out.splitlines()  # the unit's journal: only root (or adm) may read it
