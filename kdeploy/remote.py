@@ -515,8 +515,13 @@ class Remote:
 
     def _check_become(self) -> None:
         """One round trip before any other command: does sudo let us in without a password?"""
-        failure = become_failure(self.run(f"echo {BECOME_OK}", timeout=self.target.host.connect_timeout + 20),
-                                 self.target.host.user, self.host.become_user, self.host.become_method)
+        wait = self.target.host.connect_timeout + 20
+        try:
+            result = self.run(f"echo {BECOME_OK}", timeout=wait)
+        except RemoteTimeout:
+            raise Unreachable(f"{self.host.name}: {self.host.become_method} did not answer within {wait:g}s "
+                              "(become); nothing was changed") from None
+        failure = become_failure(result, self.target.host.user, self.host.become_user, self.host.become_method)
         if failure:
             raise Unreachable(f"{self.host.name}: {failure}")
 
