@@ -97,6 +97,7 @@ def test_push_verify_status_logs_set_env_rollback_as_the_user(dep: Deployment, c
     refused = _ssh(dep, "root", "true")
     assert refused.returncode == 255 and "Permission denied" in refused.stderr
     assert _ssh(dep, USER, "id -un").stdout.strip() == USER
+    assert {h["system"] for h in dep.fleet.status()} == {"running"}  # sandbox status reads through sudo
 
     code, doc = dep.json(capsys, "push", "all")
     assert code == 0, doc
