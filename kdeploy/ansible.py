@@ -45,6 +45,9 @@ CONNECTION_VARS = {
     "port": ("ansible_ssh_port", "ansible_port"),
     "user": ("ansible_ssh_user", "ansible_user"),
     "identity_file": ("ansible_ssh_private_key_file", "ansible_private_key_file"),
+    "become": ("ansible_become",),
+    "become_user": ("ansible_become_user",),
+    "become_method": ("ansible_become_method",),
 }
 SSH_ARGS_VARS = ("ansible_ssh_args", "ansible_ssh_common_args", "ansible_ssh_extra_args")
 SERVICE_FILE = ("service file", "--service FILE")  # how errors name it

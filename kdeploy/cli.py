@@ -668,7 +668,10 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
                                                     "extra host (docs/router.md).")] = False,
                light: Annotated[bool, typer.Option("--light", help="Scale runs: no SGLang venv in the hosts; the "
                                                    "inventory's service is the reference server at tp=1.")]
-               = False) -> None:
+               = False,
+               become_user: Annotated[str | None, typer.Option(
+                   "--become-user", metavar="NAME", help="Root may not log in over SSH; NAME logs in and has "
+                   "passwordless sudo; the inventory gets `user: NAME` and `become: true`.")] = None) -> None:
     """Boot local hosts (systemd-nspawn) and write an inventory for them."""
     from kdeploy.lab import demo, sandbox, sandbox_router
 
@@ -679,7 +682,7 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
     if router and bastion:
         raise InvalidInput("sandbox up: --router with --bastion is not supported (the router's API would sit "
                            "behind the jump host)")
-    booted = box.up(hosts + 1 if router else hosts, bastion=bastion, host_certs=host_certs)
+    booted = box.up(hosts + 1 if router else hosts, bastion=bastion, host_certs=host_certs, become_user=become_user)
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     if router:
         try:

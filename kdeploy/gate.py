@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kdeploy import systemd
 from kdeploy.gatespec import GateSpec
-from kdeploy.remote import Process, Remote
+from kdeploy.remote import CONNECTION_PID, Process, Remote
 from kdeploy.report import HostResult, PhaseFailed
 
 if TYPE_CHECKING:
@@ -131,11 +131,11 @@ def _tail(remote: Remote, invocation: str) -> list[str]:
 def exit_watch_command(pid: int, seconds: float) -> str:
     """Ends when process ``pid`` exits: one idle channel instead of polling the unit over SSH.
 
-    It also ends with the SSH connection that started it (its parent, the sshd session) or after
-    ``seconds``, so it never outlives the deploy.
+    It also ends with the SSH connection that started it (the sshd process serving it, see
+    ``remote.CONNECTION_PID``) or after ``seconds``, so it never outlives the deploy.
     """
-    return (f"p=$PPID n=0; while [ -d /proc/{int(pid)} ] && [ -d /proc/$p ] && [ $n -lt {int(seconds * 10) + 1} ]; "
-            "do sleep 0.1; n=$((n+1)); done")
+    return (f"{CONNECTION_PID}; n=0; while [ -d /proc/{int(pid)} ] && [ -d /proc/$c ] && "
+            f"[ $n -lt {int(seconds * 10) + 1} ]; do sleep 0.1; n=$((n+1)); done")
 
 
 def _show(remote: Remote, unit: str) -> systemd.UnitState:

@@ -36,6 +36,7 @@ from kdeploy.errors import InvalidInput
 DEFAULT_INVENTORY = Path("inventory.yaml")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+USER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\Z")  # what useradd accepts (without a trailing $)
 UNIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9:_.@-]*\Z")
 MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 SECRET_NAME = re.compile(r"(?:^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)\Z",
@@ -63,6 +64,13 @@ def _bind_address(value: str) -> str:
         except ValueError:
             raise ValueError("must be an IP address (127.0.0.1, 0.0.0.0, ::, an address of the host) or "
                              "'localhost': the gate reaches the server through SSH at the address it binds") from None
+    return value
+
+
+def _user_name(value: str) -> str:
+    """``become_user`` lands on sudo's command line: a login name, nothing a shell or sudo would read as more."""
+    if not USER_NAME.match(value):
+        raise ValueError("must be a user name (letters, digits, `_`, `.`, `-`; not starting with a digit, `.` or `-`)")
     return value
 
 
@@ -385,7 +393,13 @@ class HostConfig(_Strict):
     name: str = _doc("the host's name (its key under `hosts`)")
     address: SafeStr = _doc("IP address, DNS name or ssh_config `Host` alias that SSH connects to (host level only)")
     port: int = _doc("SSH port (not the SGLang port, that is `service.sglang.port`)", 22, gt=0, lt=65536)
-    user: SafeStr = _doc("SSH user; it must be able to write `/etc/systemd/system` and run `systemctl`", "root")
+    user: SafeStr = _doc("SSH user: root, or a user with passwordless sudo and `become: true` (docs/ssh.md, become)",
+                         "root")
+    become: bool = _doc("run every command on the host as `become_user` through `become_method` (Ansible's "
+                        "`become`), for a `user` that is not root", False)
+    become_user: Annotated[str, AfterValidator(_user_name)] = _doc("who the commands run as with `become`", "root")
+    become_method: Literal["sudo", "doas"] = _doc("`sudo -n` or `doas -n`: one that asks for a password is refused "
+                                                  "at connect, exit 3", "sudo")
     identity_file: SafeStr | None = _doc("private key (the SSH agent's keys are offered too); without it: "
                                          "ssh_config's `IdentityFile`s, else the usual `~/.ssh/id_*` keys", None)
     known_hosts: SafeStr | None = _doc("host keys are always checked against this file (docs/push.md, host keys)",

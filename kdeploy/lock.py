@@ -301,8 +301,9 @@ def release_command(service_dir: str, status: LockStatus, force: bool, *, wait: 
     With ``force`` and a held lock, first end the recorded holder, but only if that PID still has the lock
     file open: a holder that is gone may have left its PID to an unrelated process, which is never killed
     (``@@not-holder``). The holder is its SSH session's process group leader, so the group is ended with
-    it (``@@killed``); then the lock is waited for, at most ``wait`` s. The record is removed under the
-    lock, so a deploy that takes the lock meanwhile keeps its own.
+    it (``@@killed``); with become it is sudo's child instead, ended with its children (sudo then exits).
+    Then the lock is waited for, at most ``wait`` s. The record is removed under the lock, so a deploy that
+    takes the lock meanwhile keeps its own.
     """
     d = shlex.quote(service_dir)
     lines = []

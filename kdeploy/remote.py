@@ -6,6 +6,10 @@ trusts on first use (then it is recorded, hashed when the file is); a changed, r
 key is always refused. Every failure to reach a host becomes :class:`Unreachable` with a one-line reason
 naming the hop, so the CLI can exit 3 without a traceback. paramiko is used here and in ``tunnel`` only:
 long-running commands (the lock holder, the exit watcher) are handed out as :class:`Process`.
+
+Privilege escalation (``become``) lives here too, in :func:`posix`, the one place every command passes: with
+it each command runs as ``become_user`` through ``sudo -n`` (or ``doas -n``), and :meth:`Remote.connect`
+checks once, before any command, that it lets us in without a password.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 # at most RETRY_WINDOW seconds since the first attempt; authentication and host-key failures never are.
 RETRY_WINDOW = 6.0
 RETRY_FIRST_DELAY = 0.5
+BECOME_OK = "@@become-ok"  # what the connect check prints once sudo let it in
+# become_method -> what runs the shell as {user}: never a prompt (-n), the command's stdin and stdout untouched
+BECOME = {"sudo": "sudo -n -u {user} --", "doas": "doas -n -u {user}"}
 _TRANSIENT = {errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNRESET}
 _KNOWN_HOSTS_LOCK = threading.Lock()
 # A command refused by its fence (``Remote.fence``): the deploy lock this controller took is no longer its own.
@@ -618,6 +625,7 @@ class Remote:
         self.target = target
         self.new_host_key = new_host_key
         self.retries = retries  # why earlier connect attempts failed (a rebooting host)
+        self._become_user = host.become_user if host.become else None
         # While this controller holds the host's deploy lock: a shell test every command runs first, failing
         # with FENCE_RC once the host has ended the holder (``kdeploy.lock``), so nothing more is changed.
         self.fence: str | None = None
@@ -637,7 +645,26 @@ class Remote:
         except Unreachable as exc:
             raise Unreachable(f"{host.name}: {exc}" if not str(exc).startswith(f"{host.name} ") else str(exc)) \
                 from None
-        return cls(host, transport, target, recorded, tuple(failures))
+        remote = cls(host, transport, target, recorded, tuple(failures))
+        if host.become:
+            try:
+                remote._check_become()
+            except BaseException:
+                remote.close()
+                raise
+        return remote
+
+    def _check_become(self) -> None:
+        """One round trip before any other command: does sudo let us in without a password?"""
+        wait = self.target.host.connect_timeout + 20
+        try:
+            result = self.run(f"echo {BECOME_OK}", timeout=wait)
+        except RemoteTimeout:
+            raise Unreachable(f"{self.host.name}: {self.host.become_method} did not answer within {wait:g}s "
+                              "(become); nothing was changed") from None
+        failure = become_failure(result, self.target.host.user, self.host.become_user, self.host.become_method)
+        if failure:
+            raise Unreachable(f"{self.host.name}: {failure}")
 
     def describe(self) -> str:
         """The connect phase's detail: where, through which hops, after which retries, new keys."""
@@ -650,6 +677,8 @@ class Remote:
             text += f" (after {len(self.retries)} failed attempts: {self.retries[-1]})"
         if self.new_host_key:
             text += f" (new host key recorded: {self.new_host_key})"
+        if self.host.become:
+            text += f" (become {self.host.become_user} via {self.host.become_method})"
         return text
 
     @property
@@ -671,7 +700,8 @@ class Remote:
         try:
             channel = self.transport.open_session(timeout=timeout)
             channel.settimeout(timeout)
-            channel.exec_command(posix(command if self.fence is None else f"{self.fence}\n{command}"))
+            script = command if self.fence is None else f"{self.fence}\n{command}"
+            channel.exec_command(posix(script, self._become_user, self.host.become_method))
             try:
                 for chunk in _chunks(stdin):
                     if cancel is not None and cancel.is_set():
@@ -704,7 +734,7 @@ class Remote:
         try:
             channel = self.transport.open_session(timeout=timeout)
             channel.settimeout(timeout)
-            channel.exec_command(posix(command))
+            channel.exec_command(posix(command, self._become_user, self.host.become_method))
         except (OSError, paramiko.SSHException, EOFError) as exc:
             raise Unreachable(f"{self.host.name}: connection lost: {exc or type(exc).__name__}") from None
         return Process(self.host.name, channel)
@@ -726,11 +756,46 @@ class InputFailed(Exception):
     """Reading what ``Remote.run`` streams to a command's stdin failed (a local file vanished or shrank)."""
 
 
-def posix(command: str) -> str:
-    """What sshd hands root's login shell: ``command`` run by ``/bin/sh`` whatever that shell is (zsh, say,
+def posix(command: str, become_user: str | None = None, method: str = "sudo") -> str:
+    """What sshd hands the login shell: ``command`` run by ``/bin/sh`` whatever that shell is (zsh, say,
     fails on a glob that matches nothing, where kdeploy's POSIX scripts expect it kept as it is). The login
-    shell still sets the environment up first; ``exec`` keeps the PID, which the lock holder reports."""
-    return "exec /bin/sh -c " + shlex.quote(command)
+    shell still sets the environment up first; ``exec`` keeps the PID, which the lock holder reports.
+
+    With ``become_user`` the shell runs as that user through ``sudo -n`` or ``doas -n`` (``method``; never a
+    prompt: one that wants a password fails at once). Both hand the command the channel's stdin and stdout as
+    they are, so uploads stream into a root process and a holder still sees EOF when the channel closes; the
+    script's ``$$`` is the shell under sudo, which is what a forced lock release ends."""
+    shell = "/bin/sh -c " + shlex.quote(command)
+    if become_user is None:
+        return "exec " + shell
+    return f"exec {BECOME[method].format(user=shlex.quote(become_user))} {shell}"
+
+
+# Shell lines that set $c to the PID of the sshd process that serves this command's connection (it ends when the
+# connection does): the parent of the command's shell, or with become the parent of sudo (doas), which lives as
+# long as the shell it runs.
+CONNECTION_PID = ('c=$PPID; case "$(cat /proc/$c/comm 2>/dev/null)" in sudo|doas) c=$(cut -d" " -f4 /proc/$c/stat) ;; '
+                  'esac')
+
+
+def become_failure(result: RunResult, user: str, become_user: str, method: str = "sudo") -> str | None:
+    """Why the connect check (``echo BECOME_OK`` through :func:`posix`) did not get in; None when it did."""
+    if result.rc == 0 and BECOME_OK in result.stdout.split():
+        return None
+    err = result.stderr
+    rule = (f"`{user} ALL=({become_user}) NOPASSWD: ALL` in /etc/sudoers.d" if method == "sudo" else
+            f"`permit nopass {user} as {become_user}` in /etc/doas.conf")
+    if "password is required" in err or "Authentication required" in err:
+        return (f"{method}: a password is required (become: {user} needs passwordless {method} to {become_user}, "
+                f"e.g. {rule}; kdeploy never types a password); nothing was changed")
+    refusals = ("not allowed to execute", "not in the sudoers") if method == "sudo" else \
+        ("doas: Operation not permitted",)
+    if any(s in err for s in refusals):
+        return (f"{method} refused: {user} may not run /bin/sh as {become_user} ({result.last_error()}); nothing "
+                "was changed")
+    if result.rc == 127 and method in err:
+        return f"become: {method} is not installed on the host ({result.last_error()})"
+    return f"become via {method} failed: {result.last_error()}"
 
 
 def _chunks(stdin: bytes | Iterable[bytes] | None) -> Iterator[bytes]:

@@ -16,7 +16,9 @@ an instance can be found again by name after a crash: processes (by the nspawn c
 cgroup), network namespaces, links, cgroups, nspawn's propagate dirs and the state dir.
 
 Needs root and ``apt-get install systemd-container openssh-server``; systemd does not have to be the
-machine's PID 1 (``--register=no --keep-unit``).
+machine's PID 1 (``--register=no --keep-unit``). ``up(become_user=NAME)`` needs ``sudo`` on the machine too
+(the hosts run the machine's ``/usr/bin/sudo``): root may not log in over SSH there, NAME logs in with the
+sandbox key and has passwordless sudo, as on fleets that deploy with ``become``.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ MASKED_UNITS = (
 SSHD_DROPIN = """\
 # Written by kdeploy sandbox
 HostKey /etc/ssh/ssh_host_ed25519_key
-PermitRootLogin prohibit-password
+PermitRootLogin {permit_root}
 PasswordAuthentication no
 KbdInteractiveAuthentication no
 AuthorizedKeysFile /etc/ssh/authorized_keys/%u .ssh/authorized_keys
@@ -92,6 +94,10 @@ UseDNS no
 MaxSessions 100
 MaxStartups 100:30:200
 """
+SUDO = Path("/usr/bin/sudo")
+DOAS = Path("/usr/bin/doas")
+BECOME_UID = 1500  # the become user's uid and gid in every host
+USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}\Z")
 # tool -> Debian package, for the one-line install hint
 TOOLS = {"ip": "iproute2", "tc": "iproute2", "ssh": "openssh-client", "ssh-keygen": "openssh-client",
          "nsenter": "util-linux"}
@@ -321,6 +327,11 @@ class Sandbox:
         """The jump host of a sandbox brought up with ``bastion=True`` (its last host), else None."""
         index = self._meta().get("bastion")
         return self._host(int(index)) if isinstance(index, int) else None
+
+    def become_user(self) -> str | None:
+        """The SSH user of a sandbox brought up with ``become_user`` (root cannot log in then), else None."""
+        name = self._meta().get("become_user")
+        return name if isinstance(name, str) and name else None
 
     def hosts(self) -> list[SandboxHost]:
         """The hosts of this sandbox as it was brought up ([] when it is down)."""
@@ -580,15 +591,23 @@ class Sandbox:
     # --- up -------------------------------------------------------------------------------------------
 
     def up(self, n: int, *, timeout: float = 120.0, bastion: bool = False,
-           host_certs: bool = False) -> list[SandboxHost]:
+           host_certs: bool = False, become_user: str | None = None) -> list[SandboxHost]:
         """Boot n hosts (in parallel) and return once each one's sshd accepts our key.
 
         ``bastion``: one more host, h<n+1>, is the jump host and the n others answer only through it.
         ``host_certs``: every host key is signed by the sandbox CA and known_hosts trusts only that CA.
+        ``become_user``: sshd refuses root (``PermitRootLogin no``); this user logs in with the sandbox key
+        and has passwordless sudo (``/etc/sudoers.d/kdeploy-sandbox``).
         """
         self.check_requirements()
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_HOSTS:
             raise SandboxError(f"number of sandbox hosts must be 1..{MAX_HOSTS}, got {n!r}")
+        if become_user is not None:
+            if become_user == "root" or not USER_NAME.match(become_user):
+                raise SandboxError(f"--become-user must be a user name other than root (lower case letters, "
+                                   f"digits, `_`, `-`), got {become_user!r}")
+            if not (SUDO.exists() and SUDO.stat().st_mode & 0o4000):
+                raise SandboxError(f"--become-user needs sudo on this machine (setuid {SUDO}): apt-get install sudo")
         current = self.hosts()
         if current and all(self._alive(h) for h in current):
             raise SandboxError(f"sandbox already up ({len(current)} hosts): kdeploy sandbox down first")
@@ -609,10 +628,10 @@ class Sandbox:
             self.state_dir.mkdir(parents=True)
             _write(self.state_dir / "meta.json", json.dumps({
                 "hosts": len(hosts), "instance": self.instance, "sglang": str(sglang) if sglang else None,
-                "bastion": n + 1 if bastion else None}) + "\n")
+                "bastion": n + 1 if bastion else None, "become_user": become_user}) + "\n")
             self._prepare_network(hosts)
             pub = self.key_path.with_name(self.key_path.name + ".pub").read_text()
-            host_keys = _parallel(lambda h: self._prepare_etc(h, hosts, pub), hosts)
+            host_keys = _parallel(lambda h: self._prepare_etc(h, hosts, pub, become_user), hosts)
             _write(self.known_hosts_path, "".join(host_keys))
             self._write_ssh_config(hosts)
             for host in hosts:
@@ -654,7 +673,8 @@ class Sandbox:
                       netns=h.machine)
         _parallel(inside, hosts)
 
-    def _prepare_etc(self, host: SandboxHost, hosts: list[SandboxHost], client_pub: str) -> str:
+    def _prepare_etc(self, host: SandboxHost, hosts: list[SandboxHost], client_pub: str,
+                     become_user: str | None = None) -> str:
         """The host's own upper /etc; returns its known_hosts line."""
         d = self._host_dir(host)
         etc = d / "etc"
@@ -672,14 +692,38 @@ class Sandbox:
                + "".join(f"{h.address} {h.name}\n" for h in hosts))
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", host.name,
               "-f", str(etc / "ssh" / "ssh_host_ed25519_key")])
-        _write(etc / "ssh" / "sshd_config.d" / "10-kdeploy-sandbox.conf", SSHD_DROPIN)
-        _write(etc / "ssh" / "authorized_keys" / "root", client_pub)
+        _write(etc / "ssh" / "sshd_config.d" / "10-kdeploy-sandbox.conf",
+               SSHD_DROPIN.format(permit_root="no" if become_user else "prohibit-password"))
+        _write(etc / "ssh" / "authorized_keys" / "root", client_pub)  # refused by sshd with become_user
+        if become_user:
+            self._add_become_user(etc, become_user, client_pub)
         for unit in MASKED_UNITS:
             link = etc / "systemd" / "system" / unit
             link.unlink(missing_ok=True)
             link.symlink_to("/dev/null")
         keytype, key = (etc / "ssh" / "ssh_host_ed25519_key.pub").read_text().split()[:2]
         return f"{host.name},{host.address} {keytype} {key}\n"
+
+    @staticmethod
+    def _add_become_user(etc: Path, name: str, client_pub: str) -> None:
+        """``name`` in the host's passwd/group/shadow (the machine's, plus one line: the upper /etc replaces
+        whole files), its key, its home (made at boot by tmpfiles) and passwordless sudo (and doas) for it."""
+        for file, line, mode in (("passwd", f"{name}:x:{BECOME_UID}:{BECOME_UID}::/home/{name}:/bin/sh", 0o644),
+                                 ("group", f"{name}:x:{BECOME_UID}:", 0o644),
+                                 ("shadow", f"{name}:*:19000:0:99999:7:::", 0o640)):
+            base = Path("/etc") / file
+            kept = [ln for ln in (base.read_text().splitlines() if base.exists() else [])
+                    if ln.split(":", 1)[0] != name]
+            _write(etc / file, "\n".join([*kept, line]) + "\n", mode)
+            if file == "shadow":
+                os.chown(etc / file, 0, base.stat().st_gid if base.exists() else 0)
+        _write(etc / "ssh" / "authorized_keys" / name, client_pub)
+        (etc / "tmpfiles.d").mkdir(exist_ok=True)
+        _write(etc / "tmpfiles.d" / "kdeploy-sandbox.conf", f"d /home/{name} 0750 {name} {name} -\n")
+        (etc / "sudoers.d").mkdir(mode=0o755, exist_ok=True)
+        _write(etc / "sudoers.d" / "kdeploy-sandbox", f"{name} ALL=(ALL:ALL) NOPASSWD: ALL\n", 0o440)
+        if DOAS.exists():  # optional: `become_method: doas` works on these hosts too
+            _write(etc / "doas.conf", f"permit nopass {name} as root\n", 0o600)
 
     def _ssh_options(self, connect_timeout: int = 5) -> list[str]:
         return ["-F", "none", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
@@ -688,12 +732,16 @@ class Sandbox:
                 "-o", "LogLevel=ERROR", "-i", str(self.key_path)]
 
     def _ssh_argv(self, host: SandboxHost, command: str, connect_timeout: int = 5) -> list[str]:
-        return ["ssh", *self._ssh_options(connect_timeout), f"root@{host.address}", command]
+        """``command`` run as root over SSH: through sudo when root may not log in."""
+        user = self.become_user()
+        return ["ssh", *self._ssh_options(connect_timeout), f"{user or 'root'}@{host.address}",
+                f"sudo -n {command}" if user else command]
 
     def _write_ssh_config(self, hosts: list[SandboxHost]) -> None:
         """`ssh -F <state>/ssh_config h1` works, and so does kdeploy: with a bastion, the inventory names
         the hosts by these aliases and the config sends them through it (ProxyJump)."""
-        common = (f"Host *\n  User root\n  IdentityFile {self.key_path}\n  IdentitiesOnly yes\n"
+        common = (f"Host *\n  User {self.become_user() or 'root'}\n  IdentityFile {self.key_path}\n"
+                  "  IdentitiesOnly yes\n"
                   f"  UserKnownHostsFile {self.known_hosts_path}\n  GlobalKnownHostsFile /dev/null\n"
                   "  StrictHostKeyChecking yes\n  BatchMode yes\n  ConnectTimeout 5\n  LogLevel ERROR\n")
         bastion = self.bastion()
@@ -916,13 +964,16 @@ class Sandbox:
         bastion = self.bastion()
         hosts = [h for h in hosts if h != bastion]
         defaults = CommentedMap()
+        become_user = self.become_user()
         if bastion:  # user, port, key, known_hosts and the jump come from the ssh_config, by alias
             defaults["ssh_config"] = str(self.ssh_config_path.absolute())
         else:
-            defaults["user"] = "root"
+            defaults["user"] = become_user or "root"
             defaults["port"] = 22
             defaults["identity_file"] = str(self.key_path.absolute())
             defaults["known_hosts"] = str(self.known_hosts_path.absolute())
+        if become_user:
+            defaults["become"] = True
         defaults["service"] = service
         names = CommentedSeq(h.name for h in hosts)
         names.fa.set_flow_style()

@@ -106,6 +106,9 @@ def test_bad_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for n in (0, 201):
         with pytest.raises(SandboxError, match=r"must be 1\.\.200"):
             sb.up(n)
+    for name in ("root", "Deploy", "-u", "a b", "x" * 33):
+        with pytest.raises(SandboxError, match=r"--become-user must be a user name other than root"):
+            sb.up(1, become_user=name)
     with pytest.raises(SandboxError, match="not up"):
         sb.write_inventory(tmp_path / "inventory.yaml", {"name": "x"})
     assert sb.hosts() == []

@@ -43,7 +43,7 @@ edge
 [gpu]
 gpu[01:03] ansible_user=root
 gpu04:2222 ansible_host=10.0.1.4 kdeploy_connect_timeout=5
-gpu[10:14:2]
+gpu[10:14:2] ansible_become=true ansible_become_user=svc ansible_become_method=sudo
 
 [gpu:vars]
 ansible_ssh_common_args='-o ProxyJump=ops@10.0.0.1:22 -o StrictHostKeyChecking=no'
@@ -55,6 +55,7 @@ gpu12
 
 [big:vars]
 ansible_port=2200
+ansible_become=yes
 
 [edge]
 edge-[a:c].example.com ansible_port=22 ansible_ssh_extra_args="-J jump@j1"
@@ -84,10 +85,10 @@ all:
           hosts:
             gpu[01:02]:
     zeta:
-      vars: {ansible_user: zeta, ansible_port: 2022}
+      vars: {ansible_user: zeta, ansible_port: 2022, ansible_become: true}
       hosts:
         gpu02:
-        gpu03: {ansible_port: 2023}
+        gpu03: {ansible_port: 2023, ansible_become: false}
 edge:
   hosts:
     edge1: {ansible_host: edge1.example.com, ansible_ssh_extra_args: -J jumper}
@@ -196,6 +197,9 @@ def test_hosts_groups_and_connection_match_ansible_inventory(tmp_path, name):
         assert host.identity_file == (os.path.abspath(os.path.expanduser(key)) if key else None)
         assert host.proxy_jump == (jump.group(1) if jump else None)
         assert host.connect_timeout == hv.get("kdeploy_connect_timeout", 10)
+        become = str(hv.get("ansible_become", False)).lower() in ("yes", "true", "1", "on", "y", "t")
+        assert (host.become, host.become_user, host.become_method) == (
+            become, hv.get("ansible_become_user", "root"), hv.get("ansible_become_method", "sudo")), name_
         assert host.service.name == "svc" and host.known_hosts == "/etc/kdeploy/known_hosts"
 
 
@@ -208,6 +212,9 @@ def test_the_fleet_reads_as_written(tmp_path):
     gpu04 = loaded.hosts["gpu04"]
     assert (gpu04.address, gpu04.port, gpu04.user, gpu04.proxy_jump) == ("10.0.1.4", 2222, "deploy",
                                                                          "ops@10.0.0.1:22")
+    assert (gpu04.become, gpu04.become_user) == (True, "root")  # [big:vars] ansible_become=yes
+    assert (loaded.hosts["gpu10"].become, loaded.hosts["gpu10"].become_user) == (True, "svc")
+    assert not loaded.hosts["gpu01"].become
     assert loaded.base_dir == tmp_path  # the service file's template and payload paths are relative to it
 
 
@@ -234,6 +241,9 @@ def test_service_file_is_the_defaults_level_and_ansible_vars_override(tmp_path):
     ("g1 ansible_host='{{ lookup(\"env\", \"X\") }}'\n", "", r"hosts\.ini:1: g1: ansible_host: .* Jinja template"),
     ("g1 ansible_ssh_common_args='-o ProxyCommand=\"ssh -W %h:%p j\"'\n", "", r"ProxyCommand is not supported"),
     ("g1 ansible_connection=local\n", "", r"kdeploy reaches hosts over SSH only"),
+    ("[gpu]\ng1 ansible_become=true ansible_become_method=su\n", "",
+     r"hosts\.ini:2: g1: ansible_become_method: invalid value 'su': expected one of 'sudo' or 'doas'"),
+    ("g1 ansible_become_user='root;id'\n", "", r"hosts\.ini:1: g1: ansible_become_user: .*must be a user name"),
     ("[a:children]\nb\n", "", r"hosts\.ini:2: section \[a:children\] names undefined group 'b'"),
     ("[a:vars]\nx=1\n", "", r"hosts\.ini:1: section \[a:vars\] for undefined group 'a'"),
     ("[a:hostz]\n", "", r"hosts\.ini:1: section \[a:hostz\] has unknown type 'hostz'"),

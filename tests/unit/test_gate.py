@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -224,6 +225,29 @@ def test_exit_watch_ends_with_the_session_that_started_it():
     try:
         watcher = int(session.stdout.readline())
         time.sleep(0.3)
+        assert not _gone(watcher)
+        session.send_signal(signal.SIGKILL)
+        session.wait()
+        deadline = time.monotonic() + 5
+        while not _gone(watcher):
+            assert time.monotonic() < deadline, "the watcher outlived its session"
+            time.sleep(0.05)
+    finally:
+        os.killpg(session.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("become", ["sudo", "doas"])
+def test_exit_watch_under_become_ends_with_the_session_above_it(tmp_path, become):
+    """With become the watcher's parent is sudo (doas), which lives as long as the watcher: it watches that
+    one's parent (the sshd session) instead. A shell named ``sudo`` (``doas``) stands for it here."""
+    shutil.copy("/bin/sh", tmp_path / become)
+    (tmp_path / "watch").write_text(exit_watch_command(os.getpid(), 60))
+    session = subprocess.Popen(["sh", "-c", f"{tmp_path}/{become} -c 'sh {tmp_path}/watch; true' & echo $!; wait"],
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        sudo = int(session.stdout.readline())
+        time.sleep(0.3)
+        watcher = int(subprocess.run(["pgrep", "-P", str(sudo)], capture_output=True, text=True).stdout.split()[0])
         assert not _gone(watcher)
         session.send_signal(signal.SIGKILL)
         session.wait()

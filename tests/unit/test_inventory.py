@@ -149,6 +149,16 @@ def test_precedence_host_over_group_over_defaults(tmp_path):
     assert h3.sglang.extra_args == ["--from-defaults"]
 
 
+def test_become_is_off_by_default_and_layers_like_any_connection_key(tmp_path):
+    text = BASE.replace("defaults:\n", "defaults:\n  user: deploy\n  become: yes\n").replace(
+        "    address: 10.0.0.2", "    address: 10.0.0.2\n    become: false")
+    hosts = load(write(tmp_path, text)).hosts
+    assert (hosts["ct200"].user, hosts["ct200"].become, hosts["ct200"].become_user,
+            hosts["ct200"].become_method) == ("deploy", True, "root", "sudo")
+    assert not hosts["ct201"].become
+    assert not load(write(tmp_path, BASE)).hosts["ct200"].become
+
+
 def test_bad_lower_layer_value_overridden_by_host_is_fine(tmp_path):
     text = BASE.replace("    sglang:\n      tp: 8\n", "    sglang:\n      tp: 0\n")
     text = text.replace("model_path: /models/a", "model_path: /models/a\n        tp: 4")
@@ -253,6 +263,12 @@ BAD = [
                  "hosts.ct200.service.hicache.mem_layout",
                  "invalid value 'rows': expected one of 'layer_first', 'page_first', 'page_first_direct', "
                  "'page_first_kv_split' or 'page_head'", id="enum-mem-layout"),
+    pytest.param(BASE.replace("defaults:\n", "defaults:\n  become_method: su  # <-\n"),
+                 "defaults.become_method", "invalid value 'su': expected one of 'sudo' or 'doas'", id="become-method"),
+    pytest.param(BASE.replace("    address: 10.0.0.2", "    address: 10.0.0.2\n    become_user: '-u root'  # <-"),
+                 "hosts.ct201.become_user", "must be a user name", id="become-user"),
+    pytest.param(BASE.replace("defaults:\n", "defaults:\n  become: maybe  # <-\n"),
+                 "defaults.become", "Input should be a valid boolean", id="become-not-bool"),
     pytest.param(host_a("      hicache: {ratio: 0}  # <-"),
                  "hosts.ct200.service.hicache.ratio", "Input should be greater than 0", id="ratio-zero"),
     pytest.param(host_a("      hicache: {ratio: -1.5}  # <-"),

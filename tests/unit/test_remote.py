@@ -96,3 +96,56 @@ def test_paramikos_log_lines_stay_off_a_library_callers_stderr_unless_it_configu
     logged = subprocess.run([sys.executable, "-c", code.format(setup="logging.basicConfig();")],
                             capture_output=True, text=True, check=True)
     assert "Secsh channel 4 open FAILED" in logged.stderr
+
+
+def _sh(argv_text: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    """Run a command line as sshd has the login shell run it (``sh -c``)."""
+    return subprocess.run(["/bin/sh", "-c", argv_text], input=stdin, capture_output=True, text=True, timeout=10,
+                          check=False)
+
+
+def test_posix_runs_the_script_under_sh_and_become_puts_sudo_n_in_front(tmp_path) -> None:
+    script = "echo \"$0\" \"it's\" $((1+1)); cat"
+    assert remote.posix(script) == "exec /bin/sh -c " + remote.shlex.quote(script)
+    wrapped = remote.posix(script, "svc-user")
+    assert wrapped == "exec sudo -n -u svc-user -- /bin/sh -c " + remote.shlex.quote(script)
+    # a stand-in sudo that records its arguments and runs what follows `--`: a real shell checks the quoting
+    fake = tmp_path / "sudo"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$*" > "$(dirname "$0")/args"\n'
+                    'while [ "$1" != -- ]; do shift; done; shift; exec "$@"\n')
+    fake.chmod(0o755)
+    done = _sh(f"PATH={tmp_path}:$PATH; {wrapped}", stdin="from stdin\n")
+    assert (done.returncode, done.stdout) == (0, "/bin/sh it's 2\nfrom stdin\n")
+    assert (tmp_path / "args").read_text().startswith("-n -u svc-user -- /bin/sh -c ")
+    assert remote.posix(script, "root", "doas") == "exec doas -n -u root /bin/sh -c " + remote.shlex.quote(script)
+
+
+@pytest.mark.parametrize(("rc", "stdout", "stderr", "expected"), [
+    (0, "@@become-ok\n", "", None),
+    (0, "banner from .bashrc\n@@become-ok\n", "sudo: unable to resolve host h1\n", None),
+    (1, "", "sudo: a password is required\n", "sudo: a password is required (become: deploy needs passwordless "
+     "sudo to root, e.g. `deploy ALL=(root) NOPASSWD: ALL` in /etc/sudoers.d"),
+    (1, "", "Sorry, user deploy is not allowed to execute '/bin/sh -c echo @@become-ok' as root on h1.\n",
+     "sudo refused: deploy may not run /bin/sh as root"),
+    (127, "", "bash: line 1: exec: sudo: not found\n", "become: sudo is not installed on the host"),
+    (0, "motd\n", "", "become via sudo failed: exit status 0"),
+    (1, "", "sudo: unable to change to root gid: Operation not permitted\n",
+     "become via sudo failed: sudo: unable to change to root gid"),
+])
+def test_become_failure_names_why_sudo_did_not_let_us_in(rc, stdout, stderr, expected) -> None:
+    failure = remote.become_failure(remote.RunResult(rc, stdout, stderr), "deploy", "root")
+    if expected is None:
+        assert failure is None
+    else:
+        assert failure is not None and failure.startswith(expected) and "\n" not in failure
+
+
+@pytest.mark.parametrize(("rc", "stderr", "expected"), [
+    (1, "doas: Authentication required\n", "doas: a password is required (become: deploy needs passwordless doas to "
+     "root, e.g. `permit nopass deploy as root` in /etc/doas.conf"),
+    (1, "doas: Operation not permitted\n", "doas refused: deploy may not run /bin/sh as root"),
+    (127, "sh: 1: exec: doas: not found\n", "become: doas is not installed on the host"),
+])
+def test_become_failure_with_doas(rc, stderr, expected) -> None:
+    failure = remote.become_failure(remote.RunResult(rc, "", stderr), "deploy", "root", "doas")
+    assert failure is not None and failure.startswith(expected)
