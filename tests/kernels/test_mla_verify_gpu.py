@@ -60,7 +60,7 @@ FULL = [
     (1, 8, 9, [4096], 1, 64, False, 1.0),
     (3, 8, 64, [5000, 1, 12000], 1, 32, True, 2.0),
     (6, 16, 16, [3, 0, 17, 64, 63, 200], 64, 8, True, 3.0),   # the draft tree dominates
-    (2, 8, 80, [3000, 70], 1, 16, True, 1.0),                  # Q > 64: no draft programs, the combine attends it
+    (2, 8, 80, [3000, 70], 1, 16, True, 1.0),                  # Q > 64: no draft kernel, the combine attends the tree
 ]
 
 # the ragged batches, and more: (H, Q, prefix lens)

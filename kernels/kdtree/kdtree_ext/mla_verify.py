@@ -79,7 +79,7 @@ class KernelConfig:
     num_stages: int = 2             # Triton split kernel software-pipeline stages
     min_chunk: int = 64             # shortest partition (tokens; rounded up to block_n)
     max_ctas: int = -1              # split programs per launch (columns x row blocks); -1: the GPU's SMs; 0: no cap
-    pdl: bool = False               # combine as a programmatic dependent launch (sm_90+)
+    pdl: bool = False               # draft kernel and combine as programmatic dependent launches (sm_90+)
     combine_block_s: int = 32       # per-row combine: partials merged per step
     combine_block_d: int = 256      # per-row combine: output channels per program (below combine_wide_rows)
     combine_block_j: int = 16       # per-row combine: draft keys per step when it attends the tree
