@@ -25,6 +25,12 @@ eager against eager and replay against replay); the device-to-device copy bandwi
 (bs * context * 576 * 2) / time; the bandwidth floor = those bytes / copy bandwidth; the compute floor =
 2 * bs * Q * H * context * (576 + 512) FLOP / matmul rate.
 
+Ragged batches (``--ragged``): the issue's four mixed batches and two decode-like mixes (bs=32 and 64, prefixes
+log-uniform 1k-128k), each timed beside one request holding the batch's total prefix (same H and Q, same run):
+``ragged_over_single`` = the batch's graph-replay time over that request's (kernel-<tag>-ragged.json).
+``--kernel-path DIR``: import ``kdtree_ext`` from DIR instead of this checkout's (e.g. another checkout's
+kernels/kdtree: before/after in one call).
+
 Phases: precompile (every kernel variant the run needs, on tiny problems, in parallel processes — Triton's
 on-disk cache then serves the timed process), --tune (tile configs and split rules of our kernel on a few
 shapes; the best is used for the rest), the table. Writes kernel-<tag>.json and .md under --out (default
@@ -46,7 +52,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "kernels" / "kdtree"))
+_KPATH = next((sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--kernel-path"), None)
+sys.path.insert(0, str(REPO / "kernels" / "kdtree") if _KPATH is None else os.path.abspath(_KPATH))
 sys.path.insert(0, str(REPO / "tests" / "kernels"))
 
 import torch  # noqa: E402
@@ -59,35 +66,14 @@ CONTEXTS = (4096, 16384, 32768, 65536)
 SHAPES = [(bs, h, q, ctx) for ctx in CONTEXTS for bs in (1, 8) for h in (8, 16) for q in (9, 16)]
 TUNE_SHAPES = [(8, 16, 16, 65536), (8, 8, 9, 65536), (1, 8, 16, 16384), (1, 16, 9, 32768), (1, 8, 9, 4096),
                (8, 16, 9, 65536)]
-TILE_CONFIGS = [   # all compile without spills for sm_90 (checked offline: registers, shared memory, SASS); on a
-    # Hopper GPU the first is the Gluon split kernel (sm90 in the default config), the others the Triton one
+TILE_CONFIGS = [   # on a Hopper GPU the first is the Gluon split kernel (sm90 in the default config)
     dict(block_m=64, block_n=64, num_warps=8, num_stages=2),
     dict(block_m=64, block_n=32, num_warps=8, num_stages=3),
     dict(block_m=64, block_n=32, num_warps=8, num_stages=2),
 ]
-# run 3 (2026-12-01) tried the value channels split over two programs (dv_split=2: 4 warps x 64 rows, or
-# 8 warps x 128 rows; 16-100% slower: bench/results/kernel-h200-sweep1.json).
-# the second pass (2026-12-01, bench/results/kernel-h200-sweep2..4.*) tried a value-major tile (scores K Q^T,
-# accumulator V^T P^T: 31-62% slower on every shape), 32-row tiles with 4 warps (spill 268-346 registers: slower
-# except bs=8 H=8 Q=9 at 16k-64k, 5-8% faster), more partitions than NSPLIT to fill a wave, 1024 programs,
-# warp_specialize (no effect) and bf16 partials again (12% slower): none kept.
-# run 1 (2026-12-01) also tried block_n=16 (4 stages) and 16-row mma.sync tiles (slower), bf16 partials (slower)
-# the third pass (2026-12-01, bench/results/kernel-h200-sweep5..11.*) added the Gluon split kernel (sm90) and the
-# Triton kernel's 16-row tail tile (tail_m); it tried p through memory, a 32-row tail, slots a tile ahead, 3-4
-# stages, and in Gluon P V / Q K^T back to back and bf16 partials: none kept (docs/benchmarks.md "Kernel").
-# the fourth pass (2026-12-01, bench/results/kernel-h200-pass4-*) added the warp-specialised Gluon kernel (sm90_ws),
-# one wave of programs (max_ctas=-1) and the row-block combine (combine_rows); it tried a pipelined wgmma schedule
-# (Q K^T of tile i + 1 before P V of tile i: 13% slower) and a device-side wave rule for partitions shortened by
-# min_chunk (superseded by max_ctas=-1): not kept.
-# the seventh pass (2026-12-01, bench/results/kernel-h200-pass7-*) attended the draft tree in the split kernel's
-# programs on row-block-combine launches too (split_draft_rows); it tried _draft_kernel there (draft_kernel_rows)
-# and two waves of shorter partitions at bs=8 H=16 4k (max_ctas=264, min_chunk=256): not kept.
-# wave_sms=-1: the partition count that fills the last wave of programs best (the default since run 3); 0: off
-SPLIT_RULES = [dict(min_chunk=mc, max_ctas=cap, wave_sms=w) for mc in (256, 512) for cap in (256, 512, 768)
-               for w in (-1, 0)]
+SPLIT_RULES = [dict(min_chunk=mc, max_ctas=cap) for mc in (64, 256, 512) for cap in (-1, 264)]
 COMBINE_CONFIGS = [dict(combine_block_s=bs, combine_block_d=bd, combine_warps=w)
                    for bs, bd, w in ((32, 256, 4), (16, 256, 4), (32, 512, 8), (64, 256, 8))]
-COMBINE_CONFIGS.append(dict(combine_block_s=32, combine_block_d=256, combine_warps=4, pdl=True))
 
 STATE: dict = {}
 
@@ -373,6 +359,9 @@ def main() -> int:
                     "no baselines")
     ap.add_argument("--parts", action="store_true", help="with --sweep: also the split kernel alone and the "
                     "combine alone, each replayed from a CUDA graph with L2 flushed (the other launch left out)")
+    ap.add_argument("--ragged", action="store_true", help="only the ragged batches beside one request of their "
+                    "total prefix (kernel-<tag>-ragged.json)")
+    ap.add_argument("--kernel-path", default=None, help="import kdtree_ext from this directory")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
     if args.sglang:
@@ -397,6 +386,8 @@ def main() -> int:
     info["copy_GBps"] = copy_gbps()
     info["matmul_bf16_TFLOPs"] = matmul_tflops()
     log("INFO " + json.dumps(info))
+    if args.ragged:
+        return ragged(info, args, device, dtype, cpu)
     if args.sweep:
         return sweep(json.loads(args.sweep), shapes, info, args, device, dtype)
     methods = list(METHODS)
@@ -436,9 +427,7 @@ def main() -> int:
         ref = run_reference(prob, SCALE)
         row = {"bs": bs, "h": h, "q": q, "ctx": ctx, "kind": "tree" if q == 16 else "chain",
                "kv_MB": round(kv_bytes(bs, ctx) / 1e6, 2)}
-        rows_n = q * h
-        ns, ns_tail = mv.tail_splits(NSPLIT, bs, rows_n, config, mv._tail_split(bs, rows_n, config))
-        row["nsplit_used"] = f"{ns} + {ns_tail}" if ns_tail else ns     # tail_pair: full row blocks + tail programs
+        row["columns"] = mv.plan(bs, q * h, NSPLIT, config, 64 if config.sm90 else config.block_m, True).columns
         ref_chain = ref if q != 16 else None
         for m in methods:
             if m == "verify_mla" and ref_chain is None:    # it runs the chain: check it against the chain
@@ -517,6 +506,63 @@ def sweep(configs: list[dict], shapes, info, args, device, dtype) -> int:
     return 0
 
 
+def loguniform(n: int, lo: int, hi: int, seed: int, total: int | None = None) -> list[int]:
+    """``n`` prefix lengths drawn log-uniformly from [lo, hi] (fixed seed); ``total``: scaled to that sum."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.exp(math.log(lo) + torch.rand(n, generator=gen, dtype=torch.float64) * math.log(hi / lo))
+    if total is not None:
+        lens = lens * (total / float(lens.sum()))
+    out = [round(x) for x in lens.tolist()]
+    if total is not None:
+        out[-1] += total - sum(out)
+    return out
+
+
+RAGGED = [  # name, H, Q, prefix lengths: the issue's four batches, then two decode-like mixes
+    ("mixed-8", 16, 9, [65536, 1, 4096, 17, 32768, 63, 64, 129]),
+    ("64k+7x1k", 8, 9, [65536] + [1024] * 7),
+    ("16-loguniform-1.3k-32k", 16, 9, loguniform(16, 1300, 32768, 16, total=136536)),
+    ("128k+3x512", 8, 16, [131072, 512, 512, 512]),
+    ("decode-32-1k-128k", 16, 9, loguniform(32, 1024, 131072, 32)),
+    ("decode-64-1k-128k", 8, 9, loguniform(64, 1024, 131072, 64)),
+]
+
+
+def ragged(info, args, device, dtype, cpu) -> int:
+    """Each ragged batch and one request of its total prefix (same H, Q), our kernel eager and replayed from a
+    CUDA graph, checked against the fp32 reference first; ``ragged_over_single`` on the replay times."""
+    cases = RAGGED if not cpu else [("cpu", 2, 9, [100, 0, 1, 37])]
+    config = mv.with_config(mv.default_config(device), **json.loads(args.config or "{}"))
+    info["config"] = config.describe()
+    rows = []
+    for name, h, q, lens in cases:
+        row = {"name": name, "h": h, "q": q, "bs": len(lens), "prefix_lens": lens, "total": sum(lens)}
+        for key, bs, ctx in (("batch", len(lens), lens), ("single", 1, [sum(lens)])):
+            prob = problem(bs, h, q, ctx, device=device, dtype=dtype, seed=len(lens) + h + q)
+            ref = run_reference(prob, SCALE)
+            r = run_method("kdtree", prob, ref, config=config, graph=True)
+            if "ms" in r:
+                r["us"] = round(r.pop("ms") * 1e3, 1)
+            if r.get("graph_ms"):
+                r["graph_us"] = round(r.pop("graph_ms") * 1e3, 1)
+            row[key] = r
+            del prob, ref
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        for key, pre in (("graph_us", ""), ("us", "eager_")):
+            a, b = row["batch"].get(key), row["single"].get(key)
+            if a and b:
+                row[f"{pre}ragged_over_single"] = round(a / b, 3)
+        rows.append(row)
+        log(f"RAGGED {name} H={h} Q={q} bs={len(lens)} total={sum(lens)}: batch {row['batch'].get('graph_us')} us, "
+            f"single {row['single'].get('graph_us')} us (graph) -> {row.get('ragged_over_single')}; eager "
+            f"{row['batch'].get('us')} / {row['single'].get('us')}; rel_err {row['batch'].get('rel_err')}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"kernel-{args.tag}-ragged.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
 class _NoLaunch:
     """Stands in for a kernel: ``kernel[grid](...)`` does nothing."""
 
@@ -526,17 +572,14 @@ class _NoLaunch:
 
 def only_part(part: str, prob, config):
     """Our kernel with the split or the combine side left out (``part``: "split" or "combine" is what runs; the
-    split side is the split kernel and, with ``tail_pair`` off Hopper, the tail kernel; the combine side is the
-    combine and, with ``draft_rows``, the draft kernel; alone it reads whatever partials the workspace holds): where
-    a launch's time goes."""
+    combine alone reads whatever partials the workspace holds): where a launch's time goes."""
     full, _ = make_fn("kdtree", prob, config=config)
-    names = (("_combine_kernel", "_combine_rows_kernel", "_draft_kernel") if part == "split"
-             else ("_split_kernel", "_sm90_split_kernel", "_tail_kernel"))
+    names = (("_combine_kernel", "_combine_rows_kernel") if part == "split" else ("_split_kernel", "_sm90_kernel"))
 
     def fn():
         saved = {n: getattr(mv, n) for n in names}
         for n in names:
-            setattr(mv, n, (lambda *a: _NoLaunch()) if n == "_sm90_split_kernel" else _NoLaunch())
+            setattr(mv, n, (lambda *a: _NoLaunch()) if n == "_sm90_kernel" else _NoLaunch())
         try:
             full()
         finally:

@@ -255,8 +255,7 @@ def run() -> int:
     checks["delegation"] = {"inner_metadata_cleared": backend._inner.forward_metadata is None,
                             "inner_init_called": reserved == [(16, 16 * Q)],
                             "workspace_rows": ws.max_rows, "workspace_slots": ws.slots,
-                            "expected_slots": max(b * mv.effective_nsplit(8, b, Q * H, cfg)
-                                                  for b in range(1, 17))}
+                            "expected_slots": max(mv.workspace_slots(b, Q * H, 8, cfg) for b in range(1, 17))}
     for name, value in checks.items():
         print("CHECK " + json.dumps({"name": name, **value}), flush=True)
     print("RESULT " + json.dumps({"checks": len(checks)}))

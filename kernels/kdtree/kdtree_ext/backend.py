@@ -109,8 +109,8 @@ class KdtreeVerifyBackend:
         mv = _mla_verify()
         config = self._config(device)
         ws = self._workspace
-        ns = mv.effective_nsplit(self.kdtree_nsplit, bs, rows, config) + mv.draft_slots(bs, rows, config)
-        if ws is not None and ws.fits(bs, rows, ns, config.partial_dtype) and ws.part_o.device == _device(device):
+        slots = mv.workspace_slots(bs, rows, self.kdtree_nsplit, config)
+        if ws is not None and ws.fits(slots, rows) and ws.part_o.device == _device(device):
             return ws
         ws = mv.Workspace.for_batches(bs, rows, self.kdtree_nsplit, config, device)
         self._workspace = ws

@@ -35,11 +35,9 @@ def ancestor_mask(parents: list[int]) -> torch.Tensor:
 
 def make_problem(bs: int, heads: int, q_len: int, prefix_lens: list[int] | int, *, page_size: int = 1,
                  tree: bool = True, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                 seed: int = 0, layout: str = "indptr", mask: bool = True, mask_dtype: torch.dtype = torch.bool,
-                 q_scale: float = 1.0) -> dict:
-    """A verify batch. ``layout``: ``indptr`` (kv_indptr/kv_indices) or ``req_to_token`` (+ req_pool_indices,
-    seq_lens; also fills kv_indptr/kv_indices for references). ``mask=False`` drops the custom mask (a chain
-    then, i.e. causal drafts). ``tree=False`` builds a chain mask."""
+                 seed: int = 0, mask: bool = True, mask_dtype: torch.dtype = torch.bool, q_scale: float = 1.0) -> dict:
+    """A verify batch (the prefix as kv_indptr/kv_indices). ``mask=False`` drops the custom mask (a chain then,
+    i.e. causal drafts). ``tree=False`` builds a chain mask."""
     gen = torch.Generator().manual_seed(seed)
     device = torch.device(device)
     dgen = torch.Generator(device=device).manual_seed(seed)
@@ -79,18 +77,7 @@ def make_problem(bs: int, heads: int, q_len: int, prefix_lens: list[int] | int, 
     prob = dict(bs=bs, heads=heads, q_len=q_len, prefix_lens=list(prefix_lens), page_size=page_size, tree=tree,
                 parents=parents, q=qx, k_ext=k_ext, v_ext=v_ext, kv_buffer=kv, qo_indptr=qo_indptr,
                 kv_indptr=kv_indptr, kv_indices=kv_indices, custom_mask=custom_mask, mask_indptr=mask_indptr,
-                layout=layout, req_to_token=None, req_pool_indices=None, seq_lens=None, draft_slots=draft_slots)
-    if layout == "req_to_token":
-        max_reqs = bs + 3
-        max_ctx = max(spans) + 5
-        table = torch.zeros(max_reqs, max_ctx, dtype=torch.int32)
-        rpi = torch.randperm(max_reqs, generator=gen)[:bs]
-        for r, s in zip(rpi.tolist(), slots, strict=True):
-            table[r, : s.numel()] = s.to(torch.int32)
-        prob.update(req_to_token=table, req_pool_indices=rpi.to(torch.int64),
-                    seq_lens=torch.tensor(prefix_lens, dtype=torch.int64))
-    elif layout != "indptr":
-        raise ValueError(f"layout {layout!r}")
+                draft_slots=draft_slots)
     for key, val in list(prob.items()):
         if isinstance(val, torch.Tensor):
             prob[key] = val.to(device)
@@ -102,13 +89,9 @@ def run_kernel(prob: dict, sm_scale: float, nsplit: int, config=None, workspace=
 
     o = out if out is not None else torch.empty(prob["q"].shape[0], prob["heads"], D_LATENT,
                                                 dtype=prob["q"].dtype, device=prob["q"].device)
-    indptr = prob["layout"] == "indptr"
-    return mla_tree_verify(
-        prob["q"], prob["k_ext"], prob["v_ext"], o, prob["kv_buffer"], prob["qo_indptr"],
-        prob["kv_indptr"] if indptr else None, prob["kv_indices"] if indptr else None,
-        prob["custom_mask"], prob["mask_indptr"], prob["q_len"], sm_scale, nsplit, workspace,
-        req_to_token=prob["req_to_token"], req_pool_indices=prob["req_pool_indices"], seq_lens=prob["seq_lens"],
-        config=config)
+    return mla_tree_verify(prob["q"], prob["k_ext"], prob["v_ext"], o, prob["kv_buffer"], prob["qo_indptr"],
+                           prob["kv_indptr"], prob["kv_indices"], prob["custom_mask"], prob["mask_indptr"],
+                           prob["q_len"], sm_scale, nsplit, workspace, config=config)
 
 
 def run_reference(prob: dict, sm_scale: float) -> torch.Tensor:
