@@ -7,7 +7,8 @@ SANDBOX_INVENTORY ?= .sandbox/inventory.yaml
 .PHONY: system-deps venv ci-tools lint test test-unit demo demo-down bench bench-rollout bench-scale clean
 
 # Installs only what is missing: systemd-nspawn, sshd/ssh, ip/tc, nsenter/flock, Debian's python3 + venv,
-# rsync, npm (gitlab-ci-local runs the CI example) and zsh (a sandbox host's root may log in with it).
+# rsync, npm (gitlab-ci-local runs the CI example), zsh (a sandbox host's root may log in with it; the completion
+# test checks kdeploy's zsh script with it) and fish (the completion test checks kdeploy's fish script).
 system-deps:
 	@missing=""; \
 	command -v systemd-nspawn >/dev/null || missing="$$missing systemd-container"; \
@@ -21,6 +22,7 @@ system-deps:
 	command -v rsync >/dev/null || missing="$$missing rsync"; \
 	command -v npm >/dev/null || missing="$$missing npm"; \
 	command -v zsh >/dev/null || missing="$$missing zsh"; \
+	command -v fish >/dev/null || missing="$$missing fish"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
