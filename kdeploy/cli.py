@@ -228,6 +228,14 @@ def root(version: Annotated[bool, typer.Option("--version", callback=_version, i
     """
 
 
+def _policy(canary: int, batch: str | None, max_fail: str | None) -> Policy:
+    """The rollout policy of push, set-env, set and rollback; its syntax checked before anything else is read (its
+    fit to the hosts selected is checked once they are known: ``Policy.check``)."""
+    policy = Policy(canary, batch, max_fail)
+    policy.check(0)
+    return policy
+
+
 def _check_writable(path: Path, option: str) -> None:
     """A report file is checked before any host is touched: after a deploy it would be too late to say so."""
     try:
@@ -412,7 +420,7 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
         return
     ui = Ui(as_json, junit_path)
     opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
-                    lock_wait=lock_wait, workers=workers, timeout=timeout, policy=Policy(canary, batch, max_fail),
+                    lock_wait=lock_wait, workers=workers, timeout=timeout, policy=_policy(canary, batch, max_fail),
                     skip_preflight=skip_preflight, router_add_missing=router_add_missing, command=command_line(ctx))
     loaded = _load(inventory, service, target, limit)
     report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
@@ -480,7 +488,7 @@ def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.D
     """Re-activate an older release and its unit, restart and gate."""
     ui = Ui(as_json, junit_path)
     opts = _options(to_release=to, lock_wait=lock_wait, accept_new_host_keys=accept_new_host_keys,
-                    policy=Policy(canary, batch, max_fail), command=command_line(ctx))
+                    policy=_policy(canary, batch, max_fail), command=command_line(ctx))
     loaded = _load(inventory, service, target, limit)
     report = ui.run(lambda listener: fleet.rollback(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report, inventory=loaded)
@@ -597,7 +605,7 @@ def set_env(ctx: typer.Context,
         raise InvalidInput("set-env: give KEY=VALUE or --unset KEY")
     _edit("set-env", inventory, service, lambda: settings.set_env(inventory, pairs, list(unset or []), target, service),
           Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx), limit,
-          Policy(canary, batch, max_fail))
+          _policy(canary, batch, max_fail))
 
 
 @app.command("set")
@@ -614,7 +622,7 @@ def set_(ctx: typer.Context,
     pairs = dict(settings.split_assignment(a) for a in assignments)
     _edit("set", inventory, service, lambda: settings.set_values(inventory, pairs, target, service),
           Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx), limit,
-          Policy(canary, batch, max_fail))
+          _policy(canary, batch, max_fail))
 
 
 @app.command()
