@@ -206,3 +206,10 @@ def test_verbose_traces_each_executor_step(caplog) -> None:
     with caplog.at_level("DEBUG", logger="kdeploy.ssh"):
         Step().run("a\nb")
     assert caplog.records[0].getMessage().startswith("h1: a\nb -> exit 3")
+
+
+def test_every_option_of_every_command_is_in_the_docs() -> None:
+    docs = "\n".join(p.read_text() for p in [REPO / "README.md", *(REPO / "docs").glob("*.md")])
+    missing = {(" ".join(path), opt) for path in _commands() for param in _params(path) for opt in param.opts
+               if opt.startswith("--") and not re.search(re.escape(opt) + r"(?![\w-])", docs)}
+    assert not missing
