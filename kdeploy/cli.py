@@ -124,8 +124,10 @@ class App(typer.Typer):
         super().__init__(cls=Group, no_args_is_help=True, context_settings=CONTEXT, **kwargs)
 
     def command(self, name: str | None = None, *, cls: type[TyperCommand] | None = None,
+                context_settings: dict[str, Any] | None = None,
                 **kwargs: Any) -> Callable[[CommandFunctionType], CommandFunctionType]:
-        return super().command(name, cls=cls or Command, context_settings=CONTEXT, **kwargs)
+        return super().command(name, cls=cls or Command, context_settings={**CONTEXT, **(context_settings or {})},
+                               **kwargs)
 
 
 app = App(pretty_exceptions_enable=False, add_completion=False,
