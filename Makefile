@@ -7,7 +7,8 @@ SANDBOX_INVENTORY ?= .sandbox/inventory.yaml
 .PHONY: system-deps venv ci-tools lint test test-unit demo demo-down bench bench-rollout bench-scale clean
 
 # Installs only what is missing: systemd-nspawn, sshd/ssh, ip/tc, nsenter/flock, Debian's python3 + venv,
-# rsync, npm (gitlab-ci-local runs the CI example), zsh (a sandbox host's root may log in with it), sudo and
+# rsync, npm (gitlab-ci-local runs the CI example), zsh (a sandbox host's root may log in with it; the completion
+# test checks kdeploy's zsh script with it), fish (the completion test checks kdeploy's fish script), sudo and
 # doas (`sandbox up --become-user`: the hosts share this machine's /usr, so its sudo and doas are theirs).
 system-deps:
 	@missing=""; \
@@ -22,6 +23,7 @@ system-deps:
 	command -v rsync >/dev/null || missing="$$missing rsync"; \
 	command -v npm >/dev/null || missing="$$missing npm"; \
 	command -v zsh >/dev/null || missing="$$missing zsh"; \
+	command -v fish >/dev/null || missing="$$missing fish"; \
 	[ -u /usr/bin/sudo ] || missing="$$missing sudo"; \
 	[ -u /usr/bin/doas ] || missing="$$missing opendoas"; \
 	if [ -n "$$missing" ]; then \

@@ -5,6 +5,7 @@ With ``--json`` the only thing on stdout is one JSON document.
 """
 
 import json
+import logging
 import os
 import re
 import shlex
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -25,27 +26,120 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
+from typer import completion as typer_completion
+from typer.core import TyperCommand, TyperGroup
+from typer.models import CommandFunctionType
 
 from kdeploy import __version__, ansible, fleet, junit, logs, patterns, progress, settings
 from kdeploy import inventory as inv
 from kdeploy.deploy import History, LockView, Options, Plan, StatusView
 from kdeploy.errors import ExitCode, InvalidInput, KdeployError
 from kdeploy.history import columns as history_columns
+from kdeploy.policy import Policy
 from kdeploy.probe import ProbeReport
 from kdeploy.render import render_unit
 from kdeploy.report import HostResult, Listener, Report
 
-app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Ship SGLang extensions and serving configs to GPU hosts; prove every deploy healthy.")
-lock_app = typer.Typer(no_args_is_help=True, help="Inspect or clear the per-service deploy lock.")
-sandbox_app = typer.Typer(no_args_is_help=True, help="Local test hosts with real systemd, sshd and journald.")
-router_app = typer.Typer(no_args_is_help=True, help="Hosts' membership in their SGLang router, by hand.")
+
+@dataclass
+class Flags:
+    """The global options of this invocation, wherever they stood on the line (set while click parses)."""
+
+    debug: bool = False
+    quiet: bool = False
+    verbose: int = 0
+    ssh_config: str | None = None
+
+
+_flags = Flags()
+_ssh_log = logging.getLogger("kdeploy.ssh")
+_ssh_log.propagate = False  # the CLI prints its records itself (-v), once
+
+
+class _Stderr(logging.Handler):
+    """Writes to the ``sys.stderr`` of the moment (a test's capture, a CI log), one line per record."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stderr.write(self.format(record) + "\n")
+
+
+_ssh_log.addHandler(_stderr_handler := _Stderr())
+_stderr_handler.setFormatter(logging.Formatter("kdeploy: ssh %(message)s"))
+
+
+def _global(ctx: typer.Context, param: typer.CallbackParam, value: object) -> None:
+    """A global option's value, at the group's level or the command's: ``-v`` counts at both."""
+    if not value or ctx.resilient_parsing:
+        return
+    if param.name == "verbose":
+        _flags.verbose += int(value)  # type: ignore[call-overload]
+        _ssh_log.setLevel(logging.DEBUG if _flags.verbose > 1 else logging.INFO)
+    else:
+        setattr(_flags, str(param.name), value)
+
+
+def _global_options(
+        verbose: Annotated[int, typer.Option(
+            "--verbose", "-v", count=True, expose_value=False, callback=_global, show_default=False,
+            help="Show each SSH step: what it runs, how long it took, its exit status (-vv: the whole command).")]
+        = 0,
+        quiet: Annotated[bool, typer.Option("--quiet", "-q", expose_value=False, callback=_global,
+                                            help="Print only failures and the summary.")] = False,
+        ssh_config: Annotated[str | None, typer.Option(
+            "--ssh-config", metavar="FILE", expose_value=False, callback=_global, show_default=False,
+            help="OpenSSH client config to resolve hosts with (wins over KDEPLOY_SSH_CONFIG and the inventory's "
+                 "ssh_config).")] = None,
+        debug: Annotated[bool, typer.Option("--debug", expose_value=False, callback=_global,
+                                            help="Show tracebacks of internal errors.")] = False) -> None:
+    """Declares the global options once; every command and group takes them (:class:`Command`, :class:`Group`)."""
+
+
+_holder = typer.Typer(add_completion=False)
+_holder.command()(_global_options)
+# Accepted by every command and group, before or after the subcommand (`kdeploy push all -v`).
+GLOBAL_OPTIONS = tuple(typer.main.get_command(_holder).params)
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+class Command(TyperCommand):
+    """A kdeploy command: its own options, then the global ones."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params = [*self.params, *GLOBAL_OPTIONS]
+
+
+class Group(TyperGroup):
+    """A kdeploy command group: the global options before its subcommand too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params = [*self.params, *GLOBAL_OPTIONS]
+
+
+class App(typer.Typer):
+    """Typer whose commands are :class:`Command` and groups :class:`Group` (``-h``, the global options)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(cls=Group, no_args_is_help=True, context_settings=CONTEXT, **kwargs)
+
+    def command(self, name: str | None = None, *, cls: type[TyperCommand] | None = None,
+                context_settings: dict[str, Any] | None = None,
+                **kwargs: Any) -> Callable[[CommandFunctionType], CommandFunctionType]:
+        return super().command(name, cls=cls or Command, context_settings={**CONTEXT, **(context_settings or {})},
+                               **kwargs)
+
+
+app = App(pretty_exceptions_enable=False, add_completion=False,
+          help="Ship SGLang extensions and serving configs to GPU hosts; prove every deploy healthy.")
+lock_app = App(help="Inspect or clear the per-service deploy lock.")
+sandbox_app = App(help="Local test hosts with real systemd, sshd and journald.")
+router_app = App(help="Hosts' membership in their SGLang router, by hand.")
 app.add_typer(lock_app, name="lock")
 app.add_typer(router_app, name="router")
 app.add_typer(sandbox_app, name="sandbox")
-schema_app = typer.Typer(no_args_is_help=True, help="Print the JSON Schemas of kdeploy's contracts.")
+schema_app = App(help="Print the JSON Schemas of kdeploy's contracts.")
 app.add_typer(schema_app, name="schema")
-
 
 
 def complete_target(ctx: typer.Context, incomplete: str) -> list[str]:
@@ -82,38 +176,66 @@ TimeoutOpt = Annotated[float | None, typer.Option("--timeout", min=0.1, max=inv.
                                                   help="Gate timeout in seconds.")]
 LockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, max=inv.WEEK,
                                             envvar="KDEPLOY_LOCK_WAIT", help="Wait this long for a held lock.")]
-# Anywhere on the command line (main() moves them before the subcommand), so `kdeploy push all --debug` works.
-GLOBAL_FLAGS = ("--debug", "--quiet", "-q")
-
-
-@dataclass
-class Flags:
-    """The root options of this invocation (set by the root callback, read by Ui)."""
-
-    quiet: bool = False
-
-
-_flags = Flags()
-
-
+CanaryOpt = Annotated[int, typer.Option("--canary", min=0, help="Hosts that go first, alone, and must pass.")]
+BatchOpt = Annotated[str | None, typer.Option("--batch", help="N or N%: hosts restarting at once (default: "
+                                                              "--parallel; behind a router: 1).", show_default=False)]
+MaxFailOpt = Annotated[str | None, typer.Option("--max-fail", help="N or N%: failures tolerated before new batches "
+                                                                   "stop (default: no limit).", show_default=False)]
 def _version(value: bool) -> None:
     if value:
         sys.stdout.write(f"kdeploy {__version__}\n")
         raise typer.Exit(0)
 
 
+SHELLS = ("bash", "zsh", "fish")
+
+
+def _completion(ctx: typer.Context, param: typer.CallbackParam, shell: str | None) -> None:
+    """``--show-completion SHELL`` prints the script SHELL sources; ``--install-completion SHELL`` installs it."""
+    if shell is None or ctx.resilient_parsing:
+        return
+    if shell not in SHELLS:
+        raise typer.BadParameter(f"{shell!r}: one of {', '.join(SHELLS)}", ctx, param)
+    if param.name == "show_completion":
+        sys.stdout.write(completion_script(shell))
+    else:
+        installed, path = typer_completion.install(shell=shell, prog_name="kdeploy",
+                                                   complete_var=COMPLETE_VAR)
+        sys.stderr.write(f"{installed} completion installed in {path}; it takes effect in a new shell\n")
+    raise typer.Exit(0)
+
+
+COMPLETE_VAR = "_KDEPLOY_COMPLETE"
+
+
+def completion_script(shell: str) -> str:
+    """The completion script of ``shell`` (bash, zsh or fish), ending in a newline."""
+    return typer_completion.get_completion_script(prog_name="kdeploy", complete_var=COMPLETE_VAR,
+                                                  shell=shell).rstrip("\n") + "\n"
+
+
 @app.callback()
 def root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                                help="Print kdeploy's version and exit.")] = False,
-         debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of internal errors (anywhere on "
-                                                             "the line).")] = False,
-         quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only failures and the summary.")]
-         = False) -> None:
+         show_completion: Annotated[str | None, typer.Option(
+             "--show-completion", metavar="SHELL", callback=_completion, is_eager=True, expose_value=False,
+             help="Print the completion script of SHELL (bash, zsh, fish).")] = None,
+         install_completion: Annotated[str | None, typer.Option(
+             "--install-completion", metavar="SHELL", callback=_completion, is_eager=True, expose_value=False,
+             help="Install the completion script of SHELL (bash, zsh, fish).")] = None) -> None:
     """Ship SGLang extensions and serving configs to GPU hosts; prove every deploy healthy.
 
     Off a terminal (or with CI=true or NO_COLOR) the output is plain lines, one per host and phase.
+    The global options (-v, -q, --ssh-config, --debug, -h) go anywhere on the line.
     """
-    _flags.quiet = quiet
+
+
+def _policy(canary: int, batch: str | None, max_fail: str | None) -> Policy:
+    """The rollout policy of push, set-env, set and rollback; its syntax checked before anything else is read (its
+    fit to the hosts selected is checked once they are known: ``Policy.check``)."""
+    policy = Policy(canary, batch, max_fail)
+    policy.check(0)
+    return policy
 
 
 def _check_writable(path: Path, option: str) -> None:
@@ -134,7 +256,8 @@ class Ui:
             _check_writable(junit, "--junit")
         self.as_json, self.junit, self.quiet = as_json, junit, _flags.quiet
         self.started, self.clock = datetime.now(UTC), time.monotonic()
-        self.plain = progress.plain_wanted(os.environ, Console(stderr=True).is_terminal)
+        # -v writes lines of its own to stderr: a live view would draw over them
+        self.plain = _flags.verbose > 0 or progress.plain_wanted(os.environ, Console(stderr=True).is_terminal)
         self.err = (Console(stderr=True, highlight=False, force_terminal=False, color_system=None, no_color=True,
                             width=160, soft_wrap=True) if self.plain else Console(stderr=True, highlight=False))
         self.live_state: dict[str, tuple[str, float]] = {}
@@ -250,24 +373,8 @@ def render(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
         sys.stdout.write(f"# ---- {name} ----\n{render_unit(loaded, loaded.hosts[name])}")
 
 
-_SSH_CONFIG: list[str] = []  # --ssh-config of this invocation (a global option, like --debug)
-
-
 def _options(**kw: object) -> Options:
-    ssh_config = _SSH_CONFIG[-1] if _SSH_CONFIG else None
-    return Options(**{k: v for k, v in kw.items() if v is not None}, ssh_config=ssh_config)
-
-
-def _pop_option(args: list[str], name: str) -> str | None:
-    """Remove ``name VALUE`` / ``name=VALUE`` from ``args`` wherever it is; its last value."""
-    value = None
-    for i in range(len(args) - 1, -1, -1):
-        if args[i].startswith(name + "="):
-            value = value or args.pop(i).split("=", 1)[1]
-        elif args[i] == name and i + 1 < len(args):
-            value = value or args[i + 1]
-            del args[i:i + 2]
-    return value
+    return Options(**{k: v for k, v in kw.items() if v is not None}, ssh_config=_flags.ssh_config)
 
 
 _SECRET_NAME = re.compile(r"token|secret|passw|credential|key", re.IGNORECASE)
@@ -305,9 +412,7 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
          dry_run: Annotated[bool, typer.Option("--dry-run", help="Same as `kdeploy plan`.")] = False,
          lock_wait: LockWaitOpt = 0, workers: WorkersOpt = None, timeout: TimeoutOpt = None,
          skip_preflight: Annotated[bool, typer.Option("--skip-preflight", help="Skip the preflight checks.")] = False,
-         canary: Annotated[int, typer.Option("--canary", min=0, help="Hosts that go first, alone, and must pass.")] = 0,
-         batch: Annotated[str | None, typer.Option("--batch", help="N or N%: hosts restarting at once.")] = None,
-         max_fail: Annotated[str | None, typer.Option("--max-fail", help="N or N%: failures before stopping.")] = None,
+         canary: CanaryOpt = 0, batch: BatchOpt = None, max_fail: MaxFailOpt = None,
          router_add_missing: Annotated[bool, typer.Option(
              "--router-add-missing", help="Register hosts the router does not know after their deploy.")] = False,
          limit: LimitOpt = None) -> None:
@@ -317,9 +422,8 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
         return
     ui = Ui(as_json, junit_path)
     opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
-                    lock_wait=lock_wait, workers=workers, timeout=timeout, canary=canary, batch=batch,
-                    max_fail=max_fail, skip_preflight=skip_preflight, router_add_missing=router_add_missing,
-                    command=command_line(ctx))
+                    lock_wait=lock_wait, workers=workers, timeout=timeout, policy=_policy(canary, batch, max_fail),
+                    skip_preflight=skip_preflight, router_add_missing=router_add_missing, command=command_line(ctx))
     loaded = _load(inventory, service, target, limit)
     report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report, inventory=loaded)
@@ -381,11 +485,12 @@ def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.D
              as_json: JsonOpt = False, junit_path: JunitOpt = None,
              to: Annotated[str | None, typer.Option("--to", help="Release id (default: the previous one).")] = None,
              lock_wait: LockWaitOpt = 0, accept_new_host_keys: AcceptOpt = False,
-             parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, limit: LimitOpt = None) -> None:
+             parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, canary: CanaryOpt = 0, batch: BatchOpt = None,
+             max_fail: MaxFailOpt = None, limit: LimitOpt = None) -> None:
     """Re-activate an older release and its unit, restart and gate."""
     ui = Ui(as_json, junit_path)
     opts = _options(to_release=to, lock_wait=lock_wait, accept_new_host_keys=accept_new_host_keys,
-                    command=command_line(ctx))
+                    policy=_policy(canary, batch, max_fail), command=command_line(ctx))
     loaded = _load(inventory, service, target, limit)
     report = ui.run(lambda listener: fleet.rollback(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report, inventory=loaded)
@@ -433,7 +538,8 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
 
 
 def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[], settings.Edit], ui: Ui,
-          no_apply: bool, accept: bool, parallel: int, lock_wait: float, line: str, limit: str | None) -> None:
+          no_apply: bool, accept: bool, parallel: int, lock_wait: float, line: str, limit: str | None,
+          policy: Policy) -> None:
     """Make, check, write and roll out an edit under the lock of the file it edits (the inventory, or the service
     file of an Ansible inventory); a second kdeploy waits or exits 6. ``--limit``: the rollout goes to the changed
     hosts it names only; the others keep their config until a push (``status`` shows their drift)."""
@@ -454,6 +560,8 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
             if outside:
                 ui.err.print(f"outside --limit {limit!r}, not rolled out (they drift until `kdeploy push`): "
                              f"{', '.join(outside)}", markup=False)
+        if not no_apply:
+            policy.check(len(local))  # before the diff: a refused rollout shows no change it will not make
         ui.err.print(edit.diff(), markup=False, end="")
         if no_apply:
             settings.write(edit)
@@ -461,7 +569,7 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
                                                         "diff": edit.diff(), "rolled_out_to": [], "reverted": False}})
             ui.err.print(f"{edit.path} updated at {edit.level}; not rolled out (--no-apply): run `kdeploy push all`")
         else:
-            opts = _options(accept_new_host_keys=accept, lock_wait=lock_wait, command=line)
+            opts = _options(accept_new_host_keys=accept, lock_wait=lock_wait, command=line, policy=policy)
             report = ui.run(lambda listener: fleet.apply_edit(edit, local, command, opts, parallel=parallel,
                                                               listener=listener))
             facts = report.extra["inventory"]
@@ -479,7 +587,7 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
 
 ScopeOpt = Annotated[str | None, typer.Option("--target", "-t", help="Host or group to write at (default: defaults).")]
 NoApplyOpt = Annotated[bool, typer.Option("--no-apply", help="Only edit the inventory; do not roll out.")]
-EditLockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, max=inv.WEEK,
+EditLockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, max=inv.WEEK, envvar="KDEPLOY_LOCK_WAIT",
                                                 help="Wait this long for the inventory's and the hosts' locks.")]
 
 
@@ -491,13 +599,15 @@ def set_env(ctx: typer.Context,
             service: ServiceOpt = None,
             as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
             parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0,
+            canary: CanaryOpt = 0, batch: BatchOpt = None, max_fail: MaxFailOpt = None,
             limit: LimitOpt = None) -> None:
     """Set or unset service environment flags in the inventory and roll them out (gated, reverted on failure)."""
     pairs = dict(settings.split_assignment(a) for a in assignments or [])
     if not pairs and not unset:
         raise InvalidInput("set-env: give KEY=VALUE or --unset KEY")
     _edit("set-env", inventory, service, lambda: settings.set_env(inventory, pairs, list(unset or []), target, service),
-          Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx), limit)
+          Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx), limit,
+          _policy(canary, batch, max_fail))
 
 
 @app.command("set")
@@ -508,11 +618,13 @@ def set_(ctx: typer.Context,
          service: ServiceOpt = None,
          as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
          parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0,
+         canary: CanaryOpt = 0, batch: BatchOpt = None, max_fail: MaxFailOpt = None,
          limit: LimitOpt = None) -> None:
     """Change typed service settings (hicache.ratio=4.0, gate.workers=8, ...) and roll them out."""
     pairs = dict(settings.split_assignment(a) for a in assignments)
     _edit("set", inventory, service, lambda: settings.set_values(inventory, pairs, target, service),
-          Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx), limit)
+          Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx), limit,
+          _policy(canary, batch, max_fail))
 
 
 @app.command()
@@ -743,22 +855,20 @@ def sandbox_down(instance: InstanceOpt = 0) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: maps every error to one line and the documented exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args
-    ssh_config = _pop_option(args, "--ssh-config")
-    _SSH_CONFIG[:] = [ssh_config] if ssh_config else []
-    flags = [a for a in args if a in GLOBAL_FLAGS]
-    args = [*flags, *(a for a in args if a not in GLOBAL_FLAGS)]  # the root callback reads them
+    _flags.__init__()  # type: ignore[misc]  # a fresh invocation (tests call main() many times)
+    _ssh_log.setLevel(logging.WARNING)
+    typer_completion.completion_init()  # Typer's bash/zsh/fish completion classes (add_completion=False above)
     # A CI cancel or `kill` sends SIGTERM: stop the way Ctrl-C does (staging cleaned, batch finished, exit 130).
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     # Usage errors and --help in a CI log: click's plain text, not rich's boxes.
     app.rich_markup_mode = None if progress.plain_wanted(os.environ, Console(stderr=True).is_terminal) else "rich"
     try:
-        app(args=args, prog_name="kdeploy")
+        app(args=args, prog_name="kdeploy", complete_var=COMPLETE_VAR)
     except SystemExit as exc:  # usage errors exit 2 (INVALID) here, with click's one-line message
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except KdeployError as exc:
-        if debug:
+        if _flags.debug:
             traceback.print_exc()
         sys.stderr.write(f"kdeploy: {exc}\n")
         return int(exc.exit_code)
@@ -766,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("kdeploy: interrupted\n")
         return 130
     except Exception as exc:
-        if debug:
+        if _flags.debug:
             traceback.print_exc()
         sys.stderr.write(f"kdeploy: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the trace)\n")
         return int(ExitCode.INTERNAL)

@@ -21,6 +21,7 @@ from kdeploy import secrets as secret
 from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused, RemoteTimeout, Unreachable
 from kdeploy.gatespec import GateSpec, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
+from kdeploy.policy import Policy
 from kdeploy.remote import InputFailed, Remote
 from kdeploy.render import service_dir, unit_filename
 from kdeploy.report import Cancelled, HostResult, PhaseFailed, Result
@@ -55,9 +56,7 @@ class Options:
     to_release: str | None = None
     force: bool = False
     history_limit: int = 20
-    canary: int = 0
-    batch: str | None = None  # N or N%: hosts restarting at once (default: --parallel)
-    max_fail: str | None = None  # N or N%: failures tolerated before new batches stop (default: no limit)
+    policy: Policy = field(default_factory=Policy)  # --canary, --batch, --max-fail (push, set-env, set, rollback)
     skip_preflight: bool = False
     ssh_config: str | None = None  # --ssh-config: overrides KDEPLOY_SSH_CONFIG and the inventory's
     router_add_missing: bool = False  # a host the router does not know is registered after its deploy

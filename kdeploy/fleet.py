@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import math
 import threading
 import traceback
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from kdeploy.deploy import Local, Options
 from kdeploy.errors import InvalidInput, KdeployError, PreflightRefused
 from kdeploy.gatespec import PayloadGate, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
+from kdeploy.policy import Policy
 from kdeploy.release import Payload, scan_payload
 from kdeploy.render import render_unit
 from kdeploy.report import Cancelled, HostResult, Listener, PhaseFailed, Report, Result
@@ -71,39 +71,6 @@ def fan_out(inventory: Inventory, names: list[str], command: str, fn: HostFn, *,
     return Report(command, results)
 
 
-def count(spec: str | None, total: int, default: int) -> int:
-    """``N`` or ``N%`` of ``total`` (at least 1 for a percentage); ``default`` when not given."""
-    if spec is None:
-        return default
-    try:
-        if spec.endswith("%"):
-            pct = float(spec[:-1])
-            if not 0 < pct <= 100:
-                raise ValueError
-            return max(1, math.ceil(total * pct / 100))
-        value = int(spec)
-        if value < 0:
-            raise ValueError
-        return value
-    except ValueError:
-        raise InvalidInput(f"{spec!r}: expected a count N or a percentage N%") from None
-
-
-def check_counts(opts: Options) -> None:
-    """``batch`` and ``max_fail`` are checked before any host is touched: bad syntax, or a batch of 0."""
-    count(opts.max_fail, 1, 1)
-    if count(opts.batch, 1, 1) == 0:
-        raise InvalidInput("--batch 0: a batch restarts at least one host")
-
-
-def plan_batches(names: list[str], canary: int, batch: int) -> list[list[str]]:
-    """Canary hosts alone first, then the rest in batches of at most ``batch``."""
-    batches = [names[:canary]] if canary > 0 and names else []
-    rest = names[canary:] if canary > 0 else names
-    batch = max(1, batch)
-    return batches + [rest[i:i + batch] for i in range(0, len(rest), batch)]
-
-
 def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opts: Options, *, parallel: int,
             listener: Listener | None = None, cancel: threading.Event | None = None,
             command: str = "push") -> Report:
@@ -119,8 +86,8 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
     cancel = cancel or threading.Event()
     results = {name: HostResult(name, listener=listener) for name in names}
     try:
-        routers = open_routers(inventory, names, opts, max(opts.canary, count(opts.batch, len(names), parallel)),
-                               results)
+        routers = open_routers(inventory, names, opts, max(opts.policy.canary,
+                                                           opts.policy.batch_size(len(names), parallel)), results)
     except KdeployError as exc:  # refused or unreachable router: no host was touched
         for result in results.values():
             result.fail(exc)
@@ -200,25 +167,34 @@ def _rollout(names: list[str], steps: dict[str, deploy.HostPush], results: dict[
     """``activate(name, batch)``: one host's turn in its batch (numbered from 1, the canary's first)."""
     run_parallel([(results[n], steps[n].prepare) for n in names], parallel, cancel)
     failed = sum(1 for r in results.values() if r.done and not r.ok)
-    max_fail = count(opts.max_fail, len(names), len(names))
-    pending = [n for n in names if steps[n].pending]
-    batches = plan_batches(pending, opts.canary, count(opts.batch, len(pending), parallel))
+    in_batches([n for n in names if steps[n].pending], results, opts.policy, parallel, cancel, activate,
+               lambda name, why, result: steps[name].skip(why, result), failed=failed, total=len(names))
+
+
+def in_batches(names: list[str], results: dict[str, HostResult], policy: Policy, parallel: int,
+               cancel: threading.Event, turn: Callable[[str, int], None], skip: Callable[[str, str, str], None],
+               *, failed: int = 0, total: int | None = None) -> None:
+    """The one batch loop of every command that restarts: ``turn(name, batch)`` for the canary alone, then
+    each batch (numbered from 1) in parallel, each finished before the next starts. A failed canary stops
+    the rest; more than ``max_fail`` failures (of ``total`` hosts, ``failed`` of them already) stop new
+    batches; Ctrl-C stops them too. ``skip(name, why, result)`` ends a host that gets no turn."""
+    max_fail = policy.failures_allowed(len(names) if total is None else total)
+    batches = policy.batches(names, parallel)
     for index, batch in enumerate(batches):
         if cancel.is_set():
             for name in batch:
-                steps[name].skip("not restarted: interrupted", "interrupted")
+                skip(name, "not restarted: interrupted", "interrupted")
             continue
         if failed > max_fail:
             for name in batch:
-                steps[name].skip(f"not restarted: max-fail exceeded ({failed} failed > {max_fail})")
+                skip(name, f"not restarted: max-fail exceeded ({failed} failed > {max_fail})", "skipped")
             continue
-        run_parallel([(results[n], partial(activate, n, index + 1)) for n in batch], min(len(batch), parallel),
-                     cancel)
+        run_parallel([(results[n], partial(turn, n, index + 1)) for n in batch], min(len(batch), parallel), cancel)
         batch_failed = sum(1 for n in batch if not results[n].ok)
         failed += batch_failed
-        if index == 0 and opts.canary and batch_failed:
+        if index == 0 and policy.canary and batch_failed:
             for name in (n for later in batches[1:] for n in later):
-                steps[name].skip("not restarted: the canary failed")
+                skip(name, "not restarted: the canary failed", "skipped")
             return
 
 
@@ -251,7 +227,7 @@ def push(inventory: Inventory, target: str | None, opts: Options | None = None, 
         return fan_out(inventory, names, "plan",
                        lambda host, result: deploy.plan_host(inventory, host, local[host.name], opts, result),
                        parallel=parallel, listener=listener, cancel=cancel)
-    check_counts(opts)
+    opts.policy.check(len(names))
     report = rollout(inventory, names, local, opts, parallel=parallel, listener=listener, cancel=cancel)
     hooks.post_rollout(inventory, report)
     return report
@@ -272,27 +248,42 @@ def verify(inventory: Inventory, target: str | None, opts: Options | None = None
 
 def rollback(inventory: Inventory, target: str | None, opts: Options | None = None, *,
              parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
-    """Behind a router, one host at a time (each drained, restarted, gated, admitted), after its preflight.
-    The inventory's hooks run as for a push: ``pre_host`` once the target is known, before the host changes."""
+    """In the batches of ``opts.policy`` (behind a router without ``--batch``: one host at a time, each drained,
+    restarted, gated, admitted), after the router preflight. The inventory's hooks run as for a push:
+    ``pre_host`` once the target is known, before the host changes."""
     opts = opts or Options()
     names = inventory.resolve(target)
-    routers = open_routers(inventory, names, opts, 1)
+    opts.policy.check(len(names))
+    routers = open_routers(inventory, names, opts, max(opts.policy.canary, opts.policy.batch_size(len(names), 1)))
+    if routers and opts.policy.batch is None:
+        opts = replace(opts, policy=replace(opts.policy, batch="1"))
     cancel = threading.Event()
     runner = hooks.Runner(inventory, "rollback", cancel)
+    results = {name: HostResult(name, listener=listener) for name in names}
 
-    def one(host: HostConfig, result: HostResult) -> None:
+    def one(name: str, batch: int) -> None:
+        host, result = inventory.hosts[name], results[name]
         try:
             deploy.rollback_host(inventory, host, opts, result, router=routers.get(host.name),
-                                 before_change=partial(runner.pre_host, host, result))
+                                 before_change=partial(runner.pre_host, host, result, batch=batch))
         except (KdeployError, PhaseFailed, Cancelled) as exc:  # ended here, so that post_host sees the result
             result.fail(exc)
         runner.post_host(host, result)
 
+    def skip(name: str, why: str, result: str) -> None:
+        results[name].finish(result, why)
+        runner.post_host(inventory.hosts[name], results[name])
+
     try:
-        report = fan_out(inventory, names, "rollback", one, parallel=1 if routers else parallel, listener=listener,
-                         cancel=cancel)
+        in_batches(names, results, opts.policy, parallel, cancel, one, skip)
+    except KeyboardInterrupt:
+        cancel.set()
+        for name, result in results.items():
+            if not result.done:
+                skip(name, "not restarted: interrupted", "interrupted")
     finally:
         close_routers(routers)
+    report = Report("rollback", [results[n] for n in names])
     hooks.post_rollout(inventory, report)
     return report
 
@@ -384,14 +375,14 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
     """
     opts = opts or Options()
     names = list(local)
-    check_counts(opts)  # before the file is written
+    opts.policy.check(len(names))  # before the file is written
     facts: dict = {"inventory": {"path": str(edit.path), "level": edit.level, "diff": edit.diff(),
                                  "rolled_out_to": names, "reverted": False}}
     settings.write(edit)
     if not names:
         return Report(command, [], facts)
-    if opts.batch is None and any(edit.new.hosts[n].router for n in names):
-        opts = replace(opts, batch="1")  # no --batch here: behind a router one host at a time, as rollback
+    if opts.policy.batch is None and any(edit.new.hosts[n].router for n in names):  # behind a router: one at a time
+        opts = replace(opts, policy=replace(opts.policy, batch="1"))
     report = rollout(edit.new, names, local, opts, parallel=parallel, listener=listener,
                      cancel=cancel or threading.Event(), command=command)
     report.extra = facts
@@ -415,7 +406,7 @@ def _revert(edit: settings.Edit, report: Report, opts: Options, parallel: int, l
     if moved:
         # Its own cancel state: the Ctrl-C that stopped the rollout must not stop the way back (a new one
         # does). No canary or max-fail either: every host that moved goes back.
-        back_opts = replace(opts, canary=0, max_fail=None)
+        back_opts = replace(opts, policy=replace(opts.policy, canary=0, max_fail=None))
         try:
             names = edit.old.resolve(",".join(moved))
             back = rollout(edit.old, names, prepare(edit.old, names, back_opts), back_opts, parallel=parallel,

@@ -55,6 +55,7 @@ class PlainLog(PhaseWatcher):
         self.out, self.quiet, self.clock = out, quiet, clock
         self.heartbeat = HEARTBEAT_S if heartbeat is None else heartbeat
         self.waiting: dict[str, tuple[str, float]] = {}  # host -> (phase, since)
+        self.said: dict[str, str] = {}  # host -> the detail of its last failed phase, already on a line
         self.lock = threading.Lock()
         self.stopped = threading.Event()
 
@@ -65,6 +66,10 @@ class PlainLog(PhaseWatcher):
                 return
             self.waiting.pop(host, None)
             failed = status == "fail" or (phase == "done" and Result(status).exit_code != 0)
+            if status == "fail":
+                self.said[host] = detail
+            elif phase == "done" and detail and self.said.get(host) == detail:
+                detail = ""  # the error is on its failed phase's line: one line per error per host
             if failed or not self.quiet:
                 self._write(phase_line(self.clock(), host, phase, status, seconds, detail))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import functools
 import logging
 import os
 import random
@@ -67,6 +68,9 @@ _KNOWN_HOSTS_LOCK = threading.Lock()
 FENCE_RC = 76
 FENCE_MARK = "kdeploy-fence: the deploy lock is no longer ours"
 _T = TypeVar("_T")
+# `kdeploy -v`: one INFO record per SSH step (its command's first line, seconds, exit status); DEBUG (-vv) has the
+# whole command. Never a command's input: secrets travel there.
+TRACE = logging.getLogger("kdeploy.ssh")
 
 
 @dataclass(frozen=True)
@@ -615,6 +619,33 @@ class Process:
             self.channel.close()
 
 
+def _traced(step: Callable[..., _T]) -> Callable[..., _T]:
+    """Log each call of the executor ``step`` on :data:`TRACE`: what it ran, how long it took, how it ended."""
+
+    @functools.wraps(step)
+    def traced(self: Remote, command: str, *args: object, **kwargs: object) -> _T:
+        started = time.monotonic()
+        try:
+            out = step(self, command, *args, **kwargs)
+        except BaseException as exc:
+            _trace(self.host.name, command, started, f"{type(exc).__name__}: {exc}")
+            raise
+        _trace(self.host.name, command, started, f"exit {out.rc}" if isinstance(out, RunResult) else "started")
+        return out
+
+    return traced
+
+
+def _trace(host: str, command: str, started: float, outcome: str) -> None:
+    if not TRACE.isEnabledFor(logging.INFO):
+        return
+    lines = command.strip().splitlines() or [""]
+    shown = command.strip() if TRACE.isEnabledFor(logging.DEBUG) else (
+        lines[0][:100] + ("..." if len(lines[0]) > 100 else "") + (f" (+{len(lines) - 1} lines)" if len(lines) > 1
+                                                                   else ""))
+    TRACE.info("%s: %s -> %s in %.2fs", host, shown, outcome, time.monotonic() - started)
+
+
 class Remote:
     """A live connection to one host. Not thread-safe for concurrent runs on the same object."""
 
@@ -687,6 +718,7 @@ class Remote:
             raise Unreachable(f"{self.host.name}: connection lost")
         return self._transport
 
+    @_traced
     def run(self, command: str, *, stdin: bytes | Iterable[bytes] | None = None, timeout: float | None = 120.0,
             cancel: threading.Event | None = None) -> RunResult:
         """Run one shell command; ``stdin`` (bytes, or chunks produced as they are sent) is streamed and
@@ -729,6 +761,7 @@ class Remote:
             self.run(":", timeout=timeout)  # a failure may be another run's doing: is the lock still ours?
         return RunResult(rc, stdout.decode(errors="replace"), stderr.decode(errors="replace"))
 
+    @_traced
     def start(self, command: str, timeout: float | None = 30.0) -> Process:
         """Start a command that keeps running (e.g. the lock holder); the caller reads and closes it."""
         try:

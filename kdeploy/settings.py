@@ -264,7 +264,9 @@ def _apply(path: Path, scope: str | None, change: Callable[[Level], None], servi
     level = _level(doc, old, scope)
     change(level)
     after, written = _write_out(doc, before)
-    new = inventory.parse(written, path)  # validate exactly as a load would, before writing anything
+    # validate exactly as a load would, before writing anything; an error names the key the edit made invalid,
+    # not a line: the edited text is not in the file (its line N is another line there)
+    new = inventory.parse(written, path, locate=lambda keys: f"{path}: not changed: {'.'.join(map(str, keys))}")
     return Edit(path, before, after, level.name, old, new, tuple(diff(original, doc)))
 
 

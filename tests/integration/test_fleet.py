@@ -135,20 +135,6 @@ def test_an_unreachable_host_does_not_stop_the_others(deployment: Deployment) ->
     assert "unreachable" in report.hosts[3].error
 
 
-def test_batch_and_canary_plans() -> None:
-    names = [f"h{i}" for i in range(1, 11)]
-    assert fleet.plan_batches(names, 1, 4) == [["h1"], names[1:5], names[5:9], names[9:]]
-    assert fleet.plan_batches(names, 0, 5) == [names[:5], names[5:]]
-    assert fleet.count("25%", 10, 3) == 3 and fleet.count("1%", 10, 3) == 1 and fleet.count(None, 10, 3) == 3
-    assert fleet.count("2", 10, 3) == 2
-    for bad in ("x", "-1", "0%", "150%"):
-        with pytest.raises(Exception, match="expected a count"):
-            fleet.count(bad, 10, 3)
-    fleet.check_counts(Options(batch="1", max_fail="0"))  # no failure tolerated: fine
-    with pytest.raises(Exception, match="--batch 0: a batch restarts at least one host"):
-        fleet.check_counts(Options(batch="0"))  # was taken as 1, silently
-
-
 @pytest.mark.hosts(8)
 def test_a_host_cut_off_mid_rollout_ends_unreachable_on_its_old_release(deployment: Deployment) -> None:
     assert deployment.kdeploy("push", "test", "--no-verify") == 0

@@ -75,7 +75,7 @@ def test_a_refusing_pre_host_skips_its_host_and_post_hooks_see_every_result(
     assert _release(deployment, "h1") == old["h1"]
     assert (seen / "h1").read_text() == f"rollback restored pre=ok release={old['h1']} previous={new['h1']}\n"
     assert (seen / "rollout").read_text().splitlines()[1] == "0||h1=restored"
-    assert "h1 pre_host: pre_host h1 batch\n" in capsys.readouterr().err  # no batches in a rollback
+    assert "h1 pre_host: pre_host h1 batch 1\n" in capsys.readouterr().err  # a rollback has batches too
 
 
 @pytest.mark.hosts(2)

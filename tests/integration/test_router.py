@@ -132,8 +132,9 @@ def test_failed_gate_keeps_the_host_out_until_its_rollback_passed(routed: Routed
 
     from kdeploy import fleet
     from kdeploy.deploy import Options
+    from kdeploy.policy import Policy
 
-    report = fleet.push(dep.load(), "test", Options(batch="1"), listener=watch)
+    report = fleet.push(dep.load(), "test", Options(policy=Policy(batch="1")), listener=watch)
     hosts = {h.host: h for h in report.hosts}
     assert hosts["h1"].result == "deployed" and hosts["h2"].result == "rolled_back", hosts["h2"].error
     assert report.exit_code == 4

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -178,3 +180,39 @@ def _push_repairs(deployment: Deployment, capsys: pytest.CaptureFixture[str], pl
     code, doc = deployment.json(capsys, "status", "test")
     assert code == 0 and doc["hosts"][0]["status"]["drift"] == [] and doc["hosts"][0]["status"]["active"] == "active"
     return result
+
+
+def _restarts(dep: Deployment, host: str, since: float) -> tuple[float, float]:
+    """(when systemd began stopping the service, when it had started it again) after ``since``, from the host's
+    journal: systemd's own job lines, with their timestamps."""
+    out = dep.sh(host, f"journalctl -u {dep.service} -o short-unix --no-pager --since @{int(since) - 1}")
+    stamps: dict[str, float] = {}
+    for line in out.splitlines():
+        words = line.split()
+        if len(words) > 3 and words[2].startswith("systemd[") and words[3] in ("Stopping", "Started") \
+                and float(words[0]) >= since:
+            stamps.setdefault(words[3], float(words[0]))
+    assert set(stamps) == {"Stopping", "Started"}, out
+    return stamps["Stopping"], stamps["Started"]
+
+
+@pytest.mark.hosts(3)
+def test_set_env_with_a_canary_and_batches_of_one_restarts_one_host_at_a_time(
+        deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """The rollout policy push has, on set-env (issue 28): checked from the hosts' journals, each host is stopped
+    only once the one before it has started again (and passed its gate). -v shows each SSH step."""
+    assert deployment.kdeploy("push", "test", "--no-verify") == 0
+    since = time.time()
+    capsys.readouterr()
+    assert deployment.kdeploy("set-env", "X=1", "--canary", "1", "--batch", "1", "-v") == 0
+    err = capsys.readouterr().err
+    windows = [_restarts(deployment, host, since) for host in ("h1", "h2", "h3")]
+    for (_, started), (stopping, _) in itertools.pairwise(windows):
+        assert stopping >= started, windows  # the next host waited for the previous one
+    assert all(stopping < started for stopping, started in windows)
+    assert re.search(r"^kdeploy: ssh h2: .+ -> exit 0 in \d+\.\d\ds$", err, re.MULTILINE), err
+    assert "X=1" in deployment.show("h3", "Environment")
+    # a canary larger than the hosts: refused before any change, naming the option
+    assert deployment.kdeploy("set-env", "X=2", "--canary", "4") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "kdeploy: --canary 4: only 3 hosts selected"
+    assert "X=1" in deployment.show("h1", "Environment") and deployment.load().hosts["h1"].service.env == {"X": "1"}

@@ -70,8 +70,9 @@ def test_ci_log_has_a_line_per_phase_then_a_plain_summary_and_clean_json(ci, cap
     stamp = r"\d\d:\d\d:\d\d"
     assert re.fullmatch(rf"{stamp} ct200 ready ok \d+\.\ds GET /health 200", lines[1])
     assert re.fullmatch(rf"{stamp} ct201 ready FAIL \d+\.\ds GET /health not 200 within 60s \(last: 503\)", lines[4])
-    assert re.fullmatch(rf"{stamp} ct201 done rolled_back GET /health not 200 .*", lines[5])
+    assert re.fullmatch(rf"{stamp} ct201 done rolled_back", lines[5])  # its error is on the FAIL line above
     assert "ct201 rolled_back release=- phase=ready" in err
+    assert err.count("GET /health not 200 within 60s") == 2  # the stream's FAIL line, the summary's host line
     assert "  ct201 | journal line" in err
     assert lines[-1] == "hosts=2, deployed=1, rolled_back=1; exit code 4"
 

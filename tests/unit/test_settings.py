@@ -348,7 +348,7 @@ def test_behind_a_router_the_rollout_and_the_way_back_take_one_host_at_a_time(
     batches: list[str | None] = []
 
     def rollout(inv: Inventory, names: list[str], local: dict, opts: Options, **_: object) -> Report:
-        batches.append(opts.batch)
+        batches.append(opts.policy.batch)
         ends = {"h1": "deployed", "h2": "rolled_back"} if len(batches) == 1 else {}
         return Report("push", [HostResult(n).finish(ends.get(n, "deployed")) for n in names])
 
