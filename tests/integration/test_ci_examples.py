@@ -247,3 +247,10 @@ def test_gitlab_pipeline_runs_in_gitlab_ci_local(deployment: Deployment, deploy_
     check_reports(artifacts if artifacts.exists() else cwd / "reports", "kdeploy-staging", deployment.hosts[:1], log)
     production = deployment.sh(deployment.hosts[1], f"systemctl is-active {deployment.service}", check=False)
     assert production.strip() != "active", "a manual job ran"
+    # The person's click on one region: that region's job deploys it (the canary alone), and only it.
+    log = gitlab_ci_local(cwd, env, *variables, "production: [region_eu]")
+    started = re.findall(r"^(.+?)\s+starting", log, re.MULTILINE)
+    assert started == ["production: [region_eu]"], started
+    artifacts = cwd / ".gitlab-ci-local" / "artifacts" / "production: [region_eu]" / "reports"
+    check_reports(artifacts if artifacts.exists() else cwd / "reports", "kdeploy-production-region_eu",
+                  deployment.hosts[1:], log)
