@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -209,6 +210,31 @@ def test_github_workflow_jobs_run_on_the_sandbox(deployment: Deployment, deploy_
     canary, other = deployment.hosts[1:]  # the canary is confirmed before the other host is switched
     assert log.index(f" {canary} confirm ok ") < log.index(f" {other} activate ok "), log
     assert "kdeploy push: passed" in (tmp_path / "runner" / "summary-production.md").read_text()
+    overlapping_shards_deploy_a_host_once(deployment, workflow, cwd, env, secrets)
+
+
+def overlapping_shards_deploy_a_host_once(dep: Deployment, workflow: dict, cwd: Path, env: dict[str, str],
+                                          secrets: dict[str, str]) -> None:
+    """Two shard jobs at once, the last host listed in both by mistake: kdeploy's per-host lock makes one job
+    wait for the other there; the host gets the new release once, and both jobs pass."""
+    shared = dep.hosts[-1]
+    yaml = YAML()
+    doc = yaml.load((cwd / "inventory.yaml").read_text())
+    doc["groups"]["region_us"]["hosts"] = [shared]
+    with (cwd / "inventory.yaml").open("w") as fh:
+        yaml.dump(doc, fh)
+    (dep.payload / "shards.txt").write_text("a change for both shards\n")
+    with ThreadPoolExecutor(2) as pool:
+        logs = list(pool.map(lambda shard: run_github_job(workflow, "production", cwd, env, secrets,
+                                                          matrix={"shard": shard}), ["region_eu", "region_us"]))
+    reports = [json.loads((cwd / "reports" / f"kdeploy-production-{s}.json").read_text())
+               for s in ("region_eu", "region_us")]
+    assert [r["exit_code"] for r in reports] == [0, 0], logs
+    shared_results = sorted(h["result"] for r in reports for h in r["hosts"] if h["host"] == shared)
+    assert shared_results == ["deployed", "unchanged"], logs
+    releases = {h["release"] for r in reports for h in r["hosts"] if h["host"] == shared}
+    assert len(releases) == 1 and dep.sh(shared, f"cat {dep.service_dir}/current/shards.txt") == \
+        "a change for both shards\n", releases
 
 
 def gitlab_ci_local(cwd: Path, env: dict[str, str], *args: str) -> str:
