@@ -2,8 +2,8 @@
 
 The jobs get the SSH keys and known_hosts from CI secrets/variables (the inventory names neither, nor the user),
 run with CI=true and no TTY, and must leave the JSON and JUnit reports; their logs must hold no ANSI escapes.
-The hosts: h1 is staging, h2 (and h3) production in the shard region_eu; each host has a read-only user
-``kdeploy-ro`` whose key the plan jobs get, and which cannot deploy.
+The hosts: h1 is staging, h2 (and h3) production in the shard region_eu; the jobs log in as root with a deploy
+key of their own, restricted in authorized_keys as docs/ci.md advises.
 """
 
 from __future__ import annotations
@@ -64,7 +64,6 @@ def test_github_workflow_passes_actionlint() -> None:
     bad = REPO / "tests" / "data" / "actionlint" / "bad-workflow.yml"  # the linter really runs: it finds this
     done = subprocess.run([*actionlint, str(bad)], capture_output=True, text=True, check=False)
     assert done.returncode == 1 and "no_such_field" in done.stdout, done.stdout + done.stderr
-
 
 
 def _summary_module() -> ModuleType:
@@ -202,6 +201,10 @@ def test_github_workflow_jobs_run_on_the_sandbox(deployment: Deployment, deploy_
         assert not ANSI.search(check_log)
     log = run_github_job(workflow, "staging", cwd, env, secrets)
     check_reports(cwd / "reports", "kdeploy-staging", deployment.hosts[:1], log)
+    fingerprint = subprocess.run(["ssh-keygen", "-l", "-f", str(deploy_key.with_suffix(".pub"))], capture_output=True,
+                                 text=True, check=True).stdout.split()[1]
+    logins = deployment.sh(deployment.hosts[0], "journalctl -q -o cat --no-pager | grep 'Accepted publickey'")
+    assert fingerprint in logins, logins  # the job logged in with the restricted key, not the sandbox's own
     assert f"| {deployment.hosts[0]} | deployed |" in (tmp_path / "runner" / "summary-staging.md").read_text()
     shard = jobs["production"]["strategy"]["matrix"]["shard"][0]
     log = run_github_job(workflow, "production", cwd, env, secrets, matrix={"shard": shard})
