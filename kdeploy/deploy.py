@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, ClassVar
 
-from kdeploy import gate, history, lock, probe, provisional, release, sshconfig, systemd
+from kdeploy import gate, history, lock, parity, probe, provisional, release, sshconfig, systemd
 from kdeploy import secrets as secret
 from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused, RemoteTimeout, Unreachable
 from kdeploy.gatespec import GateSpec, gate_spec, load_payload_gate
@@ -62,6 +62,8 @@ class Options:
     ssh_config: str | None = None  # --ssh-config: overrides KDEPLOY_SSH_CONFIG and the inventory's
     router_add_missing: bool = False  # a host the router does not know is registered after its deploy
     command: str | None = None  # what the lock and history record (the CLI's own command line; see recorded_command)
+    parity: bool = False  # verify --parity: compare the running release with its parity record
+    accept_parity_change: bool = False  # push: the served model changes, its answers become the new reference
 
 
 def recorded_command(opts: Options, verb: str) -> str:
@@ -246,6 +248,8 @@ class HostPush:
                                                  command=recorded_command(self.opts, "push"))
                 decision = self._decide(state)
                 phase.detail = f"lock taken; current {state.current or 'none'}; {state.unit.summary}"
+                if not decision.no_op:
+                    phase.detail += parity_change_check(host, state, local.spec, self.opts)
                 if decision.reasons:
                     phase.detail += "; " + "; ".join(decision.reasons)
                 if self.held.stale:
@@ -371,7 +375,8 @@ class HostPush:
                 activate_and_gate(remote, self.host, self.result, self.opts, target=target,
                                   install_unit=self.install_unit, pending=self.switch, spec=self.local.spec,
                                   previous_spec=self._spec_of(previous),
-                                  secrets=self.local.secrets if self.ship_secrets else None)
+                                  secrets=self.local.secrets if self.ship_secrets else None,
+                                  running=(self.state.current, self._spec_of(self.state.current)))
                 self.staged = None
 
             behind_router(remote, self.host, self.result, self.router, self.cancel, restart)
@@ -698,20 +703,94 @@ def confirm(remote: Remote, host: HostConfig, result: HostResult, pending: provi
 def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts: Options, *, target: str,
                       install_unit: bool, pending: provisional.Pending, spec: GateSpec,
                       previous_spec: GateSpec, secrets: secret.Secrets | None = None,
-                      success: Result = Result.DEPLOYED) -> None:
+                      success: Result = Result.DEPLOYED,
+                      running: tuple[str | None, GateSpec] | None = None) -> None:
     """Switch to ``target`` (and ``secrets``) provisionally, restart, gate, confirm and end ``success``; on a
-    failed gate go back to the last confirmed release (``pending.previous``) and secrets by itself."""
+    failed gate go back to the last confirmed release (``pending.previous``) and secrets by itself.
+    ``running``: the release that serves now and its spec, whose answers the parity phase compares with."""
     result.attempted = target
+    baseline = parity_baseline(remote, host, result, spec, target, running) if opts.verify else None
     try:
         old = _activate(remote, host, result, target, install_unit, pending, secrets=secrets)
         started = restart_and_follow(remote, host, result, old, host.service.unit.timeout_stop_sec + 60)
-        if opts.verify:
-            gate.run_gate(remote, spec, result, release=target, started=started)
+        record = gate.run_gate(remote, spec, result, release=target, started=started,
+                               baseline=baseline) if opts.verify else None
     except (PhaseFailed, RemoteTimeout) as exc:
         rollback_after_failure(remote, host, result, opts, pending, getattr(exc, "detail", str(exc)), previous_spec)
         return
     confirm(remote, host, result, pending)
+    keep_parity_record(remote, host, result, target, record)
     result.finish(success)
+
+
+def parity_change_check(host: HostConfig, state: HostState, spec: GateSpec, opts: Options) -> str:
+    """Refuse (exit 7) a push that changes the served model without ``--accept-parity-change``: the old
+    release's answers say nothing about another model's. Returns words for the preflight phase."""
+    before = state.gates.get(state.current or "")
+    if spec.parity is None or before is None or before.model == spec.model:
+        return ""
+    if not opts.accept_parity_change:
+        raise PreflightRefused(f"{host.name}: the served model changes from {before.model!r} to {spec.model!r}: "
+                               f"its answers cannot be compared with {state.current}'s; push with "
+                               "--accept-parity-change to take the new model's answers as the parity reference")
+    return f"; model {before.model!r} -> {spec.model!r}: parity reference replaced (--accept-parity-change)"
+
+
+def parity_baseline(remote: Remote, host: HostConfig, result: HostResult, spec: GateSpec, target: str,
+                    running: tuple[str | None, GateSpec] | None) -> parity.Baseline | None:
+    """Before the switch: what the parity phase will compare with. ``target``'s own record when it has one
+    (a release deployed before, or a rollback); else the running release's record, or its answers captured
+    now; nothing on a first deploy, a model change, or a service that does not answer (the phase then
+    only records: an old release that does not serve must not hold its fix back)."""
+    golden = spec.parity
+    if golden is None:
+        return None
+    sdir = service_dir(host.service)
+    with result.phase("parity-baseline") as phase:
+        own = parity.read_record(remote, sdir, target)
+        if parity.usable(own, golden, spec.model):
+            phase.detail = f"{target}'s own record of {own.captured}"
+            return parity.Baseline(own, phase.detail)
+        if running is None:
+            phase.detail = f"no record of {target}: nothing to compare with"
+            return parity.Baseline(None, phase.detail)
+        current, current_spec = running
+        if current is None:
+            phase.detail = "first deploy: nothing to compare with"
+        elif current_spec.model != spec.model:
+            phase.detail = (f"model changed from {current_spec.model!r} (--accept-parity-change): "
+                            "nothing to compare with")
+        else:
+            stored = parity.read_record(remote, sdir, current)
+            if parity.usable(stored, golden, spec.model):
+                phase.detail = f"record of {current} of {stored.captured}"
+                return parity.Baseline(stored, phase.detail)
+            from kdeploy.tunnel import ServiceHttp
+
+            try:
+                with ServiceHttp(remote, current_spec.host, current_spec.port) as http:
+                    status = http.status(current_spec.ready_path)
+                    if status != 200:
+                        raise PhaseFailed(f"GET {current_spec.ready_path}: {status}")
+                    record = parity.capture(http, golden, spec.model, current)
+            except PhaseFailed as exc:
+                phase.detail = f"{current} does not answer ({exc.detail}): nothing to compare with"
+                return parity.Baseline(None, phase.detail)
+            keep_parity_record(remote, host, result, current, record)
+            phase.detail = f"captured from {current} (running): {len(record.samples)} prompts, kept beside it"
+            return parity.Baseline(record, f"answers of {current}")
+        return parity.Baseline(None, phase.detail)
+
+
+def keep_parity_record(remote: Remote, host: HostConfig, result: HostResult, release_id: str,
+                       record: parity.Record | None) -> None:
+    """After a confirmed deploy: the run's answers become its release's record (a later deploy reuses it)."""
+    if record is None:
+        return
+    try:
+        parity.write_record(remote, service_dir(host.service), release_id, record)
+    except (PhaseFailed, KdeployError) as exc:
+        result.log.append(f"parity record of {release_id} not kept: {getattr(exc, 'detail', exc)}")
 
 
 def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult, opts: Options,
@@ -743,7 +822,10 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
             with result.prefixed("rollback "):
                 old = _activate(remote, host, result, previous, True, again, restore=True)
                 started = restart_and_follow(remote, host, result, old, host.service.unit.timeout_stop_sec + 60)
-                gate.run_gate(remote, spec, result, release=previous, started=started)
+                own = parity.read_record(remote, service_dir(host.service), previous)
+                gate.run_gate(remote, spec, result, release=previous, started=started,
+                              baseline=parity.Baseline(own, f"{previous}'s own record")
+                              if spec.parity and parity.usable(own, spec.parity, spec.model) else None)
                 confirm(remote, host, result, again)
         except (PhaseFailed, KdeployError) as exc:
             _disarm(remote, host, result, again)
@@ -849,8 +931,17 @@ def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: H
         if running.pending:
             result.log.append(running.pending.describe())
         spec = _overridden(running.gate, opts) if running.gate else inventory_spec(inventory, host, opts)
+        baseline = None
+        if opts.parity:
+            if spec.parity is None:
+                raise InvalidInput(f"{host.name}: --parity: parity is off for this release (gate.parity: false)")
+            stored = parity.read_record(remote, service_dir(host.service), running.current)
+            baseline = parity.Baseline(stored if parity.usable(stored, spec.parity, spec.model) else None,
+                                       f"{running.current or 'nothing'} has no record of this golden set for "
+                                       f"model {spec.model!r} (deployed before parity, or by another set)",
+                                       required=True)
         try:
-            gate.run_gate(remote, spec, result, release=result.release)
+            gate.run_gate(remote, spec, result, release=result.release, baseline=baseline)
         except PhaseFailed as exc:
             result.finish("unhealthy", exc.detail)
             return
