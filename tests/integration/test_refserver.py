@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from kdeploy import analysis
+
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = REPO / "tests" / "data" / "testplugin"
 PLUGIN_RE = re.compile(r"^\[kdeploy-testplugin\] loaded pid=(\d+)$")
@@ -493,3 +495,6 @@ def test_logprobs_metrics_and_serving_faults(start):
     assert list(_samples(srv, "sglang:spec_accept_length").values()) == [pytest.approx(3.4)]
     assert list(_samples(srv, "sglang:gen_throughput")) == [
         '{model_name="/models/test-model",engine_type="unified",tp_rank="0",pp_rank="0",moe_ep_rank="0"}']
+    window = analysis.window({}, analysis.parse(srv.request("GET", "/metrics")[1].decode()))
+    assert (window.requests, window.errors, window.generated) == (3, 1, 9)
+    assert 0.2 < window.ttft.quantile(0.99) <= 0.4 and window.accept_length == pytest.approx(3.4)
