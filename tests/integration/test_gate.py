@@ -431,6 +431,11 @@ def test_parity_records_first_passes_within_tolerance_and_rolls_back_a_gross_log
     assert failed["data"]["gap"] > 0.1 and failed["data"]["token_before"] == failed["data"]["token_now"]
     assert phase(host, "rollback parity")["ok"]  # the release it went back to matches its own record
 
+    deployment.sh("h1", "rm " + record.format(dir=deployment.service_dir, release=second))
+    code, doc = deployment.json(capsys, "verify", "test", "--parity")
+    assert code == 4 and doc["hosts"][0]["result"] == "unhealthy", doc
+    assert failed_phase(doc["hosts"][0])["detail"].startswith(f"parity: no parity record to compare with: {second}")
+
     deployment.edit(lambda doc: doc["defaults"]["service"]["sglang"].update(served_model_name="other-model"))
     deployment.set_service(env={})
     code, doc = deployment.json(capsys, "push", "test")
