@@ -249,7 +249,8 @@ class HostPush:
                 decision = self._decide(state)
                 phase.detail = f"lock taken; current {state.current or 'none'}; {state.unit.summary}"
                 if not decision.no_op:
-                    phase.detail += parity_change_check(host, state, local.spec, self.opts)
+                    phase.detail += parity.model_change(host.name, state.current, state.gates.get(state.current or ""),
+                                                        local.spec, self.opts.accept_parity_change)
                 if decision.reasons:
                     phase.detail += "; " + "; ".join(decision.reasons)
                 if self.held.stale:
@@ -371,12 +372,14 @@ class HostPush:
             remote, target = self.remote, self.target
 
             def restart() -> None:  # the revert's deadline counts from here, not from before the drain
+                baseline = parity.baseline(remote, service_dir(self.host.service), self.result, self.local.spec,
+                                           target, (self.state.current, self._spec_of(self.state.current))
+                                           ) if self.opts.verify else None
                 self.switch = provisional.new_pending(previous, target, revert_after(self.host, self.local.spec))
                 activate_and_gate(remote, self.host, self.result, self.opts, target=target,
                                   install_unit=self.install_unit, pending=self.switch, spec=self.local.spec,
                                   previous_spec=self._spec_of(previous),
-                                  secrets=self.local.secrets if self.ship_secrets else None,
-                                  running=(self.state.current, self._spec_of(self.state.current)))
+                                  secrets=self.local.secrets if self.ship_secrets else None, baseline=baseline)
                 self.staged = None
 
             behind_router(remote, self.host, self.result, self.router, self.cancel, restart)
@@ -703,13 +706,11 @@ def confirm(remote: Remote, host: HostConfig, result: HostResult, pending: provi
 def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts: Options, *, target: str,
                       install_unit: bool, pending: provisional.Pending, spec: GateSpec,
                       previous_spec: GateSpec, secrets: secret.Secrets | None = None,
-                      success: Result = Result.DEPLOYED,
-                      running: tuple[str | None, GateSpec] | None = None) -> None:
+                      success: Result = Result.DEPLOYED, baseline: parity.Baseline | None = None) -> None:
     """Switch to ``target`` (and ``secrets``) provisionally, restart, gate, confirm and end ``success``; on a
     failed gate go back to the last confirmed release (``pending.previous``) and secrets by itself.
-    ``running``: the release that serves now and its spec, whose answers the parity phase compares with."""
+    ``baseline``: what the gate's parity phase compares with (taken before the switch)."""
     result.attempted = target
-    baseline = parity_baseline(remote, host, result, spec, target, running) if opts.verify else None
     try:
         old = _activate(remote, host, result, target, install_unit, pending, secrets=secrets)
         started = restart_and_follow(remote, host, result, old, host.service.unit.timeout_stop_sec + 60)
@@ -719,78 +720,8 @@ def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts
         rollback_after_failure(remote, host, result, opts, pending, getattr(exc, "detail", str(exc)), previous_spec)
         return
     confirm(remote, host, result, pending)
-    keep_parity_record(remote, host, result, target, record)
+    parity.keep(remote, service_dir(host.service), result, target, record)
     result.finish(success)
-
-
-def parity_change_check(host: HostConfig, state: HostState, spec: GateSpec, opts: Options) -> str:
-    """Refuse (exit 7) a push that changes the served model without ``--accept-parity-change``: the old
-    release's answers say nothing about another model's. Returns words for the preflight phase."""
-    before = state.gates.get(state.current or "")
-    if spec.parity is None or before is None or before.model == spec.model:
-        return ""
-    if not opts.accept_parity_change:
-        raise PreflightRefused(f"{host.name}: the served model changes from {before.model!r} to {spec.model!r}: "
-                               f"its answers cannot be compared with {state.current}'s; push with "
-                               "--accept-parity-change to take the new model's answers as the parity reference")
-    return f"; model {before.model!r} -> {spec.model!r}: parity reference replaced (--accept-parity-change)"
-
-
-def parity_baseline(remote: Remote, host: HostConfig, result: HostResult, spec: GateSpec, target: str,
-                    running: tuple[str | None, GateSpec] | None) -> parity.Baseline | None:
-    """Before the switch: what the parity phase will compare with. ``target``'s own record when it has one
-    (a release deployed before, or a rollback); else the running release's record, or its answers captured
-    now; nothing on a first deploy, a model change, or a service that does not answer (the phase then
-    only records: an old release that does not serve must not hold its fix back)."""
-    golden = spec.parity
-    if golden is None:
-        return None
-    sdir = service_dir(host.service)
-    with result.phase("parity-baseline") as phase:
-        own = parity.read_record(remote, sdir, target)
-        if parity.usable(own, golden, spec.model):
-            phase.detail = f"{target}'s own record of {own.captured}"
-            return parity.Baseline(own, phase.detail)
-        if running is None:
-            phase.detail = f"no record of {target}: nothing to compare with"
-            return parity.Baseline(None, phase.detail)
-        current, current_spec = running
-        if current is None:
-            phase.detail = "first deploy: nothing to compare with"
-        elif current_spec.model != spec.model:
-            phase.detail = (f"model changed from {current_spec.model!r} (--accept-parity-change): "
-                            "nothing to compare with")
-        else:
-            stored = parity.read_record(remote, sdir, current)
-            if parity.usable(stored, golden, spec.model):
-                phase.detail = f"record of {current} of {stored.captured}"
-                return parity.Baseline(stored, phase.detail)
-            from kdeploy.tunnel import ServiceHttp
-
-            try:
-                with ServiceHttp(remote, current_spec.host, current_spec.port) as http:
-                    status = http.status(current_spec.ready_path)
-                    if status != 200:
-                        raise PhaseFailed(f"GET {current_spec.ready_path}: {status}")
-                    record = parity.capture(http, golden, spec.model, current)
-            except PhaseFailed as exc:
-                phase.detail = f"{current} does not answer ({exc.detail}): nothing to compare with"
-                return parity.Baseline(None, phase.detail)
-            keep_parity_record(remote, host, result, current, record)
-            phase.detail = f"captured from {current} (running): {len(record.samples)} prompts, kept beside it"
-            return parity.Baseline(record, f"answers of {current}")
-        return parity.Baseline(None, phase.detail)
-
-
-def keep_parity_record(remote: Remote, host: HostConfig, result: HostResult, release_id: str,
-                       record: parity.Record | None) -> None:
-    """After a confirmed deploy: the run's answers become its release's record (a later deploy reuses it)."""
-    if record is None:
-        return
-    try:
-        parity.write_record(remote, service_dir(host.service), release_id, record)
-    except (PhaseFailed, KdeployError) as exc:
-        result.log.append(f"parity record of {release_id} not kept: {getattr(exc, 'detail', exc)}")
 
 
 def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult, opts: Options,
@@ -822,10 +753,8 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
             with result.prefixed("rollback "):
                 old = _activate(remote, host, result, previous, True, again, restore=True)
                 started = restart_and_follow(remote, host, result, old, host.service.unit.timeout_stop_sec + 60)
-                own = parity.read_record(remote, service_dir(host.service), previous)
                 gate.run_gate(remote, spec, result, release=previous, started=started,
-                              baseline=parity.Baseline(own, f"{previous}'s own record")
-                              if spec.parity and parity.usable(own, spec.parity, spec.model) else None)
+                              baseline=parity.own_record(remote, service_dir(host.service), spec, previous))
                 confirm(remote, host, result, again)
         except (PhaseFailed, KdeployError) as exc:
             _disarm(remote, host, result, again)
@@ -906,10 +835,12 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
             previous = state.confirmed
 
             def restart() -> None:  # the revert's deadline counts from here, not from before the drain
+                spec = _overridden(state.gates.get(target, fallback), opts)
+                baseline = parity.baseline(remote, service_dir(host.service), result, spec, target, None)
                 activate_and_gate(remote, host, result, opts, target=target, install_unit=True,
                                   pending=provisional.new_pending(previous, target, revert_after(host, fallback)),
-                                  spec=_overridden(state.gates.get(target, fallback), opts),
-                                  previous_spec=state.gates.get(previous or "", fallback), success=Result.RESTORED)
+                                  spec=spec, previous_spec=state.gates.get(previous or "", fallback),
+                                  success=Result.RESTORED, baseline=baseline)
 
             behind_router(remote, host, result, router, threading.Event(), restart)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
@@ -935,11 +866,7 @@ def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: H
         if opts.parity:
             if spec.parity is None:
                 raise InvalidInput(f"{host.name}: --parity: parity is off for this release (gate.parity: false)")
-            stored = parity.read_record(remote, service_dir(host.service), running.current)
-            baseline = parity.Baseline(stored if parity.usable(stored, spec.parity, spec.model) else None,
-                                       f"{running.current or 'nothing'} has no record of this golden set for "
-                                       f"model {spec.model!r} (deployed before parity, or by another set)",
-                                       required=True)
+            baseline = parity.own_record(remote, service_dir(host.service), spec, running.current, required=True)
         try:
             gate.run_gate(remote, spec, result, release=result.release, baseline=baseline)
         except PhaseFailed as exc:

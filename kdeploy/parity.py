@@ -21,10 +21,13 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kdeploy.errors import KdeployError, PreflightRefused
 from kdeploy.report import PhaseFailed
 
 if TYPE_CHECKING:
+    from kdeploy.gatespec import GateSpec
     from kdeploy.remote import Remote
+    from kdeploy.report import HostResult
     from kdeploy.tunnel import ServiceHttp
 
 RECORD = ".kdeploy/parity.json"  # inside a release directory
@@ -235,3 +238,93 @@ def write_record(remote: Remote, service_dir: str, release_id: str, record: Reco
     out = remote.run(write_command(service_dir, release_id), stdin=record.model_dump_json().encode(), timeout=30)
     if not out.ok:
         raise PhaseFailed(f"could not keep the parity record of {release_id}: {out.last_error()}")
+
+
+def own_record(remote: Remote, service_dir: str, spec: GateSpec, release_id: str | None,
+               required: bool = False) -> Baseline | None:
+    """``release_id``'s own record as the baseline (a rollback's target, ``verify --parity``); without one,
+    no parity phase, or with ``required`` a phase that fails saying so."""
+    if spec.parity is None:
+        return None
+    stored = read_record(remote, service_dir, release_id)
+    if usable(stored, spec.parity, spec.model):
+        return Baseline(stored, f"{release_id}'s own record")
+    if not required:
+        return None
+    return Baseline(None, f"{release_id or 'nothing'} has no record of this golden set for model {spec.model!r} "
+                          "(deployed before parity, or with another set)", required=True)
+
+
+def model_change(host: str, current: str | None, before: GateSpec | None, spec: GateSpec, accept: bool) -> str:
+    """Refuse (exit 7) a push that changes the served model unless ``accept`` (``--accept-parity-change``):
+    the old release's answers say nothing about another model's. Words for the preflight phase."""
+    if spec.parity is None or before is None or before.model == spec.model:
+        return ""
+    if not accept:
+        raise PreflightRefused(f"{host}: the served model changes from {before.model!r} to {spec.model!r}: its "
+                               f"answers cannot be compared with {current}'s; push with --accept-parity-change to "
+                               "take the new model's answers as the parity reference")
+    return f"; model {before.model!r} -> {spec.model!r}: parity reference replaced (--accept-parity-change)"
+
+
+def baseline(remote: Remote, service_dir: str, result: HostResult, spec: GateSpec, target: str,
+             running: tuple[str | None, GateSpec] | None) -> Baseline | None:
+    """Phase ``parity-baseline``, before the switch: ``target``'s own record when it has one (a release
+    deployed before, a rollback); else the running release's (``running``: its id and spec) record, or its
+    answers captured now and kept beside it; nothing on a first deploy, a model change, or a service that
+    does not answer (the phase then only records: an old release that does not serve must not hold its
+    fix back)."""
+    golden = spec.parity
+    if golden is None:
+        return None
+    with result.phase("parity-baseline") as phase:
+        own = read_record(remote, service_dir, target)
+        if usable(own, golden, spec.model):
+            phase.detail = f"{target}'s own record of {own.captured}"
+            return Baseline(own, phase.detail)
+        current, current_spec = running or (None, spec)
+        if running is None:
+            phase.detail = f"no record of {target}: nothing to compare with"
+        elif current is None:
+            phase.detail = "first deploy: nothing to compare with"
+        elif current_spec.model != spec.model:
+            phase.detail = (f"model changed from {current_spec.model!r} (--accept-parity-change): "
+                            "nothing to compare with")
+        else:
+            stored = read_record(remote, service_dir, current)
+            if usable(stored, golden, spec.model):
+                phase.detail = f"record of {current} of {stored.captured}"
+                return Baseline(stored, phase.detail)
+            record, why = _capture_running(remote, current_spec, golden, spec.model, current)
+            if record is not None:
+                keep(remote, service_dir, result, current, record)
+                phase.detail = f"captured from {current} (running): {len(record.samples)} prompts, kept beside it"
+                return Baseline(record, f"answers of {current}")
+            phase.detail = f"{current} does not answer ({why}): nothing to compare with"
+        return Baseline(None, phase.detail)
+
+
+def _capture_running(remote: Remote, running: GateSpec, golden: ParitySpec, model: str,
+                     release: str) -> tuple[Record | None, str]:
+    """The running service's answers, or None and why it gave none."""
+    from kdeploy.tunnel import ServiceHttp  # httpx loads only when a gate runs
+
+    with ServiceHttp(remote, running.host, running.port) as http:
+        status = http.status(running.ready_path)
+        if status != 200:
+            return None, f"GET {running.ready_path}: {status}"
+        try:
+            return capture(http, golden, model, release), ""
+        except PhaseFailed as exc:
+            return None, exc.detail
+
+
+def keep(remote: Remote, service_dir: str, result: HostResult, release_id: str, record: Record | None) -> None:
+    """``record`` becomes ``release_id``'s (after a confirmed deploy, or a capture of the running release);
+    a failure to write it is logged, not fatal: the next deploy captures again."""
+    if record is None:
+        return
+    try:
+        write_record(remote, service_dir, release_id, record)
+    except (PhaseFailed, KdeployError) as exc:
+        result.log.append(f"parity record of {release_id} not kept: {getattr(exc, 'detail', exc)}")
