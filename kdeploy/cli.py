@@ -415,6 +415,9 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
          canary: CanaryOpt = 0, batch: BatchOpt = None, max_fail: MaxFailOpt = None,
          router_add_missing: Annotated[bool, typer.Option(
              "--router-add-missing", help="Register hosts the router does not know after their deploy.")] = False,
+         accept_parity_change: Annotated[bool, typer.Option(
+             "--accept-parity-change",
+             help="The served model changes: take its answers as the new parity reference.")] = False,
          limit: LimitOpt = None) -> None:
     """Ship the payload and unit, restart, gate; roll back by itself when the gate fails."""
     if dry_run:
@@ -423,7 +426,8 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
     ui = Ui(as_json, junit_path)
     opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
                     lock_wait=lock_wait, workers=workers, timeout=timeout, policy=_policy(canary, batch, max_fail),
-                    skip_preflight=skip_preflight, router_add_missing=router_add_missing, command=command_line(ctx))
+                    skip_preflight=skip_preflight, router_add_missing=router_add_missing,
+                    accept_parity_change=accept_parity_change, command=command_line(ctx))
     loaded = _load(inventory, service, target, limit)
     report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report, inventory=loaded)
@@ -469,10 +473,12 @@ def verify(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
            service: ServiceOpt = None, as_json: JsonOpt = False,
            junit_path: JunitOpt = None, workers: WorkersOpt = None, timeout: TimeoutOpt = None,
            accept_new_host_keys: AcceptOpt = False,
+           parity: Annotated[bool, typer.Option(
+               "--parity", help="Also compare the answers with the release's parity record.")] = False,
            parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, limit: LimitOpt = None) -> None:
     """Run the health gate against what runs now (exit 4 when unhealthy); changes nothing."""
     ui = Ui(as_json, junit_path)
-    opts = _options(workers=workers, timeout=timeout, accept_new_host_keys=accept_new_host_keys)
+    opts = _options(workers=workers, timeout=timeout, accept_new_host_keys=accept_new_host_keys, parity=parity)
     loaded = _load(inventory, service, target, limit)
     report = ui.run(lambda listener: fleet.verify(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report, lambda rep: _phases_table(ui, rep), table=False, inventory=loaded)

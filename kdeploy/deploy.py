@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, ClassVar
 
-from kdeploy import gate, history, lock, probe, provisional, release, sshconfig, systemd
+from kdeploy import gate, history, lock, parity, probe, provisional, release, sshconfig, systemd
 from kdeploy import secrets as secret
 from kdeploy.errors import InvalidInput, KdeployError, LockHeld, PreflightRefused, RemoteTimeout, Unreachable
 from kdeploy.gatespec import GateSpec, gate_spec, load_payload_gate
@@ -61,6 +61,8 @@ class Options:
     ssh_config: str | None = None  # --ssh-config: overrides KDEPLOY_SSH_CONFIG and the inventory's
     router_add_missing: bool = False  # a host the router does not know is registered after its deploy
     command: str | None = None  # what the lock and history record (the CLI's own command line; see recorded_command)
+    parity: bool = False  # verify --parity: compare the running release with its parity record
+    accept_parity_change: bool = False  # push: the served model changes, its answers become the new reference
 
 
 def recorded_command(opts: Options, verb: str) -> str:
@@ -245,6 +247,9 @@ class HostPush:
                                                  command=recorded_command(self.opts, "push"))
                 decision = self._decide(state)
                 phase.detail = f"lock taken; current {state.current or 'none'}; {state.unit.summary}"
+                if not decision.no_op:
+                    phase.detail += parity.model_change(host.name, state.current, state.gates.get(state.current or ""),
+                                                        local.spec, self.opts.accept_parity_change)
                 if decision.reasons:
                     phase.detail += "; " + "; ".join(decision.reasons)
                 if self.held.stale:
@@ -366,11 +371,14 @@ class HostPush:
             remote, target = self.remote, self.target
 
             def restart() -> None:  # the revert's deadline counts from here, not from before the drain
+                baseline = parity.baseline(remote, service_dir(self.host.service), self.result, self.local.spec,
+                                           target, (self.state.current, self._spec_of(self.state.current))
+                                           ) if self.opts.verify else None
                 self.switch = provisional.new_pending(previous, target, revert_after(self.host, self.local.spec))
                 activate_and_gate(remote, self.host, self.result, self.opts, target=target,
                                   install_unit=self.install_unit, pending=self.switch, spec=self.local.spec,
                                   previous_spec=self._spec_of(previous),
-                                  secrets=self.local.secrets if self.ship_secrets else None)
+                                  secrets=self.local.secrets if self.ship_secrets else None, baseline=baseline)
                 self.staged = None
 
             behind_router(remote, self.host, self.result, self.router, self.cancel, restart)
@@ -697,19 +705,21 @@ def confirm(remote: Remote, host: HostConfig, result: HostResult, pending: provi
 def activate_and_gate(remote: Remote, host: HostConfig, result: HostResult, opts: Options, *, target: str,
                       install_unit: bool, pending: provisional.Pending, spec: GateSpec,
                       previous_spec: GateSpec, secrets: secret.Secrets | None = None,
-                      success: Result = Result.DEPLOYED) -> None:
+                      success: Result = Result.DEPLOYED, baseline: parity.Baseline | None = None) -> None:
     """Switch to ``target`` (and ``secrets``) provisionally, restart, gate, confirm and end ``success``; on a
-    failed gate go back to the last confirmed release (``pending.previous``) and secrets by itself."""
+    failed gate go back to the last confirmed release (``pending.previous``) and secrets by itself.
+    ``baseline``: what the gate's parity phase compares with (taken before the switch)."""
     result.attempted = target
     try:
         old = _activate(remote, host, result, target, install_unit, pending, secrets=secrets)
         started = restart_and_follow(remote, host, result, old, host.service.unit.timeout_stop_sec + 60)
-        if opts.verify:
-            gate.run_gate(remote, spec, result, release=target, started=started)
+        record = gate.run_gate(remote, spec, result, release=target, started=started,
+                               baseline=baseline) if opts.verify else None
     except (PhaseFailed, RemoteTimeout) as exc:
         rollback_after_failure(remote, host, result, opts, pending, getattr(exc, "detail", str(exc)), previous_spec)
         return
     confirm(remote, host, result, pending)
+    parity.keep(remote, service_dir(host.service), result, target, record)
     result.finish(success)
 
 
@@ -742,7 +752,8 @@ def rollback_after_failure(remote: Remote, host: HostConfig, result: HostResult,
             with result.prefixed("rollback "):
                 old = _activate(remote, host, result, previous, True, again, restore=True)
                 started = restart_and_follow(remote, host, result, old, host.service.unit.timeout_stop_sec + 60)
-                gate.run_gate(remote, spec, result, release=previous, started=started)
+                gate.run_gate(remote, spec, result, release=previous, started=started,
+                              baseline=parity.own_record(remote, service_dir(host.service), spec, previous))
                 confirm(remote, host, result, again)
         except (PhaseFailed, KdeployError) as exc:
             _disarm(remote, host, result, again)
@@ -823,10 +834,12 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
             previous = state.confirmed
 
             def restart() -> None:  # the revert's deadline counts from here, not from before the drain
+                spec = _overridden(state.gates.get(target, fallback), opts)
+                baseline = parity.baseline(remote, service_dir(host.service), result, spec, target, None)
                 activate_and_gate(remote, host, result, opts, target=target, install_unit=True,
                                   pending=provisional.new_pending(previous, target, revert_after(host, fallback)),
-                                  spec=_overridden(state.gates.get(target, fallback), opts),
-                                  previous_spec=state.gates.get(previous or "", fallback), success=Result.RESTORED)
+                                  spec=spec, previous_spec=state.gates.get(previous or "", fallback),
+                                  success=Result.RESTORED, baseline=baseline)
 
             behind_router(remote, host, result, router, threading.Event(), restart)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
@@ -848,8 +861,13 @@ def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: H
         if running.pending:
             result.log.append(running.pending.describe())
         spec = _overridden(running.gate, opts) if running.gate else inventory_spec(inventory, host, opts)
+        baseline = None
+        if opts.parity:
+            if spec.parity is None:
+                raise InvalidInput(f"{host.name}: --parity: parity is off for this release (gate.parity: false)")
+            baseline = parity.own_record(remote, service_dir(host.service), spec, running.current, required=True)
         try:
-            gate.run_gate(remote, spec, result, release=result.release)
+            gate.run_gate(remote, spec, result, release=result.release, baseline=baseline)
         except PhaseFailed as exc:
             result.finish("unhealthy", exc.detail)
             return

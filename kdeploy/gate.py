@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kdeploy import systemd
+from kdeploy import parity, systemd
 from kdeploy.gatespec import GateSpec
 from kdeploy.remote import CONNECTION_PID, Process, Remote
 from kdeploy.report import HostResult, PhaseFailed
@@ -143,13 +143,16 @@ def _show(remote: Remote, unit: str) -> systemd.UnitState:
 
 
 def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str | None = None,
-             started: systemd.UnitState | None = None) -> None:
-    """Run the four phases; raises PhaseFailed at the first failing one.
+             started: systemd.UnitState | None = None,
+             baseline: parity.Baseline | None = None) -> parity.Record | None:
+    """Run the phases; raises PhaseFailed at the first failing one. Returns the run's parity record.
 
     ``started`` is the unit's state right after a restart (its invocation is the run under test); without
     it the gate reads the unit and checks whatever runs now. ``release``: the release every worker must
-    say it loaded (when the payload logs a config line).
+    say it loaded (when the payload logs a config line). ``baseline``: what the ``parity`` phase compares
+    the run with (no phase without it, or when the spec has no golden set).
     """
+    record = None
     from kdeploy import tunnel  # httpx loads only when a gate runs
 
     unit = spec.unit
@@ -217,11 +220,20 @@ def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str
                 answers.append(texts[0].strip())
             phase.detail = "; ".join(f"{a!r}" for a in answers) + " (x2, identical)"
 
+        if baseline is not None and spec.parity is not None:
+            with result.phase("parity") as phase:
+                record = parity.capture(http, spec.parity, spec.model, release)
+                verdict = parity.check(baseline, record, spec.parity)
+                phase.data = verdict.data
+                if not verdict.ok:
+                    raise PhaseFailed(f"parity: {verdict.detail}")
+                phase.detail = verdict.detail
+
     with result.phase("workers") as phase:
         markers = [*spec.markers, *([spec.config_line] if spec.config_line else [])]
         if not markers:
             phase.detail = "no markers configured"
-            return
+            return record
         marker_deadline = min(deadline, time.monotonic() + MARKER_GRACE)
         command = systemd.journal_command(invocation, grep=[*markers, RANK_LINE], first=STARTUP_RECORDS)
         while True:
@@ -233,7 +245,7 @@ def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str
             if verdict.ok:
                 phase.detail = verdict.detail + (f", config {' '.join(f'{k}={v}' for k, v in spec.config.items())}"
                                                  if spec.config_line else "")
-                return
+                return record
             if verdict.final or time.monotonic() > marker_deadline:
                 raise PhaseFailed(verdict.detail)
             time.sleep(interval)

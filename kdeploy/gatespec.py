@@ -16,7 +16,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kdeploy.errors import InvalidInput
-from kdeploy.inventory import Service
+from kdeploy.inventory import ParitySet, Service
+from kdeploy.parity import ParitySpec
 from kdeploy.render import unit_filename
 
 MANIFEST = "kdeploy-gate.json"
@@ -63,6 +64,7 @@ class PayloadGate(_Frozen):
     config_line: str | None = None
     settings: list[Setting] = []
     markers: list[Marker] = []
+    parity: ParitySet | None = None  # the payload's golden set (the inventory's `gate.parity` mapping wins)
 
     def config(self, env: dict[str, str]) -> dict[str, str]:
         """The canonical settings a worker must report for ``env``; bad values are invalid input."""
@@ -119,6 +121,7 @@ class GateSpec(_Frozen):
     config: dict[str, str] = {}
     timeout: float
     poll_interval: float
+    parity: ParitySpec | None = None  # None: no parity phase (turned off, or a release staged before it existed)
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -147,4 +150,19 @@ def gate_spec(service: Service, payload: PayloadGate | None, *, workers: int | N
         prompts=[Prompt(prompt=p.prompt, expect=p.expect) for p in service.gate.prompts],
         max_tokens=service.gate.max_tokens, workers=workers or service.workers, markers=markers,
         config_line=payload.config_line if payload else None, config=config,
-        timeout=timeout or service.gate_timeout, poll_interval=service.gate.poll_interval)
+        timeout=timeout or service.gate_timeout, poll_interval=service.gate.poll_interval,
+        parity=parity_spec(service, payload))
+
+
+def parity_spec(service: Service, payload: PayloadGate | None) -> ParitySpec | None:
+    """The golden set: the inventory's mapping, else the payload's, else the defaults; prompts default to
+    the gate's own."""
+    chosen = service.gate.parity
+    if chosen is False:
+        return None
+    if chosen is True:
+        chosen = payload.parity if payload and payload.parity else ParitySet()
+    return ParitySpec(prompts=chosen.prompts or [p.prompt for p in service.gate.prompts],
+                      max_tokens=chosen.max_tokens, top_logprobs=chosen.top_logprobs,
+                      match_tokens=min(chosen.match_tokens or chosen.max_tokens, chosen.max_tokens),
+                      logprob_tolerance=chosen.logprob_tolerance)

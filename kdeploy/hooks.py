@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import IO
 
 from kdeploy.errors import PreflightRefused
@@ -235,7 +235,7 @@ def post_rollout(inventory: Inventory, report: Report, echo: Echo = to_stderr,
         started = time.monotonic()
         out = execute(command, {**env, **rollout_env(inventory, report, names)}, cwd=str(inventory.base_dir),
                       timeout=timeout, stop=threading.Event(), label="post_rollout", echo=echo)
-        runs.append(asdict(Phase("post_rollout", out.ok, round(time.monotonic() - started, 3), out.detail)))
+        runs.append(Phase("post_rollout", out.ok, round(time.monotonic() - started, 3), out.detail).to_json())
         if not out.ok:
             echo(f"kdeploy: post_rollout hook failed: {out.detail}")
 

@@ -179,6 +179,19 @@ class GatePrompt(_Strict):
         return value
 
 
+class ParitySet(_Strict):
+    """The golden set of the gate's ``parity`` phase (docs/health-gate.md, output parity)."""
+
+    prompts: list[str] | None = _doc("prompts answered greedily by the release before and after the switch", None,
+                                     shown="the gate's `prompts`", min_length=1)
+    max_tokens: int = _doc("tokens generated per prompt", 8, gt=0, le=256)
+    top_logprobs: int = _doc("most likely tokens whose logprobs are recorded at each position", 5, ge=1, le=20)
+    match_tokens: int | None = _doc("leading positions whose greedy tokens must be the same", None, gt=0,
+                                    shown="`max_tokens`")
+    logprob_tolerance: float = _doc("largest difference allowed between a token's logprob before and after", 0.1,
+                                    gt=0, le=10)
+
+
 class Gate(_Strict):
     """What a healthy deploy must show; ``workers`` defaults to the service's TP size."""
 
@@ -193,6 +206,9 @@ class Gate(_Strict):
         "line is still checked); `[]` with a payload without a manifest skips the worker check", None,
         shown="what the payload's `kdeploy-gate.json` requires")
     ready_path: SafeStr = _doc("polled until it answers 200", "/health")
+    parity: ParitySet | bool = _doc(
+        "output parity against the release being replaced: greedy tokens and top-k logprobs of a golden set "
+        "(a mapping), `true` for the payload manifest's set or the defaults, `false` to turn it off", True)
     timeout: float | None = _doc("seconds the gate may take in total (`--timeout` overrides it)", None, gt=0,
                                  le=WEEK, shown="`unit.timeout_start_sec`")
     poll_interval: float = _doc("seconds between polls of the unit state, readiness and markers", 0.5, gt=0, le=30)

@@ -60,6 +60,10 @@ class Phase:
     ok: bool
     seconds: float
     detail: str
+    data: dict | None = None  # a phase's numbers for the JSON report (parity); left out when None
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "data" or v is not None}
 
 
 class PhaseFailed(Exception):
@@ -179,7 +183,7 @@ class HostResult:
 
     def as_json(self) -> dict:
         out = {"host": self.host, "ok": self.ok, "result": self.result, "release": self.release,
-               "phases": [asdict(p) for p in self.phases], "exit_code": self.exit_code, "error": self.error}
+               "phases": [p.to_json() for p in self.phases], "exit_code": self.exit_code, "error": self.error}
         if self.log:
             out["log"] = self.log
         for key in ("attempted", "restored", "traceback", "router"):

@@ -29,12 +29,16 @@ class _Doc(BaseModel):
 
 
 class PhaseDoc(_Doc):
-    name: str = Field(description="Phase name (connect, preflight, stage, activate, restart, unit, ready, "
-                                  "completion, workers, confirm, rollback, 'rollback <phase>', relock, "
-                                  "pre_host, post_host, ...).")
+    name: str = Field(description="Phase name (connect, preflight, stage, parity-baseline, activate, restart, "
+                                  "unit, ready, completion, parity, workers, confirm, rollback, 'rollback <phase>', "
+                                  "relock, pre_host, post_host, ...).")
     ok: bool = Field(description="Whether the phase passed.")
     seconds: float = Field(description="Wall time of the phase.")
     detail: str = Field(description="What the phase found, or why it failed (one line).")
+    data: dict[str, Any] | None = Field(None, description="The phase's numbers, where it has any (parity: "
+                                                          "prompts, positions, max_gap, tolerance, reference; "
+                                                          "on a mismatch prompt, position, token_before, "
+                                                          "token_now, gap); absent otherwise.")
 
 
 class PlanDoc(_Doc):
@@ -231,6 +235,10 @@ def reference_table(model: type[BaseModel], skip: tuple[str, ...] = (), prefix: 
         nested = typing.get_args(info.annotation) or (info.annotation,)
         if model is inventory.SGLang and inventory.Speculative in nested:
             rows += reference_table(inventory.Speculative, prefix=f"{name}.")
+            continue
+        if model is inventory.Gate and inventory.ParitySet in nested:
+            rows.append(f"| `{prefix}{name}` | mapping \\| bool | {_default_text(info)} | {info.description} |")
+            rows += reference_table(inventory.ParitySet, prefix=f"{prefix}{name}.")
             continue
         rows.append(f"| `{prefix}{name}` | {_type_text(info)} | {_default_text(info)} | {info.description} |")
     return rows

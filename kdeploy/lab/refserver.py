@@ -33,15 +33,27 @@ What it reproduces from SGLang, as far as a deploy tool can observe it:
   Readiness is logged as ``The server is fired up and ready to roll!``.
 * HTTP (bound at start, before the workers): ``GET /health``, ``/health_generate``, ``/ready``, ``/ping``
   -> 503 until ready, then 200 with an empty body; ``GET /v1/models``, ``/model_info``, ``/server_info``
-  (alias ``/get_server_info``); ``GET /metrics`` only with ``--enable-metrics`` (SGLang's gauges
-  ``sglang:num_running_reqs`` and ``sglang:num_queue_reqs`` with its labels, and the
-  ``sglang:num_requests_total`` counter); ``POST /v1/completions`` (OpenAI format, ``"stream": true`` as
-  server-sent events ending ``data: [DONE]``; 503 until ready; 400 on malformed input) and ``POST /generate``
-  (SGLang native, ``"stream": true`` likewise). Every generated token takes ``REFSERVER_TOKEN_DELAY``
-  seconds, so requests stay in flight as long as on a real server.
+  (alias ``/get_server_info``); ``GET /metrics`` only with ``--enable-metrics`` (see Metrics below);
+  ``POST /v1/completions`` (OpenAI format, ``"stream": true`` as server-sent events ending
+  ``data: [DONE]``; ``"logprobs": k`` as SGLang answers it: ``{tokens, token_logprobs, top_logprobs,
+  text_offset}`` with the k most likely tokens per position and text offsets -1; 503 until ready; 400 on
+  malformed input) and ``POST /generate`` (SGLang native, ``"stream": true`` likewise). Every generated
+  token takes ``REFSERVER_TOKEN_DELAY`` seconds, so requests stay in flight as long as on a real server.
   "The capital of France is" completes to " Paris. This is a well-known fact" (cut to ``max_tokens``
   whitespace tokens); other prompts get a pseudo-text derived from a hash of the prompt. Temperature 0 is
   deterministic; temperature > 0 is random (reproducible with ``seed``).
+* Logits: each position has a distribution over a small vocabulary (the words of the pseudo-text plus
+  the France answer's) whose greedy token leads the next one by at least 5 nats; the rest are derived from
+  a hash of the prompt and the position, so logprobs are deterministic and differ between prompts.
+* Metrics (``--enable-metrics``), with the names, label sets and bucket bounds of SGLang 0.5.23's
+  ``srt/observability/metrics_collector.py``: histograms ``sglang:time_to_first_token_seconds``,
+  ``sglang:e2e_request_latency_seconds`` (labels ``model_name, engine_type, is_streaming``),
+  ``sglang:inter_token_latency_seconds`` (``model_name, engine_type``) and ``sglang:queue_time_seconds``;
+  counters ``sglang:num_requests_total``, ``sglang:prompt_tokens_total``, ``sglang:generation_tokens_total``
+  (with ``is_streaming``), ``sglang:num_aborted_requests_total``; scheduler gauges (labels ``model_name,
+  engine_type, tp_rank, pp_rank, moe_ep_rank``) ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
+  ``sglang:gen_throughput`` and, with ``--speculative-algorithm``, ``sglang:spec_accept_length``,
+  ``sglang:spec_accept_rate`` and the counter ``sglang:spec_verify_calls_total``.
 * Supervision: if a worker dies, the main process logs the rank and exit code, stops the other workers
   and exits 1. SIGINT: stop the workers and exit 0.
 * SIGTERM drains, as SGLang 0.5.23's ``SignalHandler.sigterm_handler`` + ``TokenizerManager.sigterm_watchdog``
@@ -71,6 +83,18 @@ Fault switches (environment variables, read by the main process and inherited by
     Each generated token takes that long (streamed tokens are sent one by one, as they are made).
 ``REFSERVER_SHUTDOWN_POLL=<seconds>``
     The SIGTERM watchdog's period (SGLang: 5); tests shorten it.
+``REFSERVER_LOGIT_NOISE=<amplitude>``
+    Every logit gets a deterministic offset in [-amplitude, +amplitude] (a kernel that computes attention
+    slightly, or grossly, differently). Greedy tokens stay the argmax of the perturbed logits: below 2.5 the
+    text never changes (the greedy token leads by at least 5), only the logprobs move, by up to about
+    twice the amplitude.
+``REFSERVER_LATENCY=<seconds>``
+    Every generation request waits that long before its first token (time to first token grows).
+``REFSERVER_ERROR_RATE=<fraction>``
+    That fraction of generation requests answers HTTP 500, spread evenly and deterministically (with 0.01,
+    every 100th request), counted in ``sglang:num_aborted_requests_total``.
+``REFSERVER_SPEC_ACCEPT_LENGTH=<tokens>``
+    The ``sglang:spec_accept_length`` gauge a speculative server (``--speculative-algorithm``) exports.
 ``REFSERVER_IGNORE_SIGTERM=1``
     The main process and the workers ignore SIGTERM (a slow CUDA teardown; systemd SIGKILLs them after
     TimeoutStopSec). Workers still exit when the main process dies.
@@ -103,6 +127,10 @@ ENV_NONDETERMINISTIC = "REFSERVER_NONDETERMINISTIC"
 ENV_IGNORE_SIGTERM = "REFSERVER_IGNORE_SIGTERM"
 ENV_TOKEN_DELAY = "REFSERVER_TOKEN_DELAY"
 ENV_SHUTDOWN_POLL = "REFSERVER_SHUTDOWN_POLL"
+ENV_LOGIT_NOISE = "REFSERVER_LOGIT_NOISE"
+ENV_LATENCY = "REFSERVER_LATENCY"
+ENV_ERROR_RATE = "REFSERVER_ERROR_RATE"
+ENV_SPEC_ACCEPT_LENGTH = "REFSERVER_SPEC_ACCEPT_LENGTH"
 SHUTDOWN_POLL = 5.0  # SGLang's sigterm_watchdog sleeps 5 s between looks
 
 # Sizes of the Kimi-K2.5 INT4 TP8 service in the field notes, at mem_fraction_static=0.88.
@@ -396,30 +424,136 @@ def _word_tokens(text: str) -> list[str]:
     return text.split()
 
 
-def complete_text(prompt: str, max_tokens: int, temperature: float, seed: int | None) -> str:
-    """The completion for one prompt: whitespace tokens, at most ``max_tokens`` (before a fault word)."""
-    import hashlib
+def complete_tokens(prompt: str, max_tokens: int, temperature: float, seed: int | None,
+                    noise: float = 0.0) -> list[str]:
+    """The completion's whitespace tokens, at most ``max_tokens`` (before a fault word). At temperature 0
+    each is the argmax of its position's (maybe perturbed) logits."""
     import random
 
     if max_tokens <= 0:
-        return ""
-    if prompt.strip().endswith(FRANCE_PROMPT):
-        answer = WRONG_FRANCE_ANSWER if _env_flag(ENV_WRONG_ANSWER) else FRANCE_ANSWER
-        tokens = _word_tokens(answer)
-    else:
-        digest = hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).digest()
-        rng = random.Random(int.from_bytes(digest[:8], "big"))
-        tokens = [rng.choice(_WORDS) for _ in range(max_tokens)]
+        return []
+    tokens = _intended(prompt, max_tokens)
     if temperature > 0:  # sampled: keep the most likely first token, then wander
         rng = random.Random(f"{seed}:{prompt}") if seed is not None else random.Random()
         tokens = tokens[:1] + [rng.choice(_WORDS) for _ in range(max_tokens - 1)]
-    tokens = tokens[:max_tokens]
+    elif noise:
+        tokens = [max(logits.items(), key=lambda kv: kv[1])[0]
+                  for logits in (_logits(prompt, i, t, noise) for i, t in enumerate(tokens))]
     if temperature == 0 and _env_flag(ENV_NONDETERMINISTIC):
         tokens.append(f"{random.choice(_WORDS)}{random.randrange(10**6)}")
-    return " " + " ".join(tokens)
+    return tokens
+
+
+def complete_text(prompt: str, max_tokens: int, temperature: float, seed: int | None, noise: float = 0.0) -> str:
+    tokens = complete_tokens(prompt, max_tokens, temperature, seed, noise)
+    return " " + " ".join(tokens) if tokens else ""
+
+
+def _intended(prompt: str, max_tokens: int) -> list[str]:
+    """The unperturbed greedy tokens: the France answer, or pseudo-words from a hash of the prompt."""
+    import hashlib
+    import random
+
+    if prompt.strip().endswith(FRANCE_PROMPT):
+        answer = WRONG_FRANCE_ANSWER if _env_flag(ENV_WRONG_ANSWER) else FRANCE_ANSWER
+        return _word_tokens(answer)[:max_tokens]
+    digest = hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).digest()
+    rng = random.Random(int.from_bytes(digest[:8], "big"))
+    return [rng.choice(_WORDS) for _ in range(max_tokens)]
+
+
+def _unit(*parts: object) -> float:
+    """A deterministic number in [0, 1) from ``parts``."""
+    import hashlib
+
+    digest = hashlib.blake2b("\0".join(map(str, parts)).encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def _logits(prompt: str, position: int, greedy: str, noise: float = 0.0) -> dict[str, float]:
+    """Position ``position``'s logits over the vocabulary: ``greedy`` at 7..8, every other word at -4..2,
+    each then offset by up to ``noise`` either way (``REFSERVER_LOGIT_NOISE``)."""
+    vocab = dict.fromkeys((*_WORDS, *_word_tokens(FRANCE_ANSWER), *_word_tokens(WRONG_FRANCE_ANSWER), greedy))
+    logits = {w: (7.0 + _unit(prompt, position, w)) if w == greedy else (-4.0 + 6.0 * _unit(prompt, position, w))
+              for w in vocab}
+    if noise:
+        logits = {w: v + noise * (2.0 * _unit("noise", prompt, position, w) - 1.0) for w, v in logits.items()}
+    return logits
+
+
+def token_logprobs(prompt: str, tokens: list[str], top: int, noise: float = 0.0) -> dict:
+    """SGLang's OpenAI-style ``logprobs`` of a completion (``to_openai_style_logprobs``): per position the
+    chosen token's logprob and the ``top`` most likely tokens; text offsets are -1, as SGLang sends them."""
+    import math
+
+    intended = _intended(prompt, len(tokens))
+    out: dict = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for i, token in enumerate(tokens):
+        logits = _logits(prompt, i, intended[i] if i < len(intended) else token, noise)
+        peak = max(logits.values())
+        lse = peak + math.log(sum(math.exp(v - peak) for v in logits.values()))
+        logprob = {w: v - lse for w, v in logits.items()}
+        out["tokens"].append(" " + token)
+        out["token_logprobs"].append(logprob.get(token, -9999.0))
+        out["text_offset"].append(-1)
+        if top:
+            best = sorted(logprob.items(), key=lambda kv: -kv[1])[:top]
+            out["top_logprobs"].append({" " + w: v for w, v in best})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- HTTP
+
+# Bucket bounds of SGLang 0.5.23's TokenizerMetricsCollector / SchedulerMetricsCollector defaults.
+TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
+ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080, 0.100,
+               0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000)
+QUEUE_BUCKETS = (0.000, 0.001, 0.005, 0.010, 0.050, 0.100, 0.200, 0.500, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60,
+                 70, 80, 90, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1200, 1400, 1600, 1800, 2000, 2500,
+                 3000)
+THROUGHPUT_WINDOW = 10.0  # seconds of generated tokens behind sglang:gen_throughput
+
+
+class _Histogram:
+    """Cumulative buckets, count and sum per label set, as prometheus_client keeps them."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple):
+        self.name, self.doc, self.bounds = name, doc, buckets
+        self.series: dict[str, list] = {}  # labels text -> [bucket counts..., count, sum]
+
+    def observe(self, labels: str, value: float) -> None:
+        row = self.series.setdefault(labels, [0] * (len(self.bounds) + 1) + [0.0])
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                row[i] += 1
+        row[len(self.bounds)] += 1
+        row[-1] += value
+
+    def text(self) -> str:
+        lines = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} histogram"]
+        for labels, row in self.series.items():
+            n = len(self.bounds)
+            for i, bound in enumerate(self.bounds):
+                lines.append(f'{self.name}_bucket{{{labels},le="{float(bound)}"}} {float(row[i])}')
+            lines.append(f'{self.name}_bucket{{{labels},le="+Inf"}} {float(row[n])}')
+            lines.append(f"{self.name}_count{{{labels}}} {float(row[n])}")
+            lines.append(f"{self.name}_sum{{{labels}}} {row[-1]}")
+        return "\n".join(lines) + "\n"
+
+
+class _Request:
+    """One generation request's timing, observed into the metrics when it ends."""
+
+    def __init__(self, streaming: bool):
+        self.streaming = streaming
+        self.start = time.monotonic()
+        self.token_times: list[float] = []
+        self.prompt_tokens = 0
+
+    def token(self) -> None:
+        self.token_times.append(time.monotonic())
+
 
 class _State:
     def __init__(self, args, unknown: list[str]):
@@ -434,34 +568,122 @@ class _State:
         self.running = 0  # generation requests in flight (sglang:num_running_reqs)
         self.lock = threading.Lock()
         self.token_delay = max(0.0, _env_float(ENV_TOKEN_DELAY) or 0.0)
+        self.latency = max(0.0, _env_float(ENV_LATENCY) or 0.0)
+        self.noise = abs(_env_float(ENV_LOGIT_NOISE) or 0.0)
+        self.error_rate = min(1.0, max(0.0, _env_float(ENV_ERROR_RATE) or 0.0))
+        self.arrivals = 0  # generation requests received (the error schedule counts them)
+        self.aborted = 0
+        self.counters: dict[tuple[str, str], float] = {}  # (name, labels) -> value
+        self.recent_tokens: list[float] = []  # times of tokens made in the last THROUGHPUT_WINDOW
+        self.verify_calls = 0
+        self.ttft = _Histogram("sglang:time_to_first_token_seconds",
+                               "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = _Histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                              ITL_BUCKETS)
+        self.e2e = _Histogram("sglang:e2e_request_latency_seconds",
+                              "Histogram of End-to-end request latency in seconds", E2E_BUCKETS)
+        self.queue = _Histogram("sglang:queue_time_seconds", "Histogram of queueing time in seconds.", QUEUE_BUCKETS)
+
+    def fails_next(self) -> bool:
+        """Whether the next generation request is one of the ``REFSERVER_ERROR_RATE`` share that fails:
+        request n fails when floor((n + 1) * rate) > floor(n * rate), an exact, even spread."""
+        with self.lock:
+            n = self.arrivals
+            self.arrivals += 1
+            fail = int((n + 1) * self.error_rate) > int(n * self.error_rate)
+            if fail:
+                self.aborted += 1
+            return fail
 
     @contextlib.contextmanager
-    def in_flight(self):
-        """Count one generation request as running for as long as it is served (stream included)."""
+    def in_flight(self, streaming: bool = False):
+        """Count one generation request as running for as long as it is served (stream included), then
+        observe its latencies and token counts."""
         with self.lock:
             self.running += 1
+        request = _Request(streaming)
         try:
-            yield
+            yield request
         finally:
             with self.lock:
                 self.running -= 1
                 self.requests += 1
+                self._observe(request)
+
+    def _labels(self, streaming: bool | None = None) -> str:
+        """Tokenizer metric labels (``tokenizer_metric_labels()``), with ``is_streaming`` where SGLang adds it."""
+        text = f'model_name="{self.args.served_model_name}",engine_type="unified"'
+        return text if streaming is None else text + f',is_streaming="{"true" if streaming else "false"}"'
+
+    def _scheduler_labels(self) -> str:
+        return (f'model_name="{self.args.served_model_name}",engine_type="unified",tp_rank="0",pp_rank="0",'
+                'moe_ep_rank="0"')
+
+    def _count(self, name: str, labels: str, value: float) -> None:
+        self.counters[(name, labels)] = self.counters.get((name, labels), 0.0) + value
+
+    def _observe(self, request: _Request) -> None:
+        """(under the lock) What SGLang's tokenizer manager records when a request finishes."""
+        import itertools
+
+        end = time.monotonic()
+        times = request.token_times
+        stream = self._labels(request.streaming)
+        self._count("sglang:num_requests_total", stream, 1)
+        self._count("sglang:prompt_tokens_total", stream, request.prompt_tokens)
+        self._count("sglang:generation_tokens_total", stream, len(times))
+        self.queue.observe(self._scheduler_labels(), 0.0)
+        if times:
+            self.ttft.observe(stream, times[0] - request.start)
+            for before, after in itertools.pairwise(times):
+                self.itl.observe(self._labels(), after - before)
+            self.recent_tokens = [t for t in self.recent_tokens if t > end - THROUGHPUT_WINDOW] + times
+            self.verify_calls += len(times)
+        self.e2e.observe(stream, end - request.start)
 
     def metrics(self) -> str:
         """Prometheus text with SGLang's names and labels (sglang/srt/observability/metrics_collector.py)."""
         a = self.args
-        labels = (f'model_name="{a.served_model_name}",engine_type="unified",tp_rank="0",pp_rank="0"')
+        sched = self._scheduler_labels()
         with self.lock:
-            running, total = self.running, self.requests
-        return ("# HELP sglang:num_running_reqs The number of running requests.\n"
-                "# TYPE sglang:num_running_reqs gauge\n"
-                f"sglang:num_running_reqs{{{labels}}} {running}.0\n"
-                "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n"
-                "# TYPE sglang:num_queue_reqs gauge\n"
-                f"sglang:num_queue_reqs{{{labels}}} 0.0\n"
-                "# HELP sglang:num_requests_total Number of requests processed.\n"
-                "# TYPE sglang:num_requests_total counter\n"
-                f'sglang:num_requests_total{{model_name="{a.served_model_name}"}} {total}.0\n')
+            now = time.monotonic()
+            throughput = sum(1 for t in self.recent_tokens if t > now - THROUGHPUT_WINDOW) / THROUGHPUT_WINDOW
+            out = ["# HELP sglang:num_running_reqs The number of running requests.",
+                   "# TYPE sglang:num_running_reqs gauge",
+                   f"sglang:num_running_reqs{{{sched}}} {float(self.running)}",
+                   "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.",
+                   "# TYPE sglang:num_queue_reqs gauge",
+                   f"sglang:num_queue_reqs{{{sched}}} 0.0",
+                   "# HELP sglang:gen_throughput The generation throughput (token/s).",
+                   "# TYPE sglang:gen_throughput gauge",
+                   f"sglang:gen_throughput{{{sched}}} {throughput}"]
+            if a.speculative_algorithm:
+                accept = _env_float(ENV_SPEC_ACCEPT_LENGTH) or 1.0 + 0.8 * (a.speculative_num_steps or 3)
+                steps = a.speculative_num_steps or 3
+                out += ["# HELP sglang:spec_accept_length Mean acceptance length of speculative decoding "
+                        "(accepted drafts + bonus token per forward).",
+                        "# TYPE sglang:spec_accept_length gauge",
+                        f"sglang:spec_accept_length{{{sched}}} {accept}",
+                        "# HELP sglang:spec_accept_rate Speculative acceptance rate (`accepted drafts / proposed "
+                        "drafts` in batch).",
+                        "# TYPE sglang:spec_accept_rate gauge",
+                        f"sglang:spec_accept_rate{{{sched}}} {max(0.0, min(1.0, (accept - 1.0) / steps))}",
+                        "# HELP sglang:spec_verify_calls_total Number of speculative decoding verification calls.",
+                        "# TYPE sglang:spec_verify_calls_total counter",
+                        f"sglang:spec_verify_calls_total{{{self._labels()}}} {float(self.verify_calls)}"]
+            docs = {"sglang:num_requests_total": "Number of requests processed.",
+                    "sglang:prompt_tokens_total": "Number of prefill tokens processed.",
+                    "sglang:generation_tokens_total": "Number of generation tokens processed."}
+            for name, doc in docs.items():
+                out += [f"# HELP {name} {doc}", f"# TYPE {name} counter"]
+                for streaming in (False, True):
+                    labels = self._labels(streaming)
+                    out.append(f"{name}{{{labels}}} {self.counters.get((name, labels), 0.0)}")
+            out += ["# HELP sglang:num_aborted_requests_total Number of requests aborted.",
+                    "# TYPE sglang:num_aborted_requests_total counter",
+                    f"sglang:num_aborted_requests_total{{{self._labels()}}} {float(self.aborted)}"]
+            text = "\n".join(out) + "\n"
+            return text + "".join(h.text() for h in (self.ttft, self.itl, self.e2e, self.queue))
 
 
 def _make_handler(state: _State):
@@ -558,12 +780,16 @@ def _make_handler(state: _State):
             if not state.ready.is_set():
                 self._error(503, "The server is not ready yet", "ServiceUnavailableError")
                 return
+            if state.fails_next():
+                self._error(500, f"Internal server error ({ENV_ERROR_RATE}={state.error_rate:g})",
+                            "InternalServerError")
+                return
             try:
-                with state.in_flight():
+                with state.in_flight(bool(body.get("stream"))) as request:
                     if path == "/v1/completions":
-                        self._completions(body)
+                        self._completions(body, request)
                     else:
-                        self._generate(body)
+                        self._generate(body, request)
             except ValueError as exc:
                 self._error(400, str(exc), "BadRequestError")
 
@@ -617,48 +843,74 @@ def _make_handler(state: _State):
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
 
-        def _paced(self, text: str):
-            """The completion's tokens, each after ``REFSERVER_TOKEN_DELAY`` seconds."""
+        @staticmethod
+        def _paced(text: str, request: _Request):
+            """The completion's tokens, the first after ``REFSERVER_LATENCY``, each after
+            ``REFSERVER_TOKEN_DELAY`` seconds."""
+            if state.latency:
+                time.sleep(state.latency)
             for token in _word_tokens(text):
                 if state.token_delay:
                     time.sleep(state.token_delay)
+                request.token()
                 yield " " + token
 
-        def _completions(self, body: dict) -> None:
+        @staticmethod
+        def _top_logprobs(body: dict) -> int | None:
+            top = body.get("logprobs")
+            if top is None:
+                return None
+            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+                raise ValueError("logprobs must be an integer from 0 to 20")
+            return top
+
+        def _completions(self, body: dict, request: _Request) -> None:
             if "prompt" not in body:
                 raise ValueError("prompt is required")
             prompts = self._prompts(body["prompt"])
             max_tokens, temperature, seed = self._sampling(body, "max_tokens")
+            top = self._top_logprobs(body)
+            request.prompt_tokens = sum(len(_word_tokens(p)) for p in prompts)
             if self._stream(body, prompts):
                 rid, model = f"cmpl-{uuid.uuid4().hex}", state.args.served_model_name
-                text = complete_text(prompts[0], max_tokens, temperature, seed)
+                prompt = prompts[0]
+                text = complete_text(prompt, max_tokens, temperature, seed, state.noise)
+                tokens = _word_tokens(text)
 
-                def chunk(piece: str, finish: str | None) -> dict:
+                def chunk(i: int, piece: str, finish: str | None) -> dict:
+                    logprobs = None
+                    if top is not None and piece:
+                        full = token_logprobs(prompt, tokens[:i + 1], top, state.noise)
+                        logprobs = {k: v[i:] for k, v in full.items()}
                     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-                            "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish,
+                            "choices": [{"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": finish,
                                          "matched_stop": None}]}
 
-                self._events(itertools.chain((chunk(t, None) for t in self._paced(text)), [chunk("", "length")]))
+                self._events(itertools.chain((chunk(i, t, None) for i, t in enumerate(self._paced(text, request))),
+                                             [chunk(len(tokens), "", "length")]))
                 return
-            choices, prompt_tokens, completion_tokens = [], 0, 0
+            choices, completion_tokens = [], 0
             for i, prompt in enumerate(prompts):
-                text = "".join(self._paced(complete_text(prompt, max_tokens, temperature, seed)))
-                choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": "length",
-                                "matched_stop": None})
-                prompt_tokens += len(_word_tokens(prompt))
-                completion_tokens += len(_word_tokens(text))
+                text = "".join(self._paced(complete_text(prompt, max_tokens, temperature, seed, state.noise),
+                                           request))
+                tokens = _word_tokens(text)
+                choices.append({"index": i, "text": text,
+                                "logprobs": None if top is None else token_logprobs(prompt, tokens, top, state.noise),
+                                "finish_reason": "length", "matched_stop": None})
+                completion_tokens += len(tokens)
             self._json(200, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                              "created": int(time.time()), "model": state.args.served_model_name,
                              "choices": choices,
-                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                       "total_tokens": prompt_tokens + completion_tokens}})
+                             "usage": {"prompt_tokens": request.prompt_tokens, "completion_tokens": completion_tokens,
+                                       "total_tokens": request.prompt_tokens + completion_tokens}})
 
-        def _generate(self, body: dict) -> None:
+        def _generate(self, body: dict, request: _Request) -> None:
             params = body.get("sampling_params") or {}
             if not isinstance(params, dict):
                 raise ValueError("sampling_params must be an object")
             prompts = self._prompts(body.get("text", body.get("input_ids")))
             max_tokens, temperature, seed = self._sampling(params, "max_new_tokens")
+            request.prompt_tokens = sum(len(_word_tokens(p)) for p in prompts)
 
             def meta(prompt: str, text: str, done: bool) -> dict:
                 return {"id": rid, "prompt_tokens": len(_word_tokens(prompt)),
@@ -667,11 +919,12 @@ def _make_handler(state: _State):
 
             rid = uuid.uuid4().hex
             if self._stream(body, prompts):  # SGLang streams the text so far in every event
-                prompt, full = prompts[0], complete_text(prompts[0], max_tokens, temperature, seed)
+                prompt = prompts[0]
+                full = complete_text(prompt, max_tokens, temperature, seed, state.noise)
 
                 def events():
                     text = ""
-                    for piece in self._paced(full):
+                    for piece in self._paced(full, request):
                         text += piece
                         yield {"text": text, "meta_info": meta(prompt, text, text == full)}
 
@@ -679,7 +932,8 @@ def _make_handler(state: _State):
                 return
             out = []
             for prompt in prompts:
-                text = "".join(self._paced(complete_text(prompt, max_tokens, temperature, seed)))
+                text = "".join(self._paced(complete_text(prompt, max_tokens, temperature, seed, state.noise),
+                                           request))
                 out.append({"text": text, "meta_info": meta(prompt, text, True)})
             single = isinstance(body.get("text", body.get("input_ids")), str) or len(out) == 1
             self._json(200, out[0] if single else out)

@@ -390,3 +390,58 @@ def test_a_flag_value_the_payload_does_not_accept_is_invalid_input(deployment: D
     assert "KDTREE_DEFRAG_SORT='maybe': expected one of" in capsys.readouterr().err
     assert deployment.sh("h1", f"ls {deployment.service_dir} 2>&1", check=False).endswith(
         "No such file or directory\n")  # nothing touched
+
+
+def test_parity_records_first_passes_within_tolerance_and_rolls_back_a_gross_logit_change(
+        deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 29: the first deploy records the golden set's answers; a run whose logits move slightly passes;
+    one whose logits move grossly still answers "Paris" but fails the parity phase and is rolled back;
+    ``verify --parity`` compares on demand; a model change needs --accept-parity-change."""
+    record = "{dir}/releases/{release}/.kdeploy/parity.json"
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0, [(h["error"], h["phases"]) for h in doc["hosts"]]
+    host = doc["hosts"][0]
+    first = host["release"]
+    assert "first deploy" in phase(host, "parity-baseline")["detail"]
+    assert phase(host, "parity")["ok"] and "recorded 1 prompts x 8 tokens" in phase(host, "parity")["detail"]
+    kept = json.loads(deployment.sh("h1", "cat " + record.format(dir=deployment.service_dir, release=first)))
+    assert kept["release"] == first and kept["samples"][0]["tokens"][0] == " Paris."
+
+    deployment.set_service(env={"REFSERVER_LOGIT_NOISE": "0.01"})
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 0, [(h["error"], h["phases"]) for h in doc["hosts"]]
+    host = doc["hosts"][0]
+    second = host["release"]
+    assert phase(host, "parity-baseline")["detail"].startswith(f"record of {first}")
+    numbers = phase(host, "parity")["data"]
+    assert numbers["positions"] == 6 and 0 < numbers["max_gap"] <= 0.02 and numbers["reference"] == first
+
+    code, doc = deployment.json(capsys, "verify", "test", "--parity")
+    assert code == 0 and doc["hosts"][0]["result"] == "healthy", doc
+    assert phase(doc["hosts"][0], "parity")["data"]["reference"] == second
+
+    deployment.set_service(env={"REFSERVER_LOGIT_NOISE": "2"})
+    code, doc = deployment.json(capsys, "push", "test")
+    host = assert_rolled_back(deployment, code, doc, second)
+    assert "Paris" in phase(host, "completion")["detail"]  # the text alone would have passed
+    failed = failed_phase(host)
+    assert failed["name"] == "parity", failed
+    assert failed["detail"].startswith("parity: 'The capital of France is': position ")
+    assert "before," in failed["detail"] and "> tolerance 0.1" in failed["detail"]
+    assert failed["data"]["gap"] > 0.1 and failed["data"]["token_before"] == failed["data"]["token_now"]
+    assert phase(host, "rollback parity")["ok"]  # the release it went back to matches its own record
+
+    deployment.sh("h1", "rm " + record.format(dir=deployment.service_dir, release=second))
+    code, doc = deployment.json(capsys, "verify", "test", "--parity")
+    assert code == 4 and doc["hosts"][0]["result"] == "unhealthy", doc
+    assert failed_phase(doc["hosts"][0])["detail"].startswith(f"parity: no parity record to compare with: {second}")
+
+    deployment.edit(lambda doc: doc["defaults"]["service"]["sglang"].update(served_model_name="other-model"))
+    deployment.set_service(env={})
+    code, doc = deployment.json(capsys, "push", "test")
+    assert code == 7, doc
+    assert "served model changes from" in doc["hosts"][0]["error"]
+    assert "--accept-parity-change" in doc["hosts"][0]["error"] and current(deployment) == second
+    code, doc = deployment.json(capsys, "push", "test", "--accept-parity-change")
+    assert code == 0, [(h["error"], h["phases"]) for h in doc["hosts"]]
+    assert "model changed from" in phase(doc["hosts"][0], "parity-baseline")["detail"]

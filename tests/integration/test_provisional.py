@@ -209,7 +209,7 @@ def test_gate_failure_rolls_back_with_the_old_release_config(quick: Deployment,
     names = [p["name"] for p in host["phases"]]
     assert names[names.index("rollback"):] == [
         "rollback", "rollback activate", "rollback restart", "rollback unit", "rollback ready", "rollback completion",
-        "rollback workers", "rollback confirm"], names
+        "rollback parity", "rollback workers", "rollback confirm"], names
     workers = next(p for p in host["phases"] if p["name"] == "rollback workers")
     assert workers["ok"] and workers["detail"].startswith("1 markers x 8 workers"), workers
     assert host["release"] == old == _current(quick)

@@ -13,7 +13,8 @@ def test_first_push_deploys_and_gates_eight_workers(deployment: Deployment, caps
     host = doc["hosts"][0]
     assert host["result"] == "deployed"
     assert [p["name"] for p in host["phases"]] == [
-        "connect", "preflight", "stage", "activate", "restart", "unit", "ready", "completion", "workers", "confirm"]
+        "connect", "preflight", "stage", "parity-baseline", "activate", "restart", "unit", "ready", "completion",
+        "parity", "workers", "confirm"]
     assert all(p["ok"] for p in host["phases"])
     release = host["release"]
     d = deployment.service_dir

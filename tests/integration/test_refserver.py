@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from kdeploy import analysis
+
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = REPO / "tests" / "data" / "testplugin"
 PLUGIN_RE = re.compile(r"^\[kdeploy-testplugin\] loaded pid=(\d+)$")
@@ -391,6 +393,14 @@ def _gauges(srv: RefServer) -> dict[str, float]:
             for line in body.decode().splitlines() if line and not line.startswith("#")}
 
 
+def _samples(srv: RefServer, name: str) -> dict[str, float]:
+    """Every sample of metric ``name``: labels text -> value."""
+    status, body = srv.request("GET", "/metrics")
+    assert status == 200
+    return {line[len(name):].rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in body.decode().splitlines() if line.startswith(name + "{")}
+
+
 def test_streams_paced_tokens_and_counts_them_in_metrics(start):
     srv = start(tp=1, env={"REFSERVER_TOKEN_DELAY": "0.05"}, args=("--enable-metrics",))
     srv.wait_for(READY)
@@ -417,8 +427,8 @@ def test_streams_paced_tokens_and_counts_them_in_metrics(start):
     t0 = time.monotonic()
     assert srv.complete(max_tokens=4)["choices"][0]["text"] == " Paris. This is a"
     assert time.monotonic() - t0 >= 0.2  # non-streamed requests are paced too
-    gauges = _gauges(srv)
-    assert gauges["sglang:num_running_reqs"] == 0 and gauges["sglang:num_requests_total"] == 4
+    assert _gauges(srv)["sglang:num_running_reqs"] == 0
+    assert sum(_samples(srv, "sglang:num_requests_total").values()) == 4
 
 
 def test_sigterm_drains_in_flight_requests_like_sglang(start):
@@ -439,3 +449,52 @@ def test_sigterm_drains_in_flight_requests_like_sglang(start):
     client.join(5)
     assert len(got) == 1 and got[0][-1] == "[DONE]" and len(got[0]) == 42, got
     assert any("Remaining number of requests 1." in line for line in srv.text())
+
+
+def test_logprobs_metrics_and_serving_faults(start):
+    """Issue 29: ``logprobs: k`` in SGLang's shape, deterministic and moved by REFSERVER_LOGIT_NOISE (the text
+    stays); SGLang's histograms and counters with its labels; REFSERVER_LATENCY and REFSERVER_ERROR_RATE."""
+    srv = start(tp=1, env={"REFSERVER_LOGIT_NOISE": "2", "REFSERVER_LATENCY": "0.3", "REFSERVER_ERROR_RATE": "0.25"},
+                args=("--enable-metrics", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3"))
+    clean = start(tp=1)
+    srv.wait_for(READY)
+    clean.wait_for(READY)
+    body = {"prompt": FRANCE, "max_tokens": 3, "temperature": 0, "logprobs": 2}
+    status, raw = clean.request("POST", "/v1/completions", body)
+    assert status == 200
+    logprobs = json.loads(raw)["choices"][0]["logprobs"]
+    assert sorted(logprobs) == ["text_offset", "token_logprobs", "tokens", "top_logprobs"]
+    assert logprobs["tokens"] == [" Paris.", " This", " is"] and logprobs["text_offset"] == [-1, -1, -1]
+    assert [len(top) for top in logprobs["top_logprobs"]] == [2, 2, 2]
+    assert all(top[t] == lp and max(top.values()) == lp and lp < 0 for t, lp, top in zip(
+        logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True))
+    assert json.loads(clean.request("POST", "/v1/completions", body)[1])["choices"][0]["logprobs"] == logprobs
+    assert clean.request("POST", "/v1/completions", {**body, "logprobs": 99})[0] == 400
+
+    answers = []
+    for _ in range(4):  # error rate 1/4: exactly one of four requests fails
+        t0 = time.monotonic()
+        answers.append(srv.request("POST", "/v1/completions", body))
+        if answers[-1][0] == 200:
+            assert time.monotonic() - t0 >= 0.3  # REFSERVER_LATENCY before the first token
+    assert sorted(code for code, _ in answers) == [200, 200, 200, 500]
+    noisy = next(json.loads(raw)["choices"][0] for code, raw in answers if code == 200)
+    assert noisy["text"] == " Paris. This is"  # the greedy text survives a gross perturbation...
+    gaps = [abs(a - b) for a, b in zip(noisy["logprobs"]["token_logprobs"], logprobs["token_logprobs"], strict=True)]
+    assert max(gaps) > 0.1  # ...its logprobs do not
+
+    labels = '{model_name="/models/test-model",engine_type="unified",is_streaming="false"}'
+    assert _samples(srv, "sglang:num_requests_total")[labels] == 3
+    assert _samples(srv, "sglang:generation_tokens_total")[labels] == 9
+    assert _samples(srv, "sglang:num_aborted_requests_total") == {
+        '{model_name="/models/test-model",engine_type="unified"}': 1}
+    ttft = _samples(srv, "sglang:time_to_first_token_seconds_bucket")
+    assert ttft[labels[:-1] + ',le="0.2"}'] == 0 and ttft[labels[:-1] + ',le="0.4"}'] == 3
+    assert ttft[labels[:-1] + ',le="+Inf"}'] == 3
+    assert sum(_samples(srv, "sglang:inter_token_latency_seconds_count").values()) == 6
+    assert list(_samples(srv, "sglang:spec_accept_length").values()) == [pytest.approx(3.4)]
+    assert list(_samples(srv, "sglang:gen_throughput")) == [
+        '{model_name="/models/test-model",engine_type="unified",tp_rank="0",pp_rank="0",moe_ep_rank="0"}']
+    window = analysis.window({}, analysis.parse(srv.request("GET", "/metrics")[1].decode()))
+    assert (window.requests, window.errors, window.generated) == (3, 1, 9)
+    assert 0.2 < window.ttft.quantile(0.99) <= 0.4 and window.accept_length == pytest.approx(3.4)

@@ -4,11 +4,15 @@ markers once. Without sglang (Debian's python) the workers log that they skipped
 
 from __future__ import annotations
 
+import ast
 import re
 import socket
 import subprocess
 import time
+from pathlib import Path
 
+from kdeploy import analysis, parity
+from kdeploy.lab import refserver
 from tests.sglang.conftest import DEBIAN_PYTHON, REPO, run_python
 
 READY = "The server is fired up and ready to roll!"
@@ -71,3 +75,56 @@ def test_refserver_stays_stdlib_only_at_import():
             "heavy = [m for m in ('torch', 'sglang', 'numpy') if m in sys.modules]; print(heavy)")
     out = subprocess.run([DEBIAN_PYTHON, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _sglang_source(python: str, relative: str) -> str:
+    """A source file of the venv's sglang package, found without importing it."""
+    code = "import importlib.util; print(importlib.util.find_spec('sglang').submodule_search_locations[0])"
+    root = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    return (Path(root) / relative).read_text()
+
+
+def _class_fields(source: str, name: str) -> list[str]:
+    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == name)
+    return [item.target.id for item in node.body if isinstance(item, ast.AnnAssign)]
+
+
+def _histogram_buckets(source: str, name: str) -> tuple[float, ...]:
+    """The literal ``buckets=[...]`` of the ``Histogram(name=name, ...)`` call."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            kw = {k.arg: k.value for k in node.keywords}
+            if isinstance(kw.get("name"), ast.Constant) and kw["name"].value == name:
+                return tuple(float(ast.literal_eval(e)) for e in kw["buckets"].elts)
+    raise AssertionError(f"no histogram {name} in the source")
+
+
+def _list_literal(source: str, variable: str) -> tuple[float, ...]:
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == variable and isinstance(node.value, ast.List)):
+            return tuple(float(ast.literal_eval(e)) for e in node.value.elts)
+    raise AssertionError(f"no list {variable} in the source")
+
+
+def test_logprobs_shape_and_metric_families_are_sglangs(sglang_python: str):
+    """Issue 29: what the parity phase and canary analysis read from the reference server is what SGLang
+    0.5.23 itself defines: the completions ``LogProbs`` fields, the ``logprobs: int`` request field, and the
+    metric names and bucket bounds of its metrics collector."""
+    protocol = _sglang_source(sglang_python, "srt/entrypoints/openai/protocol.py")
+    assert sorted(_class_fields(protocol, "LogProbs")) == sorted(
+        refserver.token_logprobs("The capital of France is", ["Paris."], 2))
+    request = _class_fields(protocol, "CompletionRequest")
+    assert set(parity.request_body("m", "p", parity.ParitySpec(
+        prompts=["p"], max_tokens=8, top_logprobs=5, match_tokens=8, logprob_tolerance=0.1))) <= set(request)
+    collector = _sglang_source(sglang_python, "srt/observability/metrics_collector.py")
+    names = set(re.findall(r'name="(sglang:[a-z0-9_]+)"', collector))
+    exported = {analysis.TTFT, analysis.ITL, analysis.E2E, analysis.REQUESTS, analysis.ABORTED, analysis.GENERATED,
+                analysis.ACCEPT_LENGTH, "sglang:queue_time_seconds", "sglang:prompt_tokens_total",
+                "sglang:gen_throughput", "sglang:num_running_reqs", "sglang:num_queue_reqs",
+                "sglang:spec_accept_rate", "sglang:spec_verify_calls_total"}
+    assert exported <= names, exported - names
+    assert _list_literal(collector, "bucket_time_to_first_token") == refserver.TTFT_BUCKETS
+    assert _list_literal(collector, "bucket_inter_token_latency") == refserver.ITL_BUCKETS
+    assert _list_literal(collector, "bucket_e2e_request_latency") == refserver.E2E_BUCKETS
+    assert _histogram_buckets(collector, "sglang:queue_time_seconds") == refserver.QUEUE_BUCKETS
