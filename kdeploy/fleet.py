@@ -106,18 +106,22 @@ def plan_batches(names: list[str], canary: int, batch: int) -> list[list[str]]:
 
 def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opts: Options, *, parallel: int,
             listener: Listener | None = None, cancel: threading.Event | None = None,
-            command: str = "push") -> Report:
+            command: str = "push", pre_deploy: bool = True) -> Report:
     """Stage on every host in parallel, then restart canary and batches in turn, each gated before the next.
 
     A failing canary stops the rollout; more than ``max_fail`` failures stop new batches. Hosts that are
     not started end ``skipped`` with their staged release removed, so they are left as they were. A host
     holds its connection and lock only while one of its passes runs (``deploy.HostPush``), so at most
     ``parallel`` hosts are connected at once, however many there are (when all fit in ``parallel``, they
-    keep them between the passes). The inventory's ``pre_host`` hook runs right before a host's turn,
-    ``post_host`` once its outcome is known.
+    keep them between the passes). The inventory's ``pre_deploy`` hook runs first (unless ``pre_deploy`` is
+    False: the way back of a failed edit), ``pre_host`` right before a host's turn, ``post_host`` once its
+    outcome is known.
     """
     cancel = cancel or threading.Event()
     results = {name: HostResult(name, listener=listener) for name in names}
+    refused = _pre_deploy(inventory, command, names, results, cancel) if pre_deploy else None
+    if refused is not None:
+        return refused
     try:
         routers = open_routers(inventory, names, opts, max(opts.canary, count(opts.batch, len(names), parallel)),
                                results)
@@ -153,6 +157,16 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
         run_parallel([(results[n], partial(runner.post_host, s.host, results[n], s.state.current if s.state else None))
                       for n, s in steps.items()], parallel, runner.stop)
     return Report(command, [results[n] for n in names])
+
+
+def _pre_deploy(inventory: Inventory, command: str, names: list[str], results: dict[str, HostResult],
+                cancel: threading.Event) -> Report | None:
+    """Run the ``pre_deploy`` hooks before any host is touched; the report of the refused run when one failed."""
+    runs, failed = hooks.pre_deploy(inventory, command, names, cancel)
+    if failed is None:
+        return None
+    hooks.refuse_run(list(results.values()), failed)
+    return Report(command, [results[n] for n in names], {"pre_deploy": runs})
 
 
 def open_routers(inventory: Inventory, names: list[str], opts: Options, batch: int,
@@ -276,8 +290,12 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
     The inventory's hooks run as for a push: ``pre_host`` once the target is known, before the host changes."""
     opts = opts or Options()
     names = inventory.resolve(target)
-    routers = open_routers(inventory, names, opts, 1)
     cancel = threading.Event()
+    refused = _pre_deploy(inventory, "rollback", names, {n: HostResult(n, listener=listener) for n in names}, cancel)
+    if refused is not None:
+        hooks.post_rollout(inventory, refused)
+        return refused
+    routers = open_routers(inventory, names, opts, 1)
     runner = hooks.Runner(inventory, "rollback", cancel)
 
     def one(host: HostConfig, result: HostResult) -> None:
@@ -394,6 +412,7 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
         opts = replace(opts, batch="1")  # no --batch here: behind a router one host at a time, as rollback
     report = rollout(edit.new, names, local, opts, parallel=parallel, listener=listener,
                      cancel=cancel or threading.Event(), command=command)
+    facts.update(report.extra)  # the pre_deploy runs
     report.extra = facts
     if not report.ok:
         _revert(edit, report, opts, parallel, listener)
@@ -419,7 +438,8 @@ def _revert(edit: settings.Edit, report: Report, opts: Options, parallel: int, l
         try:
             names = edit.old.resolve(",".join(moved))
             back = rollout(edit.old, names, prepare(edit.old, names, back_opts), back_opts, parallel=parallel,
-                           listener=listener, cancel=threading.Event(), command=f"{report.command} revert").hosts
+                           listener=listener, cancel=threading.Event(), command=f"{report.command} revert",
+                           pre_deploy=False).hosts
         except KdeployError as exc:  # the old payload or template is gone or unreadable by now
             back = [HostResult(name).finish("failed", str(exc)) for name in moved]
         facts["inventory"]["restored_hosts"] = {h.host: h.result for h in back}

@@ -366,6 +366,10 @@ class Hooks(_Strict):
     """Local commands the controller runs around a rollout (docs/hooks.md): each is run with `/bin/sh -c` in
     the inventory file's directory, with `KDEPLOY_*` variables saying what is happening."""
 
+    pre_deploy: HookCommand | None = _doc(
+        "push, rollback, set-env/set: runs once per command before any host is touched (hosts that share the "
+        "command share one run, `KDEPLOY_HOSTS`); a non-zero exit or the timeout stops the whole run, every "
+        "host untouched, `preflight_refused` (exit 7)", None)
     pre_host: HookCommand | None = _doc(
         "push, rollback, set-env/set: runs right before kdeploy changes the host (before its drain and switch); "
         "a non-zero exit or the timeout leaves the host untouched, `preflight_refused` (exit 7)", None)
@@ -422,6 +426,7 @@ class Inventory:
     hosts: dict[str, HostConfig]
     groups: dict[str, list[str]]
     limit: tuple[str, ...] | None = None  # ``--limit``'s patterns: every TARGET is narrowed to them
+    source: Path | None = None  # an Ansible inventory: what ``-i`` named (``path`` is then the service file)
 
     @property
     def base_dir(self) -> Path:
@@ -513,12 +518,12 @@ def load(path: Path | str = DEFAULT_INVENTORY, service: Path | str | None = None
     service_path = Path(service) if service is not None else None
     if ansible.is_source(path):
         ansible.require_service(path, service_path)  # before a script runs
-        return ansible.load(ansible.read_source(path), service_path)
+        return replace(ansible.load(ansible.read_source(path), service_path), source=path)
     text = read_text(path)
     fmt, document = ansible.detect(path, text)
     if fmt is not None:
         ansible.require_service(path, service_path)
-        return ansible.load(ansible.read(path, text, fmt), service_path)
+        return replace(ansible.load(ansible.read(path, text, fmt), service_path), source=path)
     if service is not None:
         raise service_without_ansible(path)
     return parse(checked(document, text, path), path)

@@ -120,6 +120,8 @@ class ReportDoc(_Doc):
     hosts: list[HostDoc] = Field(description="One entry per host, in inventory order.")
     summary: dict[str, int] = Field(description="'hosts': the number of hosts, then the count of each result.")
     inventory: InventoryEditDoc | None = Field(default=None, description="set-env/set: the inventory edit.")
+    pre_deploy: list[PhaseDoc] | None = Field(default=None, description="push, rollback, set-env/set: each run "
+                                              "of an inventory's pre_deploy hook (docs/hooks.md).")
     post_rollout: list[PhaseDoc] | None = Field(default=None, description="push, rollback, set-env/set: each run "
                                                 "of an inventory's post_rollout hook (docs/hooks.md).")
 
