@@ -72,6 +72,12 @@ class LockDoc(_Doc):
     holder: LockHolderDoc | None = Field(description="Who holds it (null when free).")
 
 
+class ExecDoc(_Doc):
+    exit_status: int | None = Field(description="The command's exit status (null: stopped by --timeout).")
+    stdout: str = Field(description="Its standard output (the inventory's secrets masked as ***).")
+    stderr: str = Field(description="Its standard error (the inventory's secrets masked as ***).")
+
+
 class HostDoc(_Doc):
     host: str = Field(description="Host name from the inventory.")
     ok: bool = Field(description="Whether the host ended well (exit_code 0).")
@@ -92,6 +98,7 @@ class HostDoc(_Doc):
     history: list[dict[str, Any]] | None = Field(default=None, description="history: the host's raw history "
                                                                           "records, newest last.")
     lock: LockDoc | None = Field(default=None, description="lock status/release: the deploy lock.")
+    exec: ExecDoc | None = Field(default=None, description="exec: what the command left on the host.")
     probe: dict[str, Any] | None = Field(default=None, description="probe: what the service python offers the "
                                                                    "payload (see docs/payload.md).")
 

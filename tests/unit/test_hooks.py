@@ -206,9 +206,9 @@ def test_kdeploy_run_inside_a_hook_acts_on_the_hooks_inventory(tmp_path: Path) -
     report = Report("push", [HostResult(n).finish("deployed") for n in inv.hosts])
     env = {**hooks.base_env(os.environ, inv), **hooks.rollout_env(inv, report, list(inv.hosts))}
     lines: list[str] = []
-    out = hooks.execute(f'"{sys.executable}" -m kdeploy render "$(echo $KDEPLOY_HOSTS | tr " " ,)" | grep -c "^ExecStart="', env,
-                        cwd=str(tmp_path), timeout=60, stop=threading.Event(), label="post_rollout",
-                        echo=lines.append)
+    render = f'"{sys.executable}" -m kdeploy render "$(echo $KDEPLOY_HOSTS | tr " " ,)"'
+    out = hooks.execute(f'{render} | grep -c "^ExecStart="', env, cwd=str(tmp_path), timeout=60,
+                        stop=threading.Event(), label="post_rollout", echo=lines.append)
     assert out.ok, lines
     assert lines == [f"post_rollout: {len(inv.hosts)}"]
 
