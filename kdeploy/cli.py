@@ -611,6 +611,24 @@ def logs_(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, servi
     _exit(Report("logs", results))
 
 
+@app.command()
+def check(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None,
+          as_json: JsonOpt = False, limit: LimitOpt = None) -> None:
+    """Check everything a push needs that the controller can see, without SSH: units (and systemd-analyze
+    verify), payloads and their gate manifests, secrets set, hook scripts (docs/check.md)."""
+    from kdeploy import check as checks
+
+    ui = Ui(as_json)
+    report = checks.run(_load(inventory, service, target, limit), target)
+
+    def show(rep: Report) -> None:
+        for finding, hosts in checks.findings(rep):
+            ui.err.print(f"{finding} [{' '.join(hosts)}]", markup=False)
+
+    ui.report(report, show, table=False)
+    _exit(report)
+
+
 @app.command("exec")
 def exec_(target: Target,
           command: Annotated[list[str], typer.Argument(help="The command, after `--`: its words are joined by "

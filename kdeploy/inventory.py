@@ -11,7 +11,7 @@ import ipaddress
 import re
 import types
 import typing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -427,6 +427,14 @@ class Inventory:
     groups: dict[str, list[str]]
     limit: tuple[str, ...] | None = None  # ``--limit``'s patterns: every TARGET is narrowed to them
     source: Path | None = None  # an Ansible inventory: what ``-i`` named (``path`` is then the service file)
+    locator: typing.Callable[[str, tuple], str] | None = field(default=None, compare=False, repr=False)
+
+    def where(self, host: str, *key: str) -> str:
+        """``file:line: key.path`` of the layer that set ``key`` for ``host`` (the most specific one), for an
+        error about a value that is valid in itself (a payload directory that does not exist)."""
+        if self.locator is not None:
+            return self.locator(host, key)
+        return f"{self.path}: hosts.{host}.{'.'.join(key)}"
 
     @property
     def base_dir(self) -> Path:
@@ -610,7 +618,8 @@ def parse(raw: dict, path: Path, locate: typing.Callable[[tuple], str] | None = 
             errors.fail(_source(("router", "via"), host_layers[name]),
                         f"unknown host {via!r}{_suggest(via, list(hosts))}: the router is reached through a host "
                         "of this inventory")
-    return Inventory(path=path, hosts=hosts, groups=groups)
+    return Inventory(path=path, hosts=hosts, groups=groups,
+                     locator=lambda host, key: errors.locate(_source(key, host_layers[host])))
 
 
 class _Errors:

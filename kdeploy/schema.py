@@ -78,6 +78,11 @@ class ExecDoc(_Doc):
     stderr: str = Field(description="Its standard error (the inventory's secrets masked as ***).")
 
 
+class CheckDoc(_Doc):
+    findings: list[str] = Field(description="Every problem found for the host, each 'file:line: ...' (empty: ok).")
+    systemd_analyze: bool = Field(description="Whether the rendered unit went through systemd-analyze verify.")
+
+
 class HostDoc(_Doc):
     host: str = Field(description="Host name from the inventory.")
     ok: bool = Field(description="Whether the host ended well (exit_code 0).")
@@ -98,6 +103,7 @@ class HostDoc(_Doc):
     history: list[dict[str, Any]] | None = Field(default=None, description="history: the host's raw history "
                                                                           "records, newest last.")
     lock: LockDoc | None = Field(default=None, description="lock status/release: the deploy lock.")
+    check: CheckDoc | None = Field(default=None, description="check: what was found without SSH.")
     exec: ExecDoc | None = Field(default=None, description="exec: what the command left on the host.")
     probe: dict[str, Any] | None = Field(default=None, description="probe: what the service python offers the "
                                                                    "payload (see docs/payload.md).")
