@@ -171,13 +171,11 @@ class Checker:
         return found
 
 
-def run(inventory: Inventory, target: str | None, *, environ: Mapping[str, str] | None = None,
-        verify: Verifier | bool = True) -> Report:
-    """``kdeploy check``: one result per host, ``ok`` or ``invalid`` (exit 2) with every finding.
-    ``verify``: True runs ``systemd-analyze verify`` when it is installed, False never; a function replaces it."""
-    verifier = verify if callable(verify) else (
-        systemd_verify if verify and shutil.which("systemd-analyze") else None)
-    checker = Checker(inventory, dict(os.environ if environ is None else environ), verifier)
+def run(inventory: Inventory, target: str | None, *, environ: Mapping[str, str] | None = None) -> Report:
+    """``kdeploy check``: one result per host, ``ok`` or ``invalid`` (exit 2) with every finding; units go
+    through ``systemd-analyze verify`` when it is installed here."""
+    checker = Checker(inventory, dict(os.environ if environ is None else environ),
+                      systemd_verify if shutil.which("systemd-analyze") else None)
     results = []
     for name in inventory.resolve(target):
         result = HostResult(name)

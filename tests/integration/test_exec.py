@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from kdeploy import schema
 from tests.conftest import Deployment
 
 
@@ -52,6 +53,7 @@ def test_exec_runs_on_every_host_and_stops_what_it_started(deployment: Deploymen
         deployment.sh(hosts[1], "rm -f /tmp/kdeploy-exec-no")
     assert done.returncode == 8, done.stderr
     doc = json.loads(done.stdout)
+    schema.ReportDoc.model_validate(doc)
     by_host = {h["host"]: h for h in doc["hosts"]}
     assert (doc["command"], doc["exit_code"], doc["summary"]) == ("exec", 8, {"hosts": 2, "command_failed": 1,
                                                                              "ok": 1})

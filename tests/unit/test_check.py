@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import check, cli
+from kdeploy import check, cli, schema
 from kdeploy.remote import Remote
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,6 +69,7 @@ def inventory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _check(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict, str]:
     code = cli.main(["check", *args, "--json"])
     out, err = capsys.readouterr()
+    schema.ReportDoc.model_validate(json.loads(out))  # every field described in the report's schema
     return code, json.loads(out), err
 
 
