@@ -46,12 +46,16 @@ hosts:
 """
 
 
-@pytest.fixture
-def inventory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    def no_ssh(*args: object, **kwargs: object) -> None:
+@pytest.fixture(autouse=True)
+def _no_ssh(monkeypatch: pytest.MonkeyPatch) -> None:
+    def connect(*args: object, **kwargs: object) -> None:
         raise AssertionError("kdeploy check opened an SSH connection")
 
-    monkeypatch.setattr(Remote, "connect", no_ssh)
+    monkeypatch.setattr(Remote, "connect", connect)
+
+
+@pytest.fixture
+def inventory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "kdtree").symlink_to(REPO / "kernels" / "kdtree")
     shutil.copytree(REPO / "templates", tmp_path / "templates")
@@ -142,3 +146,25 @@ def test_hook_scripts_are_judged_only_when_the_hook_names_one(tmp_path: Path) ->
     assert check.hook_script('curl -fsS "$URL"', tmp_path) is None
     assert check.hook_script('[ "$X" != ok ] || ./hooks/x.sh', tmp_path) is None
     assert check.hook_script("$HOME/bin/x", tmp_path) is None
+
+
+def test_an_ansible_inventory_s_findings_point_at_its_own_files(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KD_T", raising=False)
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "kdtree").symlink_to(REPO / "kernels" / "kdtree")
+    shutil.copytree(REPO / "templates", tmp_path / "templates")
+    hosts = tmp_path / "hosts.yml"
+    hosts.write_text("all:\n  children:\n    gpu:\n      hosts:\n        h1: {ansible_host: 192.0.2.1}\n"
+                     "        h2:\n          ansible_host: 192.0.2.2\n          kdeploy_service: {payload: nope}\n")
+    service = tmp_path / "service.yaml"
+    service.write_text("service:\n  name: svc\n  python: /opt/venv/bin/python\n  environment_file: /etc/svc.env\n"
+                       "  sglang:\n    model_path: /m\n  secrets:\n    env: [KD_T]\n")
+    code, doc, _ = _check(capsys, "all", "-i", str(hosts), "--service", str(service))
+    assert code == 2
+    assert {h["host"]: h["check"]["findings"] for h in doc["hosts"]} == {
+        "h1": [f"{service}:8: service.secrets.env: secret KD_T: environment variable KD_T is not set on the "
+               "controller"],
+        "h2": [f"{hosts}:6: h2: kdeploy_service.payload: {tmp_path}/kernels/nope: payload directory not found",
+               f"{service}:8: service.secrets.env: secret KD_T: environment variable KD_T is not set on the "
+               "controller"]}
