@@ -22,6 +22,7 @@ from kdeploy import fleet
 from kdeploy.deploy import Options, connect
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.logs import masker
+from kdeploy.remote import Stopped
 from kdeploy.report import Cancelled, HostResult, Report, Result
 
 MARK = "KDEPLOY_EXEC"  # the variable that marks the processes of one exec on a host
@@ -34,7 +35,7 @@ class Output:
     """What the command left on one host (``--json``: the host's ``exec``)."""
 
     key: ClassVar[str] = "exec"
-    exit_status: int | None  # None: it was stopped (--timeout) before it exited
+    exit_status: int | None  # None: it was stopped (--timeout, Ctrl-C) before it exited; output: until then
     stdout: str
     stderr: str
 
@@ -80,11 +81,11 @@ def run_host(inventory: Inventory, host: HostConfig, command: str, opts: Options
         token = new_token()
         try:
             out = remote.run(remote_command(command, token), timeout=None, stop=stop)
-        except Cancelled:
+        except Stopped as stopped:
             remote.run(stop_command(token), timeout=STOP_TIMEOUT)
+            result.details = Output(None, mask(stopped.stdout), mask(stopped.stderr))
             if cancel.is_set():
                 raise Cancelled("interrupted: the command was stopped") from None
-            result.details = Output(None, "", "")
             phase.ok, phase.detail = False, f"timed out after {timeout:g}s: the command was stopped"
             result.finish(Result.COMMAND_FAILED, phase.detail)
             return

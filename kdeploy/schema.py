@@ -73,7 +73,8 @@ class LockDoc(_Doc):
 
 
 class ExecDoc(_Doc):
-    exit_status: int | None = Field(description="The command's exit status (null: stopped by --timeout).")
+    exit_status: int | None = Field(description="The command's exit status (null: stopped by --timeout or Ctrl-C; "
+                                                "its output is then what it printed until then).")
     stdout: str = Field(description="Its standard output (the inventory's secrets masked as ***).")
     stderr: str = Field(description="Its standard error (the inventory's secrets masked as ***).")
 

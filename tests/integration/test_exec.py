@@ -62,15 +62,16 @@ def test_exec_runs_on_every_host_and_stops_what_it_started(deployment: Deploymen
     assert (by_host[hosts[1]]["result"], by_host[hosts[1]]["error"]) == ("command_failed", "exit 3: refused")
 
     # --timeout: the command is stopped on the host, the host ends command_failed.
-    done = kexec(deployment, hosts[0], "--timeout", "1", "--json", "--", "sleep 4711.5; echo never")
+    done = kexec(deployment, hosts[0], "--timeout", "1", "--json", "--", "echo started; sleep 4711.5; echo never")
     assert done.returncode == 8, done.stderr
     host = json.loads(done.stdout)["hosts"][0]
-    assert host["error"] == "timed out after 1s: the command was stopped" and host["exec"]["exit_status"] is None
+    assert host["error"] == "timed out after 1s: the command was stopped"
+    assert host["exec"] == {"exit_status": None, "stdout": "started\n", "stderr": ""}  # its output until then
     wait_until(lambda: running(deployment, hosts[0], "sleep 4711.5") == 0, "the timed-out command still runs")
 
     # Ctrl-C stops the command on every host (and what it started in the background): exit 130.
     proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "exec", "all", "-i", str(deployment.path), "--",
-                             "sleep 4712.5 & sleep 4712.5"], stdin=subprocess.DEVNULL,
+                             "echo started; sleep 4712.5 & sleep 4712.5"], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: all(running(deployment, h, "sleep 4712.5") == 2 for h in hosts),
@@ -80,6 +81,6 @@ def test_exec_runs_on_every_host_and_stops_what_it_started(deployment: Deploymen
     finally:
         proc.kill()
     assert proc.returncode == 130, err
-    assert out == ""
+    assert sorted(out.splitlines()) == sorted(f"{h}: started" for h in hosts)  # the output until Ctrl-C
     for h in hosts:
         wait_until(lambda h=h: running(deployment, h, "sleep 4712.5") == 0, f"{h}: the command outlived Ctrl-C")
