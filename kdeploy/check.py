@@ -118,6 +118,9 @@ class Checker:
         return view
 
     def _unit(self, host: HostConfig, view: CheckView) -> list[str]:
+        template = self.inventory.local_path(host.service.template)
+        if not template.is_file():
+            return [f"{self.inventory.where(host.name, 'service', 'template')}: {template}: unit template not found"]
         try:
             text = render_unit(self.inventory, host)
         except KdeployError as exc:
@@ -127,7 +130,6 @@ class Checker:
         view.systemd_analyze = True
         if text not in self._units:
             self._units[text] = self.verify(unit_filename(host.service), text)
-        template = self.inventory.local_path(host.service.template)
         lines = text.splitlines()
         return [f"{template}: unit rendered for {host.name}"
                 + (f", line {n} ({lines[n - 1].strip()[:80]})" if 0 < n <= len(lines) else "")

@@ -113,6 +113,11 @@ def test_check_passes_a_sound_inventory_and_narrows_to_target_and_limit(
     assert "s3cret" not in err + json.dumps(doc)
     code, doc, _ = _check(capsys, "nopayload", "-i", str(inventory))
     assert code == 2 and len(doc["hosts"][0]["check"]["findings"]) == 1
+    (inventory.parent / "templates" / "bad.service.j2").unlink()
+    code, doc, _ = _check(capsys, "badtemplate", "-i", str(inventory))
+    assert (code, doc["hosts"][0]["check"]["findings"]) == (2, [
+        f"{inventory}:21: hosts.badtemplate.service.template: {inventory.parent}/templates/bad.service.j2: unit "
+        "template not found"])
 
 
 def test_an_inventory_that_does_not_load_is_one_line_and_exit_2(tmp_path: Path,
