@@ -729,6 +729,57 @@ def logs_(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, servi
     _exit(Report("logs", results))
 
 
+@app.command()
+def check(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None,
+          as_json: JsonOpt = False, limit: LimitOpt = None) -> None:
+    """Check everything a push needs that the controller can see, without SSH: units (and systemd-analyze
+    verify), payloads and their gate manifests, secrets set, hook scripts (docs/check.md)."""
+    from kdeploy import check as checks
+
+    ui = Ui(as_json)
+    report = checks.run(_load(inventory, service, target, limit), target)
+
+    def show(rep: Report) -> None:
+        for finding, hosts in checks.findings(rep):
+            ui.err.print(f"{finding} [{' '.join(hosts)}]", markup=False)
+
+    ui.report(report, show, table=False)
+    _exit(report)
+
+
+@app.command("exec")
+def exec_(target: Target,
+          command: Annotated[list[str], typer.Argument(help="The command, after `--`: its words are joined by "
+                                                            "spaces and run by /bin/sh on each host (as ssh does).",
+                                                       show_default=False)],
+          inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None, as_json: JsonOpt = False,
+          accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+          timeout: Annotated[float | None, typer.Option("--timeout", min=0.1, max=inv.WEEK,
+                                                        help="Stop the command on a host that runs it longer "
+                                                             "than this (seconds; default: no limit).",
+                                                        show_default=False)] = None,
+          limit: LimitOpt = None) -> None:
+    """Run a command on each host (`kdeploy exec all -- nvidia-smi -L`): its output prefixed by host,
+    exit 0 only if it exited 0 everywhere (docs/exec.md)."""
+    from kdeploy import execute
+
+    ui = Ui(as_json)
+    loaded = _load(inventory, service, target, limit)
+
+    def show(result: HostResult) -> None:
+        out, err = execute.lines(result)
+        if not as_json:
+            sys.stdout.write("".join(line + "\n" for line in out))
+            sys.stdout.flush()
+        sys.stderr.write("".join(line + "\n" for line in err) if not as_json else "")
+        sys.stderr.flush()
+
+    report = execute.run(loaded, target, command, _options(accept_new_host_keys=accept_new_host_keys),
+                         parallel=parallel, timeout=timeout, on_done=show)
+    ui.report(report, table=False)
+    _exit(report)
+
+
 @schema_app.command("report")
 def schema_report() -> None:
     """The JSON Schema of the --json report."""

@@ -18,12 +18,13 @@ class ExitCode(IntEnum):
     ROLLBACK_FAILED = 5
     LOCKED = 6
     PREFLIGHT = 7
+    COMMAND_FAILED = 8  # kdeploy exec: the command exited non-zero (or ran past --timeout) on a host
     INTERRUPTED = 130
 
 
-# When hosts end differently, the most severe code is the command's: 5 > 4 > 3 > 7 > 6 > 1 > 130 > 0.
+# When hosts end differently, the most severe code is the command's: 5 > 4 > 3 > 8 > 7 > 6 > 1 > 130 > 0.
 _SEVERITY = [ExitCode.OK, ExitCode.INTERRUPTED, ExitCode.INTERNAL, ExitCode.LOCKED, ExitCode.PREFLIGHT,
-             ExitCode.UNREACHABLE, ExitCode.ROLLED_BACK, ExitCode.ROLLBACK_FAILED]
+             ExitCode.COMMAND_FAILED, ExitCode.UNREACHABLE, ExitCode.ROLLED_BACK, ExitCode.ROLLBACK_FAILED]
 
 
 def most_severe(codes: list[int]) -> ExitCode:

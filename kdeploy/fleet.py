@@ -73,18 +73,22 @@ def fan_out(inventory: Inventory, names: list[str], command: str, fn: HostFn, *,
 
 def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opts: Options, *, parallel: int,
             listener: Listener | None = None, cancel: threading.Event | None = None,
-            command: str = "push") -> Report:
+            command: str = "push", pre_deploy: bool = True) -> Report:
     """Stage on every host in parallel, then restart canary and batches in turn, each gated before the next.
 
     A failing canary stops the rollout; more than ``max_fail`` failures stop new batches. Hosts that are
     not started end ``skipped`` with their staged release removed, so they are left as they were. A host
     holds its connection and lock only while one of its passes runs (``deploy.HostPush``), so at most
     ``parallel`` hosts are connected at once, however many there are (when all fit in ``parallel``, they
-    keep them between the passes). The inventory's ``pre_host`` hook runs right before a host's turn,
-    ``post_host`` once its outcome is known.
+    keep them between the passes). The inventory's ``pre_deploy`` hook runs first (unless ``pre_deploy`` is
+    False: the way back of a failed edit), ``pre_host`` right before a host's turn, ``post_host`` once its
+    outcome is known.
     """
     cancel = cancel or threading.Event()
     results = {name: HostResult(name, listener=listener) for name in names}
+    refused = _pre_deploy(inventory, command, names, results, cancel) if pre_deploy else None
+    if refused is not None:
+        return refused
     try:
         routers = open_routers(inventory, names, opts, max(opts.policy.canary,
                                                            opts.policy.batch_size(len(names), parallel)), results)
@@ -120,6 +124,16 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
         run_parallel([(results[n], partial(runner.post_host, s.host, results[n], s.state.current if s.state else None))
                       for n, s in steps.items()], parallel, runner.stop)
     return Report(command, [results[n] for n in names])
+
+
+def _pre_deploy(inventory: Inventory, command: str, names: list[str], results: dict[str, HostResult],
+                cancel: threading.Event) -> Report | None:
+    """Run the ``pre_deploy`` hooks before any host is touched; the report of the refused run when one failed."""
+    runs, failed = hooks.pre_deploy(inventory, command, names, cancel)
+    if failed is None:
+        return None
+    hooks.refuse_run(list(results.values()), failed)
+    return Report(command, [results[n] for n in names], {"pre_deploy": runs})
 
 
 def open_routers(inventory: Inventory, names: list[str], opts: Options, batch: int,
@@ -254,10 +268,14 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
     opts = opts or Options()
     names = inventory.resolve(target)
     opts.policy.check(len(names))
+    cancel = threading.Event()
+    refused = _pre_deploy(inventory, "rollback", names, {n: HostResult(n, listener=listener) for n in names}, cancel)
+    if refused is not None:
+        hooks.post_rollout(inventory, refused)
+        return refused
     routers = open_routers(inventory, names, opts, max(opts.policy.canary, opts.policy.batch_size(len(names), 1)))
     if routers and opts.policy.batch is None:
         opts = replace(opts, policy=replace(opts.policy, batch="1"))
-    cancel = threading.Event()
     runner = hooks.Runner(inventory, "rollback", cancel)
     results = {name: HostResult(name, listener=listener) for name in names}
 
@@ -385,6 +403,7 @@ def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts:
         opts = replace(opts, policy=replace(opts.policy, batch="1"))
     report = rollout(edit.new, names, local, opts, parallel=parallel, listener=listener,
                      cancel=cancel or threading.Event(), command=command)
+    facts.update(report.extra)  # the pre_deploy runs
     report.extra = facts
     if not report.ok:
         _revert(edit, report, opts, parallel, listener)
@@ -410,7 +429,8 @@ def _revert(edit: settings.Edit, report: Report, opts: Options, parallel: int, l
         try:
             names = edit.old.resolve(",".join(moved))
             back = rollout(edit.old, names, prepare(edit.old, names, back_opts), back_opts, parallel=parallel,
-                           listener=listener, cancel=threading.Event(), command=f"{report.command} revert").hosts
+                           listener=listener, cancel=threading.Event(), command=f"{report.command} revert",
+                           pre_deploy=False).hosts
         except KdeployError as exc:  # the old payload or template is gone or unreadable by now
             back = [HostResult(name).finish("failed", str(exc)) for name in moved]
         facts["inventory"]["restored_hosts"] = {h.host: h.result for h in back}

@@ -3,10 +3,16 @@
 Like Kamal's hooks they do what kdeploy does not: silence alerts, take a host out of an external load
 balancer, post to a channel. ``pre_host`` runs right before kdeploy changes a host (a failure leaves the host
 untouched, ``preflight_refused``), ``post_host`` once per host when its outcome is known, ``post_rollout`` once
-per command. Each runs as ``/bin/sh -c <command>`` in the inventory's directory, in its own process group
-(so its timeout, or Ctrl-C, kills everything it started), with the controller's environment less the
-inventory's secrets, plus the ``KDEPLOY_*`` variables built here. Its output goes to stderr, line by line,
-never to stdout (``--json``).
+per command; ``pre_deploy`` once per command before any host is touched (a failure refuses the whole run).
+Each runs as ``/bin/sh -c <command>`` in the inventory's directory, in its own process group (so its
+timeout, or Ctrl-C, kills everything it started), with the controller's environment less the inventory's
+secrets, plus the ``KDEPLOY_*`` variables built here. Its output goes to stderr, line by line, never to
+stdout (``--json``).
+
+A hook may run kdeploy itself: the variables it gets never change what that inner command does. The only
+ones the CLI reads as option defaults, ``KDEPLOY_INVENTORY`` and ``KDEPLOY_SERVICE``, mean what they mean to
+the CLI (the inventory and the Ansible service file of the command that runs the hook), so ``kdeploy status
+all`` in a hook acts on the same inventory; every other variable is one the CLI never reads.
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ DETAIL_MAX = 300
 
 # Every variable a hook may be given: the ones of the controller's environment with these names are dropped,
 # so each hook sees exactly what docs/hooks.md lists for it.
-HOST_VARS = ("KDEPLOY_HOOK", "KDEPLOY_COMMAND", "KDEPLOY_INVENTORY", "KDEPLOY_HOST", "KDEPLOY_ADDRESS",
-             "KDEPLOY_SERVICE", "KDEPLOY_SERVICE_PORT", "KDEPLOY_WORKER_URL", "KDEPLOY_RELEASE",
+# The CLI's own defaults (``-i``, ``--service``): set to what the running command reads, or removed.
+CLI_VARS = ("KDEPLOY_INVENTORY", "KDEPLOY_SERVICE")
+HOST_VARS = ("KDEPLOY_HOOK", "KDEPLOY_COMMAND", "KDEPLOY_INVENTORY_FILE", "KDEPLOY_HOST", "KDEPLOY_ADDRESS",
+             "KDEPLOY_SERVICE_NAME", "KDEPLOY_SERVICE_PORT", "KDEPLOY_WORKER_URL", "KDEPLOY_RELEASE",
              "KDEPLOY_PREVIOUS_RELEASE", "KDEPLOY_BATCH", "KDEPLOY_PRE_HOST", "KDEPLOY_RESULT",
              "KDEPLOY_EXIT_CODE", "KDEPLOY_ERROR")
 ROLLOUT_VARS = ("KDEPLOY_HOSTS", "KDEPLOY_FAILED", "KDEPLOY_RESULTS")
-ALL_VARS = HOST_VARS + ROLLOUT_VARS
+ALL_VARS = CLI_VARS + HOST_VARS + ROLLOUT_VARS
 
 Echo = Callable[[str], None]
 _echo_lock = threading.Lock()
@@ -70,14 +78,27 @@ def base_env(environ: Mapping[str, str], inventory: Inventory) -> dict[str, str]
     return {k: v for k, v in environ.items() if k not in drop}
 
 
+def cli_env(inventory: Inventory) -> dict[str, str]:
+    """``KDEPLOY_INVENTORY`` (and, for an Ansible inventory, ``KDEPLOY_SERVICE``) as the CLI reads them: a
+    ``kdeploy`` run by the hook loads the very inventory of the command that runs the hook."""
+    if inventory.source is None:
+        return {"KDEPLOY_INVENTORY": str(inventory.path.absolute())}
+    return {"KDEPLOY_INVENTORY": str(inventory.source.absolute()), "KDEPLOY_SERVICE": str(inventory.path.absolute())}
+
+
+def _common(inventory: Inventory, hook: str, command: str) -> dict[str, str]:
+    return {"KDEPLOY_HOOK": hook, "KDEPLOY_COMMAND": command, **cli_env(inventory),
+            "KDEPLOY_INVENTORY_FILE": str(inventory.path.absolute())}
+
+
 def host_env(inventory: Inventory, host: HostConfig, *, hook: str, command: str, release: str | None = None,
              previous: str | None = None, batch: int | None = None, pre_host: str = "",
              result: HostResult | None = None) -> dict[str, str]:
     """The ``KDEPLOY_*`` variables of ``pre_host``/``post_host`` (``result``: the host's outcome, post_host only).
     Every variable is set; an unknown value is the empty string."""
     env = {
-        "KDEPLOY_HOOK": hook, "KDEPLOY_COMMAND": command, "KDEPLOY_INVENTORY": str(inventory.path.absolute()),
-        "KDEPLOY_HOST": host.name, "KDEPLOY_ADDRESS": host.address, "KDEPLOY_SERVICE": host.service.name,
+        **_common(inventory, hook, command),
+        "KDEPLOY_HOST": host.name, "KDEPLOY_ADDRESS": host.address, "KDEPLOY_SERVICE_NAME": host.service.name,
         "KDEPLOY_SERVICE_PORT": str(host.service.sglang.port), "KDEPLOY_WORKER_URL": host.worker_url or "",
         "KDEPLOY_RELEASE": release or "", "KDEPLOY_PREVIOUS_RELEASE": previous or "",
         "KDEPLOY_BATCH": str(batch) if batch else "", "KDEPLOY_PRE_HOST": pre_host,
@@ -93,14 +114,22 @@ def rollout_env(inventory: Inventory, report: Report, names: list[str]) -> dict[
     """The ``KDEPLOY_*`` variables of ``post_rollout``: ``names`` are the hosts that configure this hook."""
     hosts = [h for h in report.hosts if h.host in names]
     return {
-        "KDEPLOY_HOOK": "post_rollout", "KDEPLOY_COMMAND": report.command,
-        "KDEPLOY_INVENTORY": str(inventory.path.absolute()),
-        "KDEPLOY_SERVICE": " ".join(dict.fromkeys(inventory.hosts[h.host].service.name for h in hosts)),
+        **_common(inventory, "post_rollout", report.command), "KDEPLOY_SERVICE_NAME": _services(inventory, names),
         "KDEPLOY_HOSTS": " ".join(h.host for h in hosts),
         "KDEPLOY_FAILED": " ".join(h.host for h in hosts if not h.ok),
         "KDEPLOY_RESULTS": " ".join(f"{h.host}={h.result}" for h in hosts),
         "KDEPLOY_EXIT_CODE": str(report.exit_code),
     }
+
+
+def deploy_env(inventory: Inventory, command: str, names: list[str]) -> dict[str, str]:
+    """The ``KDEPLOY_*`` variables of ``pre_deploy``: ``names`` are the hosts that configure this hook."""
+    return {**_common(inventory, "pre_deploy", command), "KDEPLOY_SERVICE_NAME": _services(inventory, names),
+            "KDEPLOY_HOSTS": " ".join(names)}
+
+
+def _services(inventory: Inventory, names: list[str]) -> str:
+    return " ".join(dict.fromkeys(inventory.hosts[n].service.name for n in names))
 
 
 def execute(command: str, env: Mapping[str, str], *, cwd: str, timeout: float, stop: threading.Event,
@@ -218,15 +247,46 @@ class Runner:
             phase.ok, phase.detail = out.ok, out.detail
 
 
+def _by_command(inventory: Inventory, names: list[str], hook: str) -> dict[tuple[str, float], list[str]]:
+    """The hosts of ``names`` grouped by their ``hook`` command (and timeout): one run per group."""
+    groups: dict[tuple[str, float], list[str]] = {}
+    for name in names:
+        hooks = inventory.hosts[name].hooks
+        command = getattr(hooks, hook)
+        if command is not None:
+            groups.setdefault((command, hooks.timeout), []).append(name)
+    return groups
+
+
+def pre_deploy(inventory: Inventory, command: str, names: list[str], cancel: threading.Event,
+               echo: Echo = to_stderr, environ: Mapping[str, str] | None = None) -> tuple[list[dict], Outcome | None]:
+    """Run each distinct ``pre_deploy`` of ``names``' hosts once, before any host is touched, in inventory
+    order; the first that fails ends it. Its runs (the report's ``pre_deploy``, phase-shaped) and that failure
+    (None: go on)."""
+    env = base_env(os.environ if environ is None else environ, inventory)
+    runs: list[dict] = []
+    for (hook, timeout), members in _by_command(inventory, names, "pre_deploy").items():
+        started = time.monotonic()
+        out = execute(hook, {**env, **deploy_env(inventory, command, members)}, cwd=str(inventory.base_dir),
+                      timeout=timeout, stop=cancel, label="pre_deploy", echo=echo)
+        runs.append(Phase("pre_deploy", out.ok, round(time.monotonic() - started, 3), out.detail).to_json())
+        if not out.ok:
+            return runs, out
+    return runs, None
+
+
+def refuse_run(results: list[HostResult], out: Outcome) -> None:
+    """A failed ``pre_deploy``: every host ends untouched (``preflight_refused``, or ``interrupted``)."""
+    for result in results:
+        result.fail(Cancelled(f"pre_deploy hook {out.detail}; no host touched") if out.interrupted else
+                    PreflightRefused(f"pre_deploy hook refused the run ({out.detail}); no host touched"))
+
+
 def post_rollout(inventory: Inventory, report: Report, echo: Echo = to_stderr,
                  environ: Mapping[str, str] | None = None) -> None:
     """Run each distinct ``post_rollout`` of the report's hosts once, after all of them ended; each run is
     recorded under the report's ``post_rollout`` (a failure does not change the exit code)."""
-    groups: dict[tuple[str, float], list[str]] = {}
-    for result in report.hosts:
-        hooks = inventory.hosts[result.host].hooks
-        if hooks.post_rollout is not None:
-            groups.setdefault((hooks.post_rollout, hooks.timeout), []).append(result.host)
+    groups = _by_command(inventory, [h.host for h in report.hosts], "post_rollout")
     if not groups:
         return
     env = base_env(os.environ if environ is None else environ, inventory)

@@ -11,7 +11,7 @@ import ipaddress
 import re
 import types
 import typing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -390,6 +390,10 @@ class Hooks(_Strict):
     """Local commands the controller runs around a rollout (docs/hooks.md): each is run with `/bin/sh -c` in
     the inventory file's directory, with `KDEPLOY_*` variables saying what is happening."""
 
+    pre_deploy: HookCommand | None = _doc(
+        "push, rollback, set-env/set: runs once per command before any host is touched (hosts that share the "
+        "command share one run, `KDEPLOY_HOSTS`); a non-zero exit or the timeout stops the whole run, every "
+        "host untouched, `preflight_refused` (exit 7)", None)
     pre_host: HookCommand | None = _doc(
         "push, rollback, set-env/set: runs right before kdeploy changes the host (before its drain and switch); "
         "a non-zero exit or the timeout leaves the host untouched, `preflight_refused` (exit 7)", None)
@@ -452,6 +456,15 @@ class Inventory:
     hosts: dict[str, HostConfig]
     groups: dict[str, list[str]]
     limit: tuple[str, ...] | None = None  # ``--limit``'s patterns: every TARGET is narrowed to them
+    source: Path | None = None  # an Ansible inventory: what ``-i`` named (``path`` is then the service file)
+    locator: typing.Callable[[str, tuple], str] | None = field(default=None, compare=False, repr=False)
+
+    def where(self, host: str, *key: str) -> str:
+        """``file:line: key.path`` of the layer that set ``key`` for ``host`` (the most specific one), for an
+        error about a value that is valid in itself (a payload directory that does not exist)."""
+        if self.locator is not None:
+            return self.locator(host, key)
+        return f"{self.path}: hosts.{host}.{'.'.join(key)}"
 
     @property
     def base_dir(self) -> Path:
@@ -543,12 +556,12 @@ def load(path: Path | str = DEFAULT_INVENTORY, service: Path | str | None = None
     service_path = Path(service) if service is not None else None
     if ansible.is_source(path):
         ansible.require_service(path, service_path)  # before a script runs
-        return ansible.load(ansible.read_source(path), service_path)
+        return replace(ansible.load(ansible.read_source(path), service_path), source=path)
     text = read_text(path)
     fmt, document = ansible.detect(path, text)
     if fmt is not None:
         ansible.require_service(path, service_path)
-        return ansible.load(ansible.read(path, text, fmt), service_path)
+        return replace(ansible.load(ansible.read(path, text, fmt), service_path), source=path)
     if service is not None:
         raise service_without_ansible(path)
     return parse(checked(document, text, path), path)
@@ -635,7 +648,8 @@ def parse(raw: dict, path: Path, locate: typing.Callable[[tuple], str] | None = 
             errors.fail(_source(("router", "via"), host_layers[name]),
                         f"unknown host {via!r}{_suggest(via, list(hosts))}: the router is reached through a host "
                         "of this inventory")
-    return Inventory(path=path, hosts=hosts, groups=groups)
+    return Inventory(path=path, hosts=hosts, groups=groups,
+                     locator=lambda host, key: errors.locate(_source(key, host_layers[host])))
 
 
 class _Errors:

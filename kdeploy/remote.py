@@ -720,9 +720,14 @@ class Remote:
 
     @_traced
     def run(self, command: str, *, stdin: bytes | Iterable[bytes] | None = None, timeout: float | None = 120.0,
-            cancel: threading.Event | None = None) -> RunResult:
+            cancel: threading.Event | None = None, stop: Callable[[], bool] | None = None) -> RunResult:
         """Run one shell command; ``stdin`` (bytes, or chunks produced as they are sent) is streamed and
         closed. One round trip.
+
+        ``stop`` is asked while the output is awaited (every ``STDERR_POLL`` s): once it says True the channel
+        is closed and :class:`Stopped` is raised, with the output so far. That does not end the command: sshd
+        signals no command whose channel closes (without a pty), nor, for root logins, on SSH's ``signal``
+        request; the caller ends it (``kdeploy exec`` does with a second command).
 
         ``cancel`` is checked between chunks of ``stdin``: when it is set the channel is closed (the command
         sees its input end early and cleans up) and :class:`Cancelled` is raised within a chunk's time. A
@@ -744,9 +749,14 @@ class Remote:
                 _cut_short(channel, INPUT_FAILED_WAIT)
                 raise
             channel.shutdown_write()
-            stdout, stderr = _drain(channel)
+            stdout, stderr = _drain(channel, stop=stop)
             rc = channel.recv_exit_status()
             channel.close()
+        except _Stopped as stopped:
+            with contextlib.suppress(OSError, paramiko.SSHException, EOFError):
+                channel.close()
+            raise Stopped(f"{self.host.name}: stopped while the command ran", stopped.stdout.decode(errors="replace"),
+                          stopped.stderr.decode(errors="replace")) from None
         except TimeoutError:
             if not self._transport.is_active():
                 raise Unreachable(f"{self.host.name}: connection lost (no answer for {timeout:g}s)") from None
@@ -783,6 +793,14 @@ class Remote:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Stopped(Cancelled):
+    """``Remote.run``'s ``stop`` ended the wait for a command (which may still run): what it printed so far."""
+
+    def __init__(self, message: str, stdout: str, stderr: str) -> None:
+        super().__init__(message)
+        self.stdout, self.stderr = stdout, stderr
 
 
 class InputFailed(Exception):
@@ -858,15 +876,27 @@ def _cut_short(channel: paramiko.Channel, wait: float) -> None:
     channel.close()
 
 
-def _drain(channel: paramiko.Channel, deadline: float | None = None) -> tuple[bytes, bytes]:
+class _Stopped(Exception):
+    """``Remote.run``'s ``stop`` said True while the command ran; ``stdout``, ``stderr``: read so far."""
+
+    def __init__(self, stdout: bytes, stderr: bytes) -> None:
+        super().__init__("stopped")
+        self.stdout, self.stderr = stdout, stderr
+
+
+def _drain(channel: paramiko.Channel, deadline: float | None = None,
+           stop: Callable[[], bool] | None = None) -> tuple[bytes, bytes]:
     """All of stdout and all of stderr. Unread stderr holds the channel's window, so a command that wrote more
     than that to it would stall before its stdout ends: stderr is taken whenever it has something, and
     at least every ``STDERR_POLL`` s while stdout is awaited (no pipe or thread per command for it).
-    ``TimeoutError`` after the channel's timeout without output, or once past ``deadline``."""
+    ``TimeoutError`` after the channel's timeout without output, or once past ``deadline``; ``_Stopped`` once
+    ``stop`` says so."""
     out, err = bytearray(), bytearray()
     timeout = channel.gettimeout()
     heard = time.monotonic()
     while True:
+        if stop is not None and stop():
+            raise _Stopped(bytes(out), bytes(err))
         limit = deadline if deadline is not None else None if timeout is None else heard + timeout
         left = None if limit is None else limit - time.monotonic()
         if left is not None and left <= 0:

@@ -141,4 +141,17 @@ def render_unit(inventory: Inventory, host: HostConfig) -> str:
             template_name=Path(service.template).name,
         )
     except jinja2.TemplateError as exc:  # an undefined name or attribute, a filter's own error
-        raise InvalidInput(f"{path}: unit template for {host.name}: {exc.message or type(exc).__name__}") from None
+        line = _template_line(exc)
+        raise InvalidInput(f"{path}{f':{line}' if line else ''}: unit template for {host.name}: "
+                           f"{exc.message or type(exc).__name__}") from None
+
+
+def _template_line(exc: BaseException) -> int | None:
+    """The template line an error was raised at: jinja2 rewrites the traceback so that the template's own
+    frames carry its line numbers (the file name of a template made from a string is ``<template>``)."""
+    line, tb = None, exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line

@@ -41,6 +41,7 @@ class Result(StrEnum):
     LOCKED = "locked", ExitCode.LOCKED
     PREFLIGHT_REFUSED = "preflight_refused", ExitCode.PREFLIGHT
     INCOMPATIBLE = "incompatible", ExitCode.PREFLIGHT
+    COMMAND_FAILED = "command_failed", ExitCode.COMMAND_FAILED
     FAILED = "failed", ExitCode.INTERNAL
     INVALID = "invalid", ExitCode.INVALID
     INTERRUPTED = "interrupted", ExitCode.INTERRUPTED

@@ -76,6 +76,18 @@ class LockDoc(_Doc):
     holder: LockHolderDoc | None = Field(description="Who holds it (null when free).")
 
 
+class ExecDoc(_Doc):
+    exit_status: int | None = Field(description="The command's exit status (null: stopped by --timeout or Ctrl-C; "
+                                                "its output is then what it printed until then).")
+    stdout: str = Field(description="Its standard output (the inventory's secrets masked as ***).")
+    stderr: str = Field(description="Its standard error (the inventory's secrets masked as ***).")
+
+
+class CheckDoc(_Doc):
+    findings: list[str] = Field(description="Every problem found for the host, each 'file:line: ...' (empty: ok).")
+    systemd_analyze: bool = Field(description="Whether the rendered unit went through systemd-analyze verify.")
+
+
 class HostDoc(_Doc):
     host: str = Field(description="Host name from the inventory.")
     ok: bool = Field(description="Whether the host ended well (exit_code 0).")
@@ -96,6 +108,8 @@ class HostDoc(_Doc):
     history: list[dict[str, Any]] | None = Field(default=None, description="history: the host's raw history "
                                                                           "records, newest last.")
     lock: LockDoc | None = Field(default=None, description="lock status/release: the deploy lock.")
+    check: CheckDoc | None = Field(default=None, description="check: what was found without SSH.")
+    exec: ExecDoc | None = Field(default=None, description="exec: what the command left on the host.")
     probe: dict[str, Any] | None = Field(default=None, description="probe: what the service python offers the "
                                                                    "payload (see docs/payload.md).")
 
@@ -124,6 +138,8 @@ class ReportDoc(_Doc):
     hosts: list[HostDoc] = Field(description="One entry per host, in inventory order.")
     summary: dict[str, int] = Field(description="'hosts': the number of hosts, then the count of each result.")
     inventory: InventoryEditDoc | None = Field(default=None, description="set-env/set: the inventory edit.")
+    pre_deploy: list[PhaseDoc] | None = Field(default=None, description="push, rollback, set-env/set: each run "
+                                              "of an inventory's pre_deploy hook (docs/hooks.md).")
     post_rollout: list[PhaseDoc] | None = Field(default=None, description="push, rollback, set-env/set: each run "
                                                 "of an inventory's post_rollout hook (docs/hooks.md).")
 

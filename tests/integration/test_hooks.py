@@ -1,9 +1,12 @@
-"""The inventory's hooks around a real push on three sandbox hosts: a refusing pre_host leaves its host
-untouched, post_host sees every host's result, post_rollout runs once with the summary."""
+"""The inventory's hooks around a real push on three sandbox hosts: a failing pre_deploy stops the run before
+any host is touched, a refusing pre_host leaves its host untouched, post_host sees every host's result,
+post_rollout runs once with the summary and can run kdeploy itself."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,15 +33,30 @@ def _release(dep: Deployment, host: str) -> str:
 
 @pytest.mark.hosts(3)
 def test_a_refusing_pre_host_skips_its_host_and_post_hooks_see_every_result(
-        deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+        deployment: Deployment, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # `kdeploy` in hooks
     assert deployment.kdeploy("push", "test", "--no-verify") == 0
     old = {h: _release(deployment, h) for h in deployment.hosts}  # release ids differ per host (their time)
-    h2_before = _state(deployment, "h2")
+    before = {h: _state(deployment, h) for h in deployment.hosts}
+    h2_before = before["h2"]
     seen = deployment.path.parent / "seen"  # hooks run in the inventory's directory
     seen.mkdir()
-    deployment.edit(lambda doc: doc["defaults"].update(
-        hooks={"pre_host": PRE_HOST, "post_host": POST_HOST, "post_rollout": POST_ROLLOUT, "timeout": 20}))
     (deployment.payload / "rev.txt").write_text("2")
+
+    # A failing pre_deploy: the whole run stops before any host is contacted.
+    deployment.edit(lambda doc: doc["defaults"].update(
+        hooks={"pre_deploy": 'echo "change freeze for $KDEPLOY_HOSTS"; exit 1', "timeout": 20}))
+    code, doc = deployment.json(capsys, "push", "test", "--no-verify")
+    assert code == 7 and doc["exit_code"] == 7
+    assert [(h["result"], h["phases"], h["error"]) for h in doc["hosts"]] == [
+        ("preflight_refused", [], "pre_deploy hook refused the run (exit 1: change freeze for h1 h2 h3); "
+                                  "no host touched")] * 3
+    assert [(r["name"], r["ok"]) for r in doc["pre_deploy"]] == [("pre_deploy", False)]
+    assert {h: _state(deployment, h) for h in deployment.hosts} == before  # nothing staged, nothing restarted
+
+    deployment.edit(lambda doc: doc["defaults"].update(
+        hooks={"pre_deploy": "true", "pre_host": PRE_HOST, "post_host": POST_HOST, "post_rollout": POST_ROLLOUT,
+               "timeout": 20}))
 
     capsys.readouterr()
     code = cli.main(["push", "test", "--no-verify", "--batch", "1", "--inventory", str(deployment.path), "--json"])
@@ -70,11 +88,18 @@ def test_a_refusing_pre_host_skips_its_host_and_post_hooks_see_every_result(
     assert "h1 pre_host: pre_host h1 batch 1" in err and "h3 pre_host: pre_host h3 batch 3" in err
     assert "h2 pre_host: h2 is in maintenance" in err
 
-    # rollback runs the same hooks: h1 goes back, its pre_host told the target before the switch.
+    # rollback runs the same hooks: h1 goes back, its pre_host told the target before the switch. Its
+    # post_rollout runs kdeploy itself, from a directory with no inventory: the hook's variables lead it to
+    # the same inventory and never break it (KDEPLOY_SERVICE held the service name: exit 2).
+    deployment.edit(lambda doc: doc["defaults"]["hooks"].update(
+        post_rollout=f"{POST_ROLLOUT} && cd / && kdeploy status all --json > \"$OLDPWD/seen/status.json\""))
     assert deployment.kdeploy("rollback", "h1") == 0
     assert _release(deployment, "h1") == old["h1"]
     assert (seen / "h1").read_text() == f"rollback restored pre=ok release={old['h1']} previous={new['h1']}\n"
     assert (seen / "rollout").read_text().splitlines()[1] == "0||h1=restored"
+    status = json.loads((seen / "status.json").read_text())
+    assert (status["exit_code"], [h["host"] for h in status["hosts"]]) == (0, ["h1", "h2", "h3"])
+    assert status["hosts"][0]["release"] == old["h1"]
     assert "h1 pre_host: pre_host h1 batch 1\n" in capsys.readouterr().err  # a rollback has batches too
 
 

@@ -304,6 +304,7 @@ def test_set_env_edits_the_service_file_and_refuses_a_scope(tmp_path):
     edit = settings.set_env(path, {"KDTREE_NSPLIT": "64"}, [], None, service)
     assert edit.path == service and edit.level == "defaults"
     assert all(h.service.env == {"KDTREE_NSPLIT": "64"} for h in edit.new.hosts.values())
+    assert edit.new.source == edit.old.source == path  # the rollout's hooks pass the same -i on (docs/hooks.md)
     settings.write(edit)
     assert "KDTREE_NSPLIT: '64'" in service.read_text() and path.read_text() == INI
     assert service.read_text().startswith("# kdeploy's part")  # comments survive

@@ -4,16 +4,21 @@ executor (exit codes, output, timeout and Ctrl-C killing the whole process group
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from kdeploy import hooks
+from kdeploy import fleet, hooks
 from kdeploy.errors import InvalidInput
-from kdeploy.inventory import Inventory, parse
+from kdeploy.inventory import Inventory, load, parse
+from kdeploy.remote import Remote
 from kdeploy.report import HostResult, Report
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _inventory(tmp_path: Path, **levels: dict) -> Inventory:
@@ -56,11 +61,13 @@ def test_host_env_before_and_after(tmp_path: Path) -> None:
     before = hooks.host_env(inv, host, hook="pre_host", command="push", release="r2", previous="r1", batch=2)
     assert before == {
         "KDEPLOY_HOOK": "pre_host", "KDEPLOY_COMMAND": "push", "KDEPLOY_INVENTORY": str(tmp_path / "inventory.yaml"),
-        "KDEPLOY_HOST": "a", "KDEPLOY_ADDRESS": "10.0.0.1", "KDEPLOY_SERVICE": "svc", "KDEPLOY_SERVICE_PORT": "30000",
+        "KDEPLOY_INVENTORY_FILE": str(tmp_path / "inventory.yaml"),
+        "KDEPLOY_HOST": "a", "KDEPLOY_ADDRESS": "10.0.0.1", "KDEPLOY_SERVICE_NAME": "svc",
+        "KDEPLOY_SERVICE_PORT": "30000",
         "KDEPLOY_WORKER_URL": "", "KDEPLOY_RELEASE": "r2", "KDEPLOY_PREVIOUS_RELEASE": "r1", "KDEPLOY_BATCH": "2",
         "KDEPLOY_PRE_HOST": "", "KDEPLOY_RESULT": "", "KDEPLOY_EXIT_CODE": "", "KDEPLOY_ERROR": "",
     }
-    assert set(before) == set(hooks.HOST_VARS)
+    assert set(before) == {*hooks.HOST_VARS, "KDEPLOY_INVENTORY"}  # no KDEPLOY_SERVICE: not an Ansible inventory
     result = HostResult("a", release="r1").finish("rolled_back", "gate failed:\n  no Paris")
     after = hooks.host_env(inv, host, hook="post_host", command="push", previous="r1", batch=2, pre_host="ok",
                            result=result)
@@ -75,9 +82,10 @@ def test_rollout_env_summarises_the_hosts_of_the_hook(tmp_path: Path) -> None:
     report = Report("set-env", [HostResult("a").finish("deployed"), HostResult("b").finish("preflight_refused", "x")])
     env = hooks.rollout_env(inv, report, ["a", "b"])
     assert {k: env[k] for k in ("KDEPLOY_COMMAND", "KDEPLOY_HOSTS", "KDEPLOY_FAILED", "KDEPLOY_RESULTS",
-                                "KDEPLOY_EXIT_CODE", "KDEPLOY_SERVICE")} == {
+                                "KDEPLOY_EXIT_CODE", "KDEPLOY_SERVICE_NAME")} == {
         "KDEPLOY_COMMAND": "set-env", "KDEPLOY_HOSTS": "a b", "KDEPLOY_FAILED": "b",
-        "KDEPLOY_RESULTS": "a=deployed b=preflight_refused", "KDEPLOY_EXIT_CODE": "7", "KDEPLOY_SERVICE": "svc"}
+        "KDEPLOY_RESULTS": "a=deployed b=preflight_refused", "KDEPLOY_EXIT_CODE": "7", "KDEPLOY_SERVICE_NAME": "svc"}
+    assert "KDEPLOY_SERVICE" not in env
 
 
 def test_hooks_never_get_the_inventorys_secrets_nor_stale_hook_variables(tmp_path: Path) -> None:
@@ -182,3 +190,66 @@ def test_ctrl_c_during_pre_host_ends_the_host_interrupted_and_post_host_still_ru
     assert (result.result, result.exit_code) == ("interrupted", 130)
     runner.post_host(inv.hosts["a"], result)
     assert (tmp_path / "post").read_text() == "interrupted\n"
+
+
+def test_an_ansible_inventory_gives_hooks_the_clis_own_inventory_and_service_file(tmp_path: Path) -> None:
+    inv = replace(_inventory(tmp_path), path=tmp_path / "service.yaml", source=tmp_path / "hosts.ini")
+    env = hooks.host_env(inv, inv.hosts["a"], hook="pre_host", command="push")
+    assert (env["KDEPLOY_INVENTORY"], env["KDEPLOY_SERVICE"], env["KDEPLOY_SERVICE_NAME"]) == (
+        str(tmp_path / "hosts.ini"), str(tmp_path / "service.yaml"), "svc")
+
+
+def test_kdeploy_run_inside_a_hook_acts_on_the_hooks_inventory(tmp_path: Path) -> None:
+    """The variables a hook gets never break a kdeploy it runs: `kdeploy render $KDEPLOY_HOSTS` exited 2
+    when KDEPLOY_SERVICE (the CLI's --service default) held the service's name."""
+    inv = load(REPO / "inventory.yaml")
+    report = Report("push", [HostResult(n).finish("deployed") for n in inv.hosts])
+    env = {**hooks.base_env(os.environ, inv), **hooks.rollout_env(inv, report, list(inv.hosts))}
+    lines: list[str] = []
+    render = f'"{sys.executable}" -m kdeploy render "$(echo $KDEPLOY_HOSTS | tr " " ,)"'
+    out = hooks.execute(f'{render} | grep -c "^ExecStart="', env, cwd=str(tmp_path), timeout=60,
+                        stop=threading.Event(), label="post_rollout", echo=lines.append)
+    assert out.ok, lines
+    assert lines == [f"post_rollout: {len(inv.hosts)}"]
+
+
+def test_pre_deploy_runs_once_per_distinct_command_and_the_first_failure_ends_it(tmp_path: Path) -> None:
+    inv = _inventory(tmp_path, defaults={"hooks": {"pre_deploy": 'echo "go $KDEPLOY_COMMAND $KDEPLOY_HOSTS"'}},
+                     b={"hooks": {"pre_deploy": 'echo "b is frozen: $KDEPLOY_HOSTS"; exit 4'}})
+    lines: list[str] = []
+    runs, failed = hooks.pre_deploy(inv, "set-env", ["a", "b"], threading.Event(), echo=lines.append,
+                                    environ={"PATH": os.environ["PATH"]})
+    assert lines == ["pre_deploy: go set-env a", "pre_deploy: b is frozen: b"]
+    assert [(r["name"], r["ok"], r["detail"]) for r in runs] == [
+        ("pre_deploy", True, "exit 0: go set-env a"), ("pre_deploy", False, "exit 4: b is frozen: b")]
+    assert failed is not None and failed.detail == "exit 4: b is frozen: b"
+    results = [HostResult("a"), HostResult("b")]
+    hooks.refuse_run(results, failed)
+    assert {(r.result, r.exit_code, r.error) for r in results} == {
+        ("preflight_refused", 7, "pre_deploy hook refused the run (exit 4: b is frozen: b); no host touched")}
+    assert hooks.pre_deploy(inv, "push", ["a"], threading.Event(), echo=lines.append,
+                            environ={"PATH": os.environ["PATH"]})[1] is None
+
+
+def test_a_failing_pre_deploy_stops_the_push_before_any_host_is_contacted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_ssh(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a host was contacted")
+
+    monkeypatch.setattr(Remote, "connect", no_ssh)
+    text = (REPO / "inventory.yaml").read_text().replace(
+        "defaults:\n", "defaults:\n  hooks:\n    pre_deploy: echo change freeze; exit 1\n"
+                       "    post_rollout: echo \"after $KDEPLOY_EXIT_CODE\"\n", 1)
+    (tmp_path / "inventory.yaml").write_text(text)
+    for sub in ("kernels", "templates"):
+        (tmp_path / sub).symlink_to(REPO / sub)
+    lines: list[str] = []
+    monkeypatch.setattr(hooks, "to_stderr", lines.append)
+    monkeypatch.setattr(hooks.pre_deploy, "__defaults__", (lines.append, None))
+    monkeypatch.setattr(hooks.post_rollout, "__defaults__", (lines.append, None))
+    report = fleet.push(load(tmp_path / "inventory.yaml"), "all")
+    assert report.exit_code == 7
+    assert [(h.result, h.phases, h.error) for h in report.hosts] == [
+        ("preflight_refused", [], "pre_deploy hook refused the run (exit 1: change freeze); no host touched")] * 2
+    assert report.extra["pre_deploy"][0]["detail"] == "exit 1: change freeze"
+    assert lines == ["pre_deploy: change freeze", "post_rollout: after 7"]

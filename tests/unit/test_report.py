@@ -22,7 +22,7 @@ from kdeploy.lock import LockInfo
 from kdeploy.report import Cancelled, HostResult, Phase, PhaseFailed, Report, Result
 
 # most severe first; INVALID (2) is outside the order: it wins outright
-SEVERITY = [5, 4, 3, 7, 6, 1, 0]
+SEVERITY = [5, 4, 3, 8, 7, 6, 1, 0]
 
 
 # --- errors ----------------------------------------------------------------------------------------------------
@@ -31,7 +31,7 @@ SEVERITY = [5, 4, 3, 7, 6, 1, 0]
 def test_exit_code_values():
     assert {c.name: int(c) for c in ExitCode} == {"OK": 0, "INTERNAL": 1, "INVALID": 2, "UNREACHABLE": 3,
                                                    "ROLLED_BACK": 4, "ROLLBACK_FAILED": 5, "LOCKED": 6,
-                                                   "PREFLIGHT": 7, "INTERRUPTED": 130}
+                                                   "PREFLIGHT": 7, "COMMAND_FAILED": 8, "INTERRUPTED": 130}
 
 
 @pytest.mark.parametrize(("higher", "lower"), list(itertools.combinations(SEVERITY, 2)))
@@ -111,8 +111,9 @@ def test_finish_maps_result_to_exit_code(result, code):
 
 
 def test_every_result_is_documented_with_its_exit_code():
-    assert len(Result) == 17
+    assert len(Result) == 18
     assert {r.value: int(r.exit_code) for r in Result}["incompatible"] == 7
+    assert {r.value: int(r.exit_code) for r in Result}["command_failed"] == 8
 
 
 @pytest.mark.parametrize(("exc", "result"), [
