@@ -204,21 +204,7 @@ def test_lock_is_held_by_a_root_shell_under_sudo_and_force_released(dep: Deploym
 def test_controller_killed_after_the_switch_host_reverts_by_itself(dep: Deployment, capsys) -> None:
     _deployed(dep)
     old = provisional_tests._current(dep, "h1")
-    dep.set_service(env={"REFSERVER_SLOW_START": "30"})  # the gate is still waiting when we kill it
-    before = dep.show("h1", "InvocationID")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "h1", "--inventory", str(dep.path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while dep.show("h1", "InvocationID") == before:
-            assert proc.poll() is None and time.monotonic() < deadline, "h1 was never restarted"
-            time.sleep(0.05)
-        new = provisional_tests._current(dep, "h1")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    new = provisional_tests._killed_during_the_gate(dep, "h1")
     assert new != old
     record = provisional_tests._wait_reverted(dep, old, new)
     provisional_tests._assert_back_on(dep, old, new, record)

@@ -72,12 +72,12 @@ def _gate(revert_after: float = REVERT_AFTER) -> dict:
             "revert_after": revert_after}
 
 
-def _killed_during_the_gate(dep: Deployment) -> str:
-    """A push SIGKILLed once h1 restarted on the new release (a slow start keeps its gate waiting): that
-    release, switched and never confirmed."""
+def _killed_during_the_gate(dep: Deployment, target: str = "test") -> str:
+    """A push of ``target`` SIGKILLed once h1 restarted on the new release (a slow start keeps its gate
+    waiting): that release, switched and never confirmed."""
     dep.set_service(env={"REFSERVER_SLOW_START": "30"})
     before = dep.show("h1", "InvocationID")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--inventory", str(dep.path)],
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", target, "--inventory", str(dep.path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60

@@ -225,15 +225,19 @@ def test_exit_watch_ends_with_the_session_that_started_it():
     try:
         watcher = int(session.stdout.readline())
         time.sleep(0.3)
-        assert not _gone(watcher)
-        session.send_signal(signal.SIGKILL)
-        session.wait()
-        deadline = time.monotonic() + 5
-        while not _gone(watcher):
-            assert time.monotonic() < deadline, "the watcher outlived its session"
-            time.sleep(0.05)
+        _assert_ends_with_its_session(watcher, session)
     finally:
         os.killpg(session.pid, signal.SIGKILL)
+
+
+def _assert_ends_with_its_session(watcher: int, session: subprocess.Popen) -> None:
+    assert not _gone(watcher)
+    session.send_signal(signal.SIGKILL)
+    session.wait()
+    deadline = time.monotonic() + 5
+    while not _gone(watcher):
+        assert time.monotonic() < deadline, "the watcher outlived its session"
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("become", ["sudo", "doas"])
@@ -248,13 +252,7 @@ def test_exit_watch_under_become_ends_with_the_session_above_it(tmp_path, become
         sudo = int(session.stdout.readline())
         time.sleep(0.3)
         watcher = int(subprocess.run(["pgrep", "-P", str(sudo)], capture_output=True, text=True).stdout.split()[0])
-        assert not _gone(watcher)
-        session.send_signal(signal.SIGKILL)
-        session.wait()
-        deadline = time.monotonic() + 5
-        while not _gone(watcher):
-            assert time.monotonic() < deadline, "the watcher outlived its session"
-            time.sleep(0.05)
+        _assert_ends_with_its_session(watcher, session)
     finally:
         os.killpg(session.pid, signal.SIGKILL)
 
