@@ -103,7 +103,8 @@ bench-upload: venv
 # kdeploy at 16/32/64/128 light sandbox hosts (issue 16, docs/benchmarks.md "Scale"): full/no-op push and verify,
 # wall, controller CPU, peak RSS/threads/fds; --parallel 16/64/128 at 128 hosts. Writes bench/results/scale.json
 # and scale.png (asyncssh: paramiko vs asyncssh, 128 concurrent connections); ~10 min on 2 cores.
-# SCALE_ARGS="--sizes 16,32 --parallel 16" for a quick run, SCALE_ARGS="--boot-sizes 16,32,64,128" for boots only.
+# SCALE_ARGS="--sizes 16,32 --parallel 16" for a quick run, SCALE_ARGS="--boot-sizes 16,32,64,128 --out bench/results/scale-boot.json" for boots only
+# (without --out a boot-only run overwrites scale.json).
 bench-scale: venv
 	@$(BIN)/python -c 'import matplotlib, asyncssh' 2>/dev/null || $(BIN)/pip install -q matplotlib asyncssh || true
 	flock /tmp/sandbox-heavy.lock $(BIN)/python bench/scale.py $(SCALE_ARGS)
