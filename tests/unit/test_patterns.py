@@ -17,8 +17,8 @@ import pytest
 
 from kdeploy import cli, inventory, patterns
 from kdeploy.errors import InvalidInput
+from tests.unit.test_ansible import SERVICE  # kdeploy's part of an Ansible fleet
 
-REPO = Path(__file__).resolve().parents[2]
 HOSTS_INI = """\
 bastion
 [gpu]
@@ -36,15 +36,6 @@ edge-b.example.com
 gpu
 edge
 [empty]
-"""
-SERVICE = f"""\
-known_hosts: /etc/kdeploy/known_hosts
-service:
-  name: svc
-  template: {REPO}/templates/sglang.service.j2
-  payload: {REPO}/tests/data/testplugin
-  python: /usr/bin/python3
-  sglang: {{model_path: /models/m}}
 """
 # (TARGET, --limit): what Ansible selects, kdeploy selects
 PARITY = [
