@@ -31,6 +31,7 @@ from ruamel.yaml.comments import CommentedMap
 from ruamel.yaml.error import YAMLError
 
 from kdeploy import patterns
+from kdeploy.analysis import Bounds
 from kdeploy.errors import InvalidInput
 
 DEFAULT_INVENTORY = Path("inventory.yaml")
@@ -192,6 +193,26 @@ class ParitySet(_Strict):
                                     gt=0, le=10)
 
 
+class AnalysisGate(_Strict):
+    """Canary analysis: bounds on the canary's SGLang metrics relative to the baseline hosts (docs/health-gate.md)."""
+
+    duration: float = _doc("seconds of the window over which canary and baseline metrics are compared", 60, gt=0,
+                           le=WEEK)
+    max_p99_ratio: float = _doc("largest canary/baseline ratio of the p99 latencies", 1.2, gt=0)
+    max_error_rate: float = _doc("largest share of the canary's requests that may fail", 0.001, ge=0, le=1)
+    min_throughput_ratio: float = _doc("smallest canary/baseline ratio of generated tokens per second per request",
+                                       0.8, ge=0)
+    min_accept_length_ratio: float = _doc("smallest canary/baseline ratio of the speculative accept length", 0.95,
+                                          ge=0)
+    min_requests: int = _doc("requests each side must serve in the window for a verdict", 20, gt=0)
+
+    def bounds(self) -> Bounds:
+        """The limits as analysis.py takes them."""
+        return Bounds(max_p99_ratio=self.max_p99_ratio, max_error_rate=self.max_error_rate,
+                      min_throughput_ratio=self.min_throughput_ratio,
+                      min_accept_length_ratio=self.min_accept_length_ratio, min_requests=self.min_requests)
+
+
 class Gate(_Strict):
     """What a healthy deploy must show; ``workers`` defaults to the service's TP size."""
 
@@ -216,6 +237,8 @@ class Gate(_Strict):
         "seconds after a switch at which the host goes back to its last confirmed release by itself unless "
         "kdeploy confirmed it (docs/push.md, provisional activation); keep it above the restart and gate time",
         None, gt=0, le=WEEK, shown="`unit.timeout_stop_sec + 60 + gate timeout + 60`")
+    analysis: AnalysisGate | None = _doc("bounds of the canary analysis against the baseline hosts; validated "
+                                         "only: `push` does not apply them yet (issue 29)", None, shown="off")
 
 
 class UnitSettings(_Strict):

@@ -256,6 +256,10 @@ def reference_table(model: type[BaseModel], skip: tuple[str, ...] = (), prefix: 
             rows.append(f"| `{prefix}{name}` | mapping \\| bool | {_default_text(info)} | {info.description} |")
             rows += reference_table(inventory.ParitySet, prefix=f"{prefix}{name}.")
             continue
+        if model is inventory.Gate and inventory.AnalysisGate in nested:
+            rows.append(f"| `{prefix}{name}` | mapping | {_default_text(info)} | {info.description} |")
+            rows += reference_table(inventory.AnalysisGate, prefix=f"{prefix}{name}.")
+            continue
         rows.append(f"| `{prefix}{name}` | {_type_text(info)} | {_default_text(info)} | {info.description} |")
     return rows
 
