@@ -22,6 +22,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.console import Group as Stack
 from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
@@ -31,6 +32,7 @@ from typer.core import TyperCommand, TyperGroup
 from typer.models import CommandFunctionType
 
 from kdeploy import __version__, ansible, fleet, junit, logs, patterns, progress, settings
+from kdeploy import canary as canary_analysis
 from kdeploy import inventory as inv
 from kdeploy.deploy import History, LockView, Options, Plan, StatusView
 from kdeploy.errors import ExitCode, InvalidInput, KdeployError
@@ -181,6 +183,10 @@ BatchOpt = Annotated[str | None, typer.Option("--batch", help="N or N%: hosts re
                                                               "--parallel; behind a router: 1).", show_default=False)]
 MaxFailOpt = Annotated[str | None, typer.Option("--max-fail", help="N or N%: failures tolerated before new batches "
                                                                    "stop (default: no limit).", show_default=False)]
+AnalysisOpt = Annotated[str | None, typer.Option(
+    "--analysis", metavar="DURATION", show_default=False,
+    help="With --canary: compare the canary's SGLang metrics with the hosts not yet deployed for DURATION (90, 30s, "
+         "5m) before the rest go; the canary is rolled back (exit 4) when they do not hold up.")]
 def _version(value: bool) -> None:
     if value:
         sys.stdout.write(f"kdeploy {__version__}\n")
@@ -230,10 +236,10 @@ def root(version: Annotated[bool, typer.Option("--version", callback=_version, i
     """
 
 
-def _policy(canary: int, batch: str | None, max_fail: str | None) -> Policy:
+def _policy(canary: int, batch: str | None, max_fail: str | None, analysis: str | None = None) -> Policy:
     """The rollout policy of push, set-env, set and rollback; its syntax checked before anything else is read (its
     fit to the hosts selected is checked once they are known: ``Policy.check``)."""
-    policy = Policy(canary, batch, max_fail)
+    policy = Policy(canary, batch, max_fail, None if analysis is None else canary_analysis.parse_duration(analysis))
     policy.check(0)
     return policy
 
@@ -281,9 +287,14 @@ class Ui:
     def run(self, fn: Callable[[Listener], Report]) -> Report:
         if self.plain or self.quiet:
             return progress.PlainLog(self.err.file, quiet=self.quiet).run(fn)
-        with Live(self._live_table(), console=self.err, refresh_per_second=8, transient=True,
-                  get_renderable=self._live_table):
-            return fn(self.listener)
+        view = canary_analysis.LiveView(self.listener)
+
+        def draw() -> Table | Stack:
+            window = view.render()
+            return self._live_table() if window is None else Stack(self._live_table(), window)
+
+        with Live(self._live_table(), console=self.err, refresh_per_second=8, transient=True, get_renderable=draw):
+            return fn(view)
 
     def table(self, title: str, *columns: str) -> Table:
         """A table in the TTY's box drawing, or in plain columns for a CI log."""
@@ -412,7 +423,7 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
          dry_run: Annotated[bool, typer.Option("--dry-run", help="Same as `kdeploy plan`.")] = False,
          lock_wait: LockWaitOpt = 0, workers: WorkersOpt = None, timeout: TimeoutOpt = None,
          skip_preflight: Annotated[bool, typer.Option("--skip-preflight", help="Skip the preflight checks.")] = False,
-         canary: CanaryOpt = 0, batch: BatchOpt = None, max_fail: MaxFailOpt = None,
+         canary: CanaryOpt = 0, batch: BatchOpt = None, max_fail: MaxFailOpt = None, analysis: AnalysisOpt = None,
          router_add_missing: Annotated[bool, typer.Option(
              "--router-add-missing", help="Register hosts the router does not know after their deploy.")] = False,
          accept_parity_change: Annotated[bool, typer.Option(
@@ -425,8 +436,9 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
         return
     ui = Ui(as_json, junit_path)
     opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
-                    lock_wait=lock_wait, workers=workers, timeout=timeout, policy=_policy(canary, batch, max_fail),
-                    skip_preflight=skip_preflight, router_add_missing=router_add_missing,
+                    lock_wait=lock_wait, workers=workers, timeout=timeout,
+                    policy=_policy(canary, batch, max_fail, analysis), skip_preflight=skip_preflight,
+                    router_add_missing=router_add_missing,
                     accept_parity_change=accept_parity_change, command=command_line(ctx))
     loaded = _load(inventory, service, target, limit)
     report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
@@ -606,14 +618,14 @@ def set_env(ctx: typer.Context,
             as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
             parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0,
             canary: CanaryOpt = 0, batch: BatchOpt = None, max_fail: MaxFailOpt = None,
-            limit: LimitOpt = None) -> None:
+            analysis: AnalysisOpt = None, limit: LimitOpt = None) -> None:
     """Set or unset service environment flags in the inventory and roll them out (gated, reverted on failure)."""
     pairs = dict(settings.split_assignment(a) for a in assignments or [])
     if not pairs and not unset:
         raise InvalidInput("set-env: give KEY=VALUE or --unset KEY")
     _edit("set-env", inventory, service, lambda: settings.set_env(inventory, pairs, list(unset or []), target, service),
           Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx), limit,
-          _policy(canary, batch, max_fail))
+          _policy(canary, batch, max_fail, analysis))
 
 
 @app.command("set")
@@ -625,12 +637,12 @@ def set_(ctx: typer.Context,
          as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
          parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0,
          canary: CanaryOpt = 0, batch: BatchOpt = None, max_fail: MaxFailOpt = None,
-         limit: LimitOpt = None) -> None:
+         analysis: AnalysisOpt = None, limit: LimitOpt = None) -> None:
     """Change typed service settings (hicache.ratio=4.0, gate.workers=8, ...) and roll them out."""
     pairs = dict(settings.split_assignment(a) for a in assignments)
     _edit("set", inventory, service, lambda: settings.set_values(inventory, pairs, target, service),
           Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx), limit,
-          _policy(canary, batch, max_fail))
+          _policy(canary, batch, max_fail, analysis))
 
 
 @app.command()

@@ -15,7 +15,7 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from kdeploy import deploy, hooks, settings
+from kdeploy import canary, deploy, hooks, settings
 from kdeploy import secrets as secret
 from kdeploy.deploy import Local, Options
 from kdeploy.errors import InvalidInput, KdeployError, PreflightRefused
@@ -90,9 +90,10 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
     if refused is not None:
         return refused
     try:
+        analysis = canary.Analysis.plan(inventory, names, opts, results, listener, cancel)
         routers = open_routers(inventory, names, opts, max(opts.policy.canary,
                                                            opts.policy.batch_size(len(names), parallel)), results)
-    except KdeployError as exc:  # refused or unreachable router: no host was touched
+    except KdeployError as exc:  # refused analysis or router, unreachable router: no host was touched
         for result in results.values():
             result.fail(exc)
         return Report(command, [results[n] for n in names])
@@ -109,7 +110,7 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
         runner.post_host(step.host, step.result)
 
     try:
-        _rollout(names, steps, results, opts, parallel, cancel, activate)
+        _rollout(names, steps, results, opts, parallel, cancel, activate, analysis, routers)
         if opts.router_add_missing:  # an unchanged host has no turn, yet it serves: register it if the router lacks it
             run_parallel([(results[n], partial(deploy.admit_serving, inventory.hosts[n], results[n], routers[n]))
                           for n in names if n in routers and results[n].result == Result.UNCHANGED
@@ -177,21 +178,35 @@ def close_routers(clients: dict) -> None:
 
 
 def _rollout(names: list[str], steps: dict[str, deploy.HostPush], results: dict[str, HostResult], opts: Options,
-             parallel: int, cancel: threading.Event, activate: Callable[[str, int], None]) -> None:
-    """``activate(name, batch)``: one host's turn in its batch (numbered from 1, the canary's first)."""
+             parallel: int, cancel: threading.Event, activate: Callable[[str, int], None],
+             analysis: canary.Analysis | None = None, routers: dict | None = None) -> None:
+    """``activate(name, batch)``: one host's turn in its batch (numbered from 1, the canary's first);
+    ``analysis``: the canary analysis, checked once the hosts to restart are known, before the first."""
     run_parallel([(results[n], steps[n].prepare) for n in names], parallel, cancel)
     failed = sum(1 for r in results.values() if r.done and not r.ok)
-    in_batches([n for n in names if steps[n].pending], results, opts.policy, parallel, cancel, activate,
-               lambda name, why, result: steps[name].skip(why, result), failed=failed, total=len(names))
+    pending = [n for n in names if steps[n].pending]
+    after = None
+    if analysis is not None:
+        refused = analysis.before(opts.policy.batches(pending, parallel))
+        if refused:  # a required analysis that cannot be done: no host restarts
+            for name in pending:
+                steps[name].skip(refused, "preflight_refused")
+            return
+        after = partial(analysis.after, previous=lambda n: steps[n].state.confirmed, routers=routers or {})
+    in_batches(pending, results, opts.policy, parallel, cancel, activate,
+               lambda name, why, result: steps[name].skip(why, result), failed=failed, total=len(names),
+               after_canary=after)
 
 
 def in_batches(names: list[str], results: dict[str, HostResult], policy: Policy, parallel: int,
                cancel: threading.Event, turn: Callable[[str, int], None], skip: Callable[[str, str, str], None],
-               *, failed: int = 0, total: int | None = None) -> None:
+               *, failed: int = 0, total: int | None = None,
+               after_canary: Callable[[list[str], list[str]], str | None] | None = None) -> None:
     """The one batch loop of every command that restarts: ``turn(name, batch)`` for the canary alone, then
     each batch (numbered from 1) in parallel, each finished before the next starts. A failed canary stops
-    the rest; more than ``max_fail`` failures (of ``total`` hosts, ``failed`` of them already) stop new
-    batches; Ctrl-C stops them too. ``skip(name, why, result)`` ends a host that gets no turn."""
+    the rest, and so does ``after_canary(canary, rest)`` (the canary analysis) when it says why; more than
+    ``max_fail`` failures (of ``total`` hosts, ``failed`` of them already) stop new batches; Ctrl-C stops them
+    too. ``skip(name, why, result)`` ends a host that gets no turn."""
     max_fail = policy.failures_allowed(len(names) if total is None else total)
     batches = policy.batches(names, parallel)
     for index, batch in enumerate(batches):
@@ -209,6 +224,11 @@ def in_batches(names: list[str], results: dict[str, HostResult], policy: Policy,
         if index == 0 and policy.canary and batch_failed:
             for name in (n for later in batches[1:] for n in later):
                 skip(name, "not restarted: the canary failed", "skipped")
+            return
+        rest = [n for later in batches[1:] for n in later]
+        if index == 0 and policy.canary and after_canary and (why := after_canary(batch, rest)):
+            for name in rest:
+                skip(name, why, "interrupted" if cancel.is_set() else "skipped")
             return
 
 
@@ -268,6 +288,8 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
     opts = opts or Options()
     names = inventory.resolve(target)
     opts.policy.check(len(names))
+    if opts.policy.analysis is not None:
+        raise InvalidInput("rollback: --analysis is for push, set-env and set (a rollout to a new release)")
     cancel = threading.Event()
     refused = _pre_deploy(inventory, "rollback", names, {n: HostResult(n, listener=listener) for n in names}, cancel)
     if refused is not None:
@@ -425,7 +447,7 @@ def _revert(edit: settings.Edit, report: Report, opts: Options, parallel: int, l
     if moved:
         # Its own cancel state: the Ctrl-C that stopped the rollout must not stop the way back (a new one
         # does). No canary or max-fail either: every host that moved goes back.
-        back_opts = replace(opts, policy=replace(opts.policy, canary=0, max_fail=None))
+        back_opts = replace(opts, policy=replace(opts.policy, canary=0, max_fail=None, analysis=None))
         try:
             names = edit.old.resolve(",".join(moved))
             back = rollout(edit.old, names, prepare(edit.old, names, back_opts), back_opts, parallel=parallel,

@@ -204,7 +204,10 @@ class AnalysisGate(_Strict):
                                        0.8, ge=0)
     min_accept_length_ratio: float = _doc("smallest canary/baseline ratio of the speculative accept length", 0.95,
                                           ge=0)
-    min_requests: int = _doc("requests each side must serve in the window for a verdict", 20, gt=0)
+    interval: float = _doc("seconds between scrapes during the window (the live view and the JSON's series)", 5,
+                           gt=0, le=3600)
+    min_requests: int = _doc("requests each side must serve in the window for a verdict (fewer: no verdict; "
+                             "docs/health-gate.md, Canary analysis)", 20, gt=0)
 
     def bounds(self) -> Bounds:
         """The limits as analysis.py takes them."""
@@ -237,8 +240,9 @@ class Gate(_Strict):
         "seconds after a switch at which the host goes back to its last confirmed release by itself unless "
         "kdeploy confirmed it (docs/push.md, provisional activation); keep it above the restart and gate time",
         None, gt=0, le=WEEK, shown="`unit.timeout_stop_sec + 60 + gate timeout + 60`")
-    analysis: AnalysisGate | None = _doc("bounds of the canary analysis against the baseline hosts; validated "
-                                         "only: `push` does not apply them yet (issue 29)", None, shown="off")
+    analysis: AnalysisGate | None = _doc("canary analysis of a rollout with `--canary N`: the canary's metrics "
+                                         "against the baseline hosts' over a window (docs/health-gate.md)", None,
+                                         shown="off")
 
 
 class UnitSettings(_Strict):

@@ -34,17 +34,22 @@ def count(spec: str | None, total: int, default: int, option: str = "") -> int:
 @dataclass(frozen=True)
 class Policy:
     """``canary`` hosts go first, alone, and must pass; then batches of ``batch`` hosts (N or N%; default:
-    ``--parallel``); more than ``max_fail`` failures (N or N%; default: no limit) stop new batches."""
+    ``--parallel``); more than ``max_fail`` failures (N or N%; default: no limit) stop new batches.
+    ``analysis``: seconds the canary's metrics are watched against the rest's before they go (``--analysis``;
+    kdeploy/canary.py)."""
 
     canary: int = 0
     batch: str | None = None
     max_fail: str | None = None
+    analysis: float | None = None
 
     def check(self, selected: int) -> None:
         """Before any host is touched: bad syntax, a batch of 0, a canary or a batch larger than the
         ``selected`` hosts (exit 2, naming the option). No host selected: nothing to check against."""
         if self.canary < 0:
             raise InvalidInput(f"--canary {self.canary}: expected a count of hosts (0: no canary)")
+        if self.analysis is not None and not self.canary:
+            raise InvalidInput("--analysis needs --canary N: the canary is what is analysed against the other hosts")
         count(self.max_fail, max(selected, 1), 1, "--max-fail")
         batch = count(self.batch, max(selected, 1), 1, "--batch")
         if batch == 0:
