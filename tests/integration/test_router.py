@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -73,8 +74,15 @@ def _stream(url: str, tokens: int, out: list, started: threading.Event) -> None:
 @pytest.fixture
 def routed(deployment: Deployment, tmp_path: Path) -> Iterator[Routed]:
     """The deployment's hosts serving on 0.0.0.0, all registered in a real router started here."""
+    with behind_router(deployment, tmp_path) as r:
+        yield r
+
+
+@contextmanager
+def behind_router(deployment: Deployment, tmp_path: Path, token_delay: float = TOKEN_DELAY) -> Iterator[Routed]:
+    """``routed``'s set-up, with each generated token taking ``token_delay`` seconds (tests/integration/test_canary)."""
     deployment.edit(lambda doc: doc["defaults"]["service"].update(
-        env={"REFSERVER_TOKEN_DELAY": str(TOKEN_DELAY), "REFSERVER_SHUTDOWN_POLL": "1"}))
+        env={"REFSERVER_TOKEN_DELAY": str(token_delay), "REFSERVER_SHUTDOWN_POLL": "1"}))
     deployment.edit(lambda doc: doc["defaults"]["service"]["sglang"].update(
         host="0.0.0.0", extra_args=["--enable-metrics"]))
     assert deployment.kdeploy("push", "test", "--no-verify") == 0
