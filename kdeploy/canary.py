@@ -269,14 +269,12 @@ class Analysis:
         """The window, the decision, and what it asks for. Why the rest is not deployed, else None.
         ``previous(host)``: the release a canary host goes back to; ``routers``: each host's router."""
         results = [self.results[n] for n in canary]
-        if self.not_analysed:
-            self._not_analysed(results, self.not_analysed, None)
-            return None
         baseline, gone = baseline_of(self.inventory, canary, [n for n in rest if not self.results[n].done])
+        impossible = self.not_analysed or gone
         with ExitStack() as stack:
             phases = [stack.enter_context(r.phase("analysis")) for r in results]
             try:
-                outcome = Outcome(None, gone, []) if gone else self.window(canary, baseline)
+                outcome = Outcome(None, impossible, []) if impossible else self.window(canary, baseline)
             except Cancelled:
                 for phase in phases:
                     phase.ok, phase.detail = False, "interrupted: the canary stays, not analysed"
@@ -298,13 +296,6 @@ class Analysis:
             list(pool.map(lambda n: self._roll_back(n, previous(n), routers.get(n), why), canary))
         return f"not restarted: the canary analysis failed ({why})"
 
-    def _not_analysed(self, results: list[HostResult], why: str, data: dict | None) -> None:
-        for result in results:
-            with result.phase("analysis") as phase:
-                phase.detail = f"NOT ANALYSED: {why}"
-                phase.data = data or {"decision": str(Action.NOT_ANALYSED), "reason": why}
-            result.log.append(f"warning: canary analysis not done ({why}); the rollout went on without it")
-
     def window(self, canary: list[str], baseline: list[str]) -> Outcome:
         """Scrape every host at the start, every ``interval`` and at the end of the window; the verdict on the
         deltas from the first scrape to the last."""
@@ -313,7 +304,7 @@ class Analysis:
         series: list[dict] = []
         try:
             why = _unavailable(scraper.open())
-            first = scraper.scrape()
+            first = {} if why else scraper.scrape()
             why = why or _unavailable(first)
             if why:
                 return Outcome(None, why, series)
