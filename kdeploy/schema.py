@@ -31,14 +31,16 @@ class _Doc(BaseModel):
 class PhaseDoc(_Doc):
     name: str = Field(description="Phase name (connect, preflight, stage, parity-baseline, activate, restart, "
                                   "unit, ready, completion, parity, workers, confirm, rollback, 'rollback <phase>', "
-                                  "relock, pre_host, post_host, ...).")
+                                  "relock, pre_host, post_host, analysis, ...).")
     ok: bool = Field(description="Whether the phase passed.")
     seconds: float = Field(description="Wall time of the phase.")
     detail: str = Field(description="What the phase found, or why it failed (one line).")
     data: dict[str, Any] | None = Field(None, description="The phase's numbers, where it has any (parity: "
                                                           "prompts, positions, max_gap, tolerance, reference; "
                                                           "on a mismatch prompt, position, token_before, "
-                                                          "token_now, gap); absent otherwise.")
+                                                          "token_now, gap; analysis: decision, reason, required, "
+                                                          "duration, interval, bounds, canary, baseline, failed, "
+                                                          "checks, series, docs/health-gate.md); absent otherwise.")
 
 
 class PlanDoc(_Doc):
