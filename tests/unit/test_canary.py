@@ -166,3 +166,25 @@ def test_the_analysis_after_the_canary_stops_or_lets_the_rest_go() -> None:
             assert [(results[n].result, results[n].error) for n in ("h2", "h3")] == [("skipped", why)] * 2
         else:
             assert turns == names
+
+
+def test_a_terminal_run_hands_the_rollout_a_live_view_and_keeps_stdout_for_json(monkeypatch,
+                                                                               capsys: pytest.CaptureFixture[str]):
+    from kdeploy import progress
+    from kdeploy.report import Report
+
+    monkeypatch.setattr(progress, "plain_wanted", lambda env, tty: False)
+    ui = cli.Ui(as_json=True)
+    seen: list = []
+
+    def rollout(listener) -> Report:
+        seen.append(listener)
+        listener("h1", "analysis", "start")
+        listener.window(canary.Snapshot(1.0, 5.0, {"requests": 3}, {"requests": 9}, analysis.Bounds(),
+                                        (("h1",), ("h2",))))
+        return Report("push", [])
+
+    ui.run(rollout)
+    assert isinstance(seen[0], canary.AnalysisWatcher) and ui.live_state["h1"][0] == "analysis"
+    assert seen[0].render() is not None
+    assert capsys.readouterr().out == ""
