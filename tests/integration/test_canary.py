@@ -1,6 +1,6 @@
 """Canary analysis (issue 29) on sandbox hosts behind the real SGLang router, with traffic sent through the router
 during the window: a slower canary and one that fails 1% of its requests are rolled back and the other hosts
-keep their release; a good canary is promoted and the rollout goes on; no router refuses (exit 7).
+keep their release; a good canary (set-env) is promoted and the rollout goes on; no router refuses (exit 7).
 
 Each generated token takes 0.14 s, so a request's time to first token is about 0.14 s, inside SGLang's TTFT
 bucket (0.1, 0.2]: +50% (REFSERVER_LATENCY=0.07, 0.21 s) lands in the next bucket, (0.2, 0.4], where a p99
@@ -125,21 +125,22 @@ def test_a_canary_failing_one_percent_of_its_requests_is_rolled_back(analysed: R
 
 @pytest.mark.hosts(3)
 def test_a_good_canary_is_promoted_and_the_rollout_goes_on(analysed: Routed, capsys) -> None:
-    """The analysis comes from the inventory alone here (no --analysis): it still decides when it can."""
+    """Through set-env, which takes --analysis as push does: its rollout is push's."""
     dep = analysed.dep
     before = {h: _current(dep, h) for h in dep.hosts}
-    (dep.payload / "rev.txt").write_text("good")
     dep.edit(lambda doc: doc["defaults"]["service"].update(gate={**doc["defaults"]["service"]["gate"],
-                                                                 "analysis": {"duration": 4, "interval": 1}}))
+                                                                 "analysis": {"interval": 1}}))
     with Traffic(analysed.url, threads=8, tokens=2):
-        code, doc = dep.json(capsys, "push", "test", "--canary", "1", "--batch", "1")
+        code, doc = dep.json(capsys, "set-env", "KDEPLOY_CANARY_OK=1", "--canary", "1", "--batch", "1",
+                             "--analysis", "4s")
     hosts = {h["host"]: h for h in doc["hosts"]}
     assert code == 0, doc
-    assert {h["result"] for h in doc["hosts"]} == {"deployed"}
+    assert {h["result"] for h in doc["hosts"]} == {"deployed"} and not doc["inventory"]["reverted"]
     phase = _analysis(hosts["h1"])
-    assert phase["ok"] and phase["data"]["decision"] == "promoted", phase
+    assert phase["ok"] and phase["data"]["decision"] == "promoted" and phase["data"]["required"], phase
     assert phase["data"]["checks"] and all(c["ok"] for c in phase["data"]["checks"])
-    assert all(_current(dep, h) != before[h] for h in dep.hosts)
+    assert all(_current(dep, h) != before[h] and "KDEPLOY_CANARY_OK=1" in dep.show(h, "Environment")
+               for h in dep.hosts)
     assert not any(p["name"] == "analysis" for h in ("h2", "h3") for p in hosts[h]["phases"])
 
 
