@@ -32,8 +32,9 @@ from typer.models import CommandFunctionType
 
 from kdeploy import __version__, ansible, fleet, junit, logs, patterns, progress, settings
 from kdeploy import inventory as inv
-from kdeploy.deploy import History, LockView, Options, Plan, StatusView
 from kdeploy.errors import ExitCode, InvalidInput, KdeployError
+from kdeploy.flows.options import Options
+from kdeploy.flows.views import History, LockView, Plan, StatusView
 from kdeploy.history import columns as history_columns
 from kdeploy.policy import Policy
 from kdeploy.probe import ProbeReport

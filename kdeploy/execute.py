@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kdeploy import fleet
-from kdeploy.deploy import Options, connect
+from kdeploy.flows.options import Options
+from kdeploy.flows.session import connect
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.logs import masker
 from kdeploy.remote import Stopped

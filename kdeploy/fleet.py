@@ -15,10 +15,15 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from kdeploy import deploy, hooks, settings
+from kdeploy import hooks, settings
 from kdeploy import secrets as secret
-from kdeploy.deploy import Local, Options
 from kdeploy.errors import InvalidInput, KdeployError, PreflightRefused
+from kdeploy.flows import views
+from kdeploy.flows.membership import admit_serving
+from kdeploy.flows.options import Options
+from kdeploy.flows.push import HostPush
+from kdeploy.flows.rollback import rollback_host
+from kdeploy.flows.session import Local
 from kdeploy.gatespec import PayloadGate, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.policy import Policy
@@ -78,7 +83,7 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
 
     A failing canary stops the rollout; more than ``max_fail`` failures stop new batches. Hosts that are
     not started end ``skipped`` with their staged release removed, so they are left as they were. A host
-    holds its connection and lock only while one of its passes runs (``deploy.HostPush``), so at most
+    holds its connection and lock only while one of its passes runs (``HostPush``), so at most
     ``parallel`` hosts are connected at once, however many there are (when all fit in ``parallel``, they
     keep them between the passes). The inventory's ``pre_deploy`` hook runs first (unless ``pre_deploy`` is
     False: the way back of a failed edit), ``pre_host`` right before a host's turn, ``post_host`` once its
@@ -97,7 +102,7 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
             result.fail(exc)
         return Report(command, [results[n] for n in names])
     hold = len(names) <= parallel  # every host fits in --parallel: no need to let go between the passes
-    steps = {name: deploy.HostPush(inventory, inventory.hosts[name], local[name], opts, results[name], cancel,
+    steps = {name: HostPush(inventory, inventory.hosts[name], local[name], opts, results[name], cancel,
                                    router=routers.get(name), hold=hold)
              for name in names}
     runner = hooks.Runner(inventory, command, cancel)
@@ -111,7 +116,7 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opt
     try:
         _rollout(names, steps, results, opts, parallel, cancel, activate)
         if opts.router_add_missing:  # an unchanged host has no turn, yet it serves: register it if the router lacks it
-            run_parallel([(results[n], partial(deploy.admit_serving, inventory.hosts[n], results[n], routers[n]))
+            run_parallel([(results[n], partial(admit_serving, inventory.hosts[n], results[n], routers[n]))
                           for n in names if n in routers and results[n].result == Result.UNCHANGED
                           and results[n].router == "out"], parallel, cancel)
     except KeyboardInterrupt:  # between batches: what has not started is skipped, the report still prints
@@ -176,7 +181,7 @@ def close_routers(clients: dict) -> None:
         client.close()
 
 
-def _rollout(names: list[str], steps: dict[str, deploy.HostPush], results: dict[str, HostResult], opts: Options,
+def _rollout(names: list[str], steps: dict[str, HostPush], results: dict[str, HostResult], opts: Options,
              parallel: int, cancel: threading.Event, activate: Callable[[str, int], None]) -> None:
     """``activate(name, batch)``: one host's turn in its batch (numbered from 1, the canary's first)."""
     run_parallel([(results[n], steps[n].prepare) for n in names], parallel, cancel)
@@ -239,7 +244,7 @@ def push(inventory: Inventory, target: str | None, opts: Options | None = None, 
     local = prepare(inventory, names, opts)
     if dry_run:
         return fan_out(inventory, names, "plan",
-                       lambda host, result: deploy.plan_host(inventory, host, local[host.name], opts, result),
+                       lambda host, result: views.plan_host(inventory, host, local[host.name], opts, result),
                        parallel=parallel, listener=listener, cancel=cancel)
     opts.policy.check(len(names))
     report = rollout(inventory, names, local, opts, parallel=parallel, listener=listener, cancel=cancel)
@@ -257,7 +262,7 @@ def _each(inventory: Inventory, target: str | None, command: str, step: Callable
 
 def verify(inventory: Inventory, target: str | None, opts: Options | None = None, *,
            parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
-    return _each(inventory, target, "verify", deploy.verify_host, opts, parallel, listener)
+    return _each(inventory, target, "verify", views.verify_host, opts, parallel, listener)
 
 
 def rollback(inventory: Inventory, target: str | None, opts: Options | None = None, *,
@@ -282,7 +287,7 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
     def one(name: str, batch: int) -> None:
         host, result = inventory.hosts[name], results[name]
         try:
-            deploy.rollback_host(inventory, host, opts, result, router=routers.get(host.name),
+            rollback_host(inventory, host, opts, result, router=routers.get(host.name),
                                  before_change=partial(runner.pre_host, host, result, batch=batch))
         except (KdeployError, PhaseFailed, Cancelled) as exc:  # ended here, so that post_host sees the result
             result.fail(exc)
@@ -308,17 +313,17 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
 
 def probe(inventory: Inventory, target: str | None, opts: Options | None = None, *,
           parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
-    return _each(inventory, target, "probe", deploy.probe_host, opts, parallel, listener)
+    return _each(inventory, target, "probe", views.probe_host, opts, parallel, listener)
 
 
 def history(inventory: Inventory, target: str | None, opts: Options | None = None, *,
             parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
-    return _each(inventory, target, "history", deploy.history_host, opts, parallel, listener)
+    return _each(inventory, target, "history", views.history_host, opts, parallel, listener)
 
 
 def lock(inventory: Inventory, target: str | None, opts: Options | None = None, *, release: bool = False,
          parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None) -> Report:
-    step = partial(deploy.lock_host, release_it=release)
+    step = partial(views.lock_host, release_it=release)
     return _each(inventory, target, "lock release" if release else "lock status", step, opts, parallel, listener)
 
 
@@ -328,7 +333,7 @@ def status(inventory: Inventory, target: str | None, opts: Options | None = None
     names = inventory.resolve(target)
     local = prepare(inventory, names)
     return fan_out(inventory, names, "status",
-                   lambda host, result: deploy.status_host(inventory, host, local[host.name], opts, result),
+                   lambda host, result: views.status_host(inventory, host, local[host.name], opts, result),
                    parallel=parallel, listener=listener)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shlex
 
+from kdeploy.step import Step
+
 
 def append_command(service_dir: str, record: dict) -> str:
     """Append ``record``; a new history file is for root only (umask 077), like the lock record."""
@@ -34,3 +36,8 @@ def columns(record: dict) -> list[str]:
     cells = [record.get(k) for k in ("time", "user", "controller")]
     cells += [record.get("release") or "-", record.get("result"), record.get("duration")]
     return ["" if c is None else str(c) for c in cells]
+
+
+def read_step(service_dir: str, limit: int) -> Step[list[dict]]:
+    """The last ``limit`` lines of the host's history."""
+    return Step(read_command(service_dir, limit), lambda out: parse(out.stdout), 30)

@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 
 from kdeploy.errors import LockHeld, PreflightRefused, Unreachable
 from kdeploy.remote import FENCE_MARK, FENCE_RC, Process, Remote
+from kdeploy.step import Step
 
 READY = "@@ready"
 END = "@@end"
@@ -344,3 +345,8 @@ def release_failure(text: str, before: LockInfo | None) -> str | None:
         waited = int(sections.get("waited", "0").strip() or 0) / 10
         return f"ended the recorded holder (pid {pid} on the host), but the lock was still held {waited:g}s later"
     return "it is held by a live deploy"
+
+
+def status_step(service_dir: str) -> Step[LockStatus]:
+    """Is the lock held, and what does its record say (never waits)."""
+    return Step(status_command(service_dir), lambda out: parse_status(out.stdout), 30)

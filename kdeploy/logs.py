@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kdeploy import secrets as secret
-from kdeploy.deploy import Options, connect
 from kdeploy.errors import InvalidInput, KdeployError
+from kdeploy.flows.options import Options
+from kdeploy.flows.session import connect
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.render import unit_filename
 from kdeploy.report import HostResult, Result

@@ -20,6 +20,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from kdeploy.step import Step
+
 PROBE_PREFIX = "KDEPLOY_PROBE "
 CACHE = ".probe.json"   # in the service directory: see probe_command
 SECTION = "@@kdeploy "
@@ -516,3 +518,8 @@ def parse_preflight(stdout: str, *, unit: str, port: int, tp: int, payload_bytes
     envfile = check_environment_file(environment_file, s.get("envfile", empty).text.strip() or None,
                                      secrets_written)
     return Preflight(probe, (*checks, envfile) if envfile else checks)
+
+
+def probe_step(python: str) -> Step[ProbeReport]:
+    """``probe_command`` as a step: its report says what failed, so no exit status ends it."""
+    return Step(probe_command(python), lambda out: parse_probe(out.stdout, out.stderr, out.rc), 60)

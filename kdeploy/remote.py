@@ -30,7 +30,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -40,8 +39,9 @@ from kdeploy import knownhosts
 from kdeploy.errors import RemoteTimeout, Unreachable
 from kdeploy.filecache import FileCache
 from kdeploy.inventory import HostConfig
-from kdeploy.report import Cancelled
+from kdeploy.report import Cancelled, PhaseFailed
 from kdeploy.sshconfig import Hop, Target
+from kdeploy.step import RunResult, Step
 
 # paramiko logs what it raises to us (e.g. "Secsh channel 4 open FAILED" for a port that is not up yet, which the
 # gate polls): without a handler of its own, Python prints those on stderr for every program that uses kdeploy.
@@ -71,22 +71,6 @@ _T = TypeVar("_T")
 # `kdeploy -v`: one INFO record per SSH step (its command's first line, seconds, exit status); DEBUG (-vv) has the
 # whole command. Never a command's input: secrets travel there.
 TRACE = logging.getLogger("kdeploy.ssh")
-
-
-@dataclass(frozen=True)
-class RunResult:
-    rc: int
-    stdout: str
-    stderr: str
-
-    @property
-    def ok(self) -> bool:
-        return self.rc == 0
-
-    def last_error(self) -> str:
-        """The last non-empty stderr line: what a one-line error should quote."""
-        lines = [line for line in self.stderr.splitlines() if line.strip()]
-        return lines[-1].strip() if lines else f"exit status {self.rc}"
 
 
 def fingerprint(key: paramiko.PKey) -> str:
@@ -770,6 +754,13 @@ class Remote:
         if rc != 0 and self.fence is not None and command != ":":
             self.run(":", timeout=timeout)  # a failure may be another run's doing: is the lock still ours?
         return RunResult(rc, stdout.decode(errors="replace"), stderr.decode(errors="replace"))
+
+    def ask(self, step: Step[_T], *, stdin: bytes | None = None) -> _T:
+        """Run one :class:`Step` and read its output."""
+        out = self.run(step.command, stdin=stdin, timeout=step.timeout)
+        if step.fails is not None and not out.ok:
+            raise PhaseFailed(f"{step.fails}: {out.last_error()}")
+        return step.parse(out)
 
     @_traced
     def start(self, command: str, timeout: float | None = 30.0) -> Process:

@@ -15,6 +15,7 @@ from kdeploy.gatespec import GateSpec
 from kdeploy.inventory import HostConfig
 from kdeploy.lock import split_sections
 from kdeploy.render import service_dir, unit_filename
+from kdeploy.step import Step
 
 HISTORY_LINES = 200
 # Results after which the history's ``release`` is what ran from then on.
@@ -297,3 +298,18 @@ def parse_running(text: str) -> Running:
     sections = split_sections(text)
     return Running(sections.get("current", "").strip() or None,
                    provisional.parse_pending(sections.get("pending", "")), GateSpec.from_json(sections.get("gate", "")))
+
+
+def state_step(host: HostConfig, *, with_files: bool = False) -> Step[HostState]:
+    """The host's state read without the lock (plan: reads only)."""
+    return Step(state_script(host, with_files=with_files), lambda out: parse_state(out.stdout), 60)
+
+
+def running_step(host: HostConfig) -> Step[Running]:
+    """What runs now and how it was gated (verify)."""
+    return Step(running_script(host), lambda out: parse_running(out.stdout), 30)
+
+
+def status_step(host: HostConfig) -> Step[Status]:
+    """The state ``kdeploy status`` shows, with the unit's live environment and the last history line."""
+    return Step(status_script(host), lambda out: parse_status(out.stdout), 60)

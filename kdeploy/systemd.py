@@ -8,6 +8,8 @@ import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kdeploy.step import Step
+
 SHOW_PROPERTIES = ("ActiveState", "SubState", "Result", "NRestarts", "InvocationID", "ExecMainPID",
                    "ExecMainStatus", "ActiveEnterTimestamp", "LoadState", "UnitFileState", "NeedDaemonReload")
 UNIT_DIR = "/etc/systemd/system"
@@ -237,3 +239,9 @@ def _split_words(text: str) -> list[str]:
             i += 1
         words.append("".join(word))
     return words
+
+
+def follow_step(unit: str, old: str, timeout: float, poll: float) -> Step[Restarted]:
+    """``follow_command`` as a step; the host's own wait bounds it, the link gets 30 s more."""
+    return Step(follow_command(unit, old, timeout, poll), lambda out: parse_restart(out.stdout), timeout + 30,
+                fails="following the restart failed")

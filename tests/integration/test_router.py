@@ -131,7 +131,7 @@ def test_failed_gate_keeps_the_host_out_until_its_rollback_passed(routed: Routed
             seen.append((phase, routed.worker_url("h2") in routed.workers()))
 
     from kdeploy import fleet
-    from kdeploy.deploy import Options
+    from kdeploy.flows.options import Options
     from kdeploy.policy import Policy
 
     report = fleet.push(dep.load(), "test", Options(policy=Policy(batch="1")), listener=watch)

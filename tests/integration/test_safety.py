@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import deploy, fleet, lock, release, sshconfig, state
+from kdeploy import fleet, lock, release, sshconfig, state
 from kdeploy.errors import RemoteTimeout
+from kdeploy.flows.options import Options
 from kdeploy.remote import Remote
 from kdeploy.render import service_dir
 from tests.conftest import Deployment
@@ -488,7 +489,7 @@ def test_host_files_are_root_only_except_what_the_service_reads(deployment: Depl
             held.release()
 
     monkeypatch.setattr("sys.argv", ["deploy_wrapper.py", "--vault-token", "s3cret"])
-    report = fleet.push(deployment.load(), "test", deploy.Options(force_restart=True))
+    report = fleet.push(deployment.load(), "test", Options(force_restart=True))
     assert report.exit_code == 0, [(h.error, h.phases) for h in report.hosts]
     history = deployment.sh("h1", f"cat {d}/history.jsonl")
     assert json.loads(history.splitlines()[-1])["command"] == "kdeploy push (library)"

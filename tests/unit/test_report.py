@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from kdeploy.deploy import LockView, Plan
 from kdeploy.errors import (
     ExitCode,
     InvalidInput,
@@ -18,6 +17,7 @@ from kdeploy.errors import (
     Unreachable,
     most_severe,
 )
+from kdeploy.flows.views import LockView, Plan
 from kdeploy.lock import LockInfo
 from kdeploy.report import Cancelled, HostResult, Phase, PhaseFailed, Report, Result
 

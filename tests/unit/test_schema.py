@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 from ruamel.yaml import YAML
 
-from kdeploy import __version__, cli, deploy, lock, schema
+from kdeploy import __version__, cli, lock, schema
+from kdeploy.flows import views
 from kdeploy.report import SCHEMA_VERSION, HostResult, Phase, Report, Result
 
 
@@ -37,7 +38,7 @@ def test_every_field_of_the_report_schema_is_described(capsys):
 
 
 @pytest.mark.parametrize(("doc", "source"), [
-    (schema.PhaseDoc, Phase), (schema.PlanDoc, deploy.Plan), (schema.StatusDoc, deploy.StatusView),
+    (schema.PhaseDoc, Phase), (schema.PlanDoc, views.Plan), (schema.StatusDoc, views.StatusView),
     (schema.LockHolderDoc, lock.LockInfo),
 ])
 def test_the_models_have_the_dataclasses_fields(doc, source):
@@ -45,8 +46,8 @@ def test_the_models_have_the_dataclasses_fields(doc, source):
 
 
 def reports() -> list[Report]:
-    plan = deploy.Plan(["a.py"], [], [], "--- a\n+++ b\n", True, True, ["unit changed"])
-    status = deploy.StatusView("active", "running", "t", {"A": "1"}, {"result": "deployed"}, [])
+    plan = views.Plan(["a.py"], [], [], "--- a\n+++ b\n", True, True, ["unit changed"])
+    status = views.StatusView("active", "running", "t", {"A": "1"}, {"result": "deployed"}, [])
     holder = lock.LockInfo("ci", "runner", 12, "t", "kdeploy push all", 99)
     hosts = [
         HostResult("h1", phases=[Phase("connect", True, 0.1, "root@h1:22")], release="r1").finish(Result.DEPLOYED),
@@ -54,8 +55,8 @@ def reports() -> list[Report]:
                    traceback="tb").finish(Result.ROLLED_BACK, "no"),
         HostResult("h3", details=plan).finish(Result.PLANNED),
         HostResult("h4", details=status).finish(Result.OK),
-        HostResult("h5", details=deploy.History([{"result": "deployed"}])).finish(Result.OK),
-        HostResult("h6", details=deploy.LockView("held", holder)).finish(Result.OK),
+        HostResult("h5", details=views.History([{"result": "deployed"}])).finish(Result.OK),
+        HostResult("h6", details=views.LockView("held", holder)).finish(Result.OK),
         HostResult("h7", restored=Result.RESTORED).finish(Result.ROLLED_BACK),
     ]
     edit = {"inventory": {"path": "i.yaml", "level": "defaults", "diff": "", "rolled_out_to": ["h1"],

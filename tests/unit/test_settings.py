@@ -20,7 +20,7 @@ import pytest
 from ruamel.yaml import YAML
 
 from kdeploy import cli, fleet, inventory, settings
-from kdeploy.deploy import Options
+from kdeploy.flows.options import Options
 from kdeploy.inventory import Inventory
 from kdeploy.report import HostResult, Report
 

@@ -135,7 +135,7 @@ def test_the_revert_is_stopped_only_when_systemd_holds_it(tmp_path, transient, l
 
 def test_what_moved_between_the_stage_pass_and_the_batch(pending_state):
     """HostPush's resume check: a host staged in the first pass, then changed by someone else meanwhile."""
-    from kdeploy.deploy import _moved
+    from kdeploy.flows.push import _moved
 
     staged = "20991231T000000.000Z-abcdef12"
     before = dataclasses.replace(pending_state, releases=[*pending_state.releases, staged])
