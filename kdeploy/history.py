@@ -5,17 +5,18 @@ from __future__ import annotations
 import json
 import shlex
 
+from kdeploy.layout import HISTORY
 from kdeploy.step import Step
 
 
 def append_command(service_dir: str, record: dict) -> str:
     """Append ``record``; a new history file is for root only (umask 077), like the lock record."""
     line = json.dumps(record, sort_keys=True, separators=(",", ":"))
-    return f"(umask 077 && printf '%s\\n' {shlex.quote(line)} >> {shlex.quote(service_dir)}/history.jsonl)"
+    return f"(umask 077 && printf '%s\\n' {shlex.quote(line)} >> {shlex.quote(service_dir)}/{HISTORY})"
 
 
 def read_command(service_dir: str, limit: int) -> str:
-    return f"tail -n {int(limit)} {shlex.quote(service_dir)}/history.jsonl 2>/dev/null || true"
+    return f"tail -n {int(limit)} {shlex.quote(service_dir)}/{HISTORY} 2>/dev/null || true"
 
 
 def parse(text: str) -> list[dict]:

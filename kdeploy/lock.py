@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from kdeploy.errors import LockHeld, PreflightRefused, Unreachable
+from kdeploy.layout import LOCK, LOCK_BEAT, LOCK_RECORD
 from kdeploy.remote import FENCE_MARK, FENCE_RC, Process, Remote
 from kdeploy.step import Step
 
@@ -94,19 +95,19 @@ def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: st
         "umask 022",
         f"[ -d {d} ] || mkdir -p {d} || exit 70",
         "umask 077",
-        f"exec 9>>{d}/.lock || exit 70",
-        f"if ! {flock}; then echo @@held; cat {d}/lock.json 2>/dev/null; echo; exit {HELD_RC}; fi",
-        f"echo @@stale; [ ! -f {d}/lock.json ] || cat {d}/lock.json 2>/dev/null; echo",
+        f"exec 9>>{d}/{LOCK} || exit 70",
+        f"if ! {flock}; then echo @@held; cat {d}/{LOCK_RECORD} 2>/dev/null; echo; exit {HELD_RC}; fi",
+        f"echo @@stale; [ ! -f {d}/{LOCK_RECORD} ] || cat {d}/{LOCK_RECORD} 2>/dev/null; echo",
         f"info=\"{record}\"",
-        f"printf '%s\\n' \"$info\" > {d}/.lock.json.tmp && mv -f {d}/.lock.json.tmp {d}/lock.json",
+        f"printf '%s\\n' \"$info\" > {d}/.{LOCK_RECORD}.tmp && mv -f {d}/.{LOCK_RECORD}.tmp {d}/{LOCK_RECORD}",
         "echo @@holder; echo $$",
         "echo @@then",
         then,
-        f"beat={d}/.lock.beat; : > \"$beat\"",
+        f"beat={d}/{LOCK_BEAT}; : > \"$beat\"",
         "(exec 9>&- </dev/null >/dev/null 2>&1",
         " while sleep 1; do kill -0 $$ || exit 0",
         f'  [ $(( $(date +%s) - $(stat -c %Y "$beat" || echo 0) )) -lt {int(timeout)} ] && continue',
-        f'  [ "$(cat {d}/lock.json)" = "$info" ] && rm -f {d}/lock.json',
+        f'  [ "$(cat {d}/{LOCK_RECORD})" = "$info" ] && rm -f {d}/{LOCK_RECORD}',
         "  kill -TERM $$; exit 0",
         " done) &",
         "watchdog=$!",
@@ -116,7 +117,7 @@ def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: st
         '}$line"; fi; done',
         "kill $watchdog 2>/dev/null",
         f"case $finish in *{END}) (eval \"${{finish%{END}}}\") ;; esac",
-        f"[ \"$(cat {d}/lock.json 2>/dev/null)\" = \"$info\" ] && rm -f {d}/lock.json",
+        f"[ \"$(cat {d}/{LOCK_RECORD} 2>/dev/null)\" = \"$info\" ] && rm -f {d}/{LOCK_RECORD}",
         "exit 0",
     ]) + "\n"
 
@@ -223,7 +224,7 @@ def fence_command(service_dir: str, remote_pid: int) -> str:
     """The shell test a held lock puts before every command of its controller: ``lock.json`` still names
     our holder (the watchdog removes it before ending the holder; a later holder writes its own)."""
     mark = shlex.quote(f'"remote_pid": {int(remote_pid)}}}')
-    return (f"grep -qF {mark} {shlex.quote(f'{service_dir}/lock.json')} 2>/dev/null || "
+    return (f"grep -qF {mark} {shlex.quote(f'{service_dir}/{LOCK_RECORD}')} 2>/dev/null || "
             f"{{ echo {shlex.quote(FENCE_MARK)} >&2; exit {FENCE_RC}; }}")
 
 
@@ -268,7 +269,7 @@ def acquire(remote: Remote, service_dir: str, *, command: str, wait: float = 0, 
 def end_holder_command(service_dir: str, pid: int) -> str:
     """End OUR earlier holder whose link died but whose sshd session has not noticed (a blackholed link
     keeps it, and the lock, for hours): only if that pid still holds this service's lock file."""
-    lockfile = shlex.quote(f"{service_dir}/.lock")
+    lockfile = shlex.quote(f"{service_dir}/{LOCK}")
     return (f"for fd in /proc/{int(pid)}/fd/*; do [ \"$(readlink $fd)\" = {lockfile} ] && "
             f"{{ pkill -TERM -P {int(pid)}; kill -TERM {int(pid)}; sleep 0.2; break; }}; done 2>/dev/null; true")
 
@@ -287,8 +288,8 @@ class LockStatus:
 
 def status_command(service_dir: str) -> str:
     d = shlex.quote(service_dir)
-    return (f"if [ -e {d}/.lock ] && ! flock -n {d}/.lock true; then echo @@held; else echo @@free; fi; "
-            f"echo @@info; cat {d}/lock.json 2>/dev/null; true")
+    return (f"if [ -e {d}/{LOCK} ] && ! flock -n {d}/{LOCK} true; then echo @@held; else echo @@free; fi; "
+            f"echo @@info; cat {d}/{LOCK_RECORD} 2>/dev/null; true")
 
 
 def parse_status(text: str) -> LockStatus:
@@ -313,7 +314,7 @@ def release_command(service_dir: str, status: LockStatus, force: bool, *, wait: 
         pid = int(status.info.remote_pid) if status.info and status.info.remote_pid else 0
         lines += [
             f"pid={pid} owns=",
-            f'for fd in /proc/$pid/fd/*; do [ "$fd" -ef {d}/.lock ] && owns=1 && break; done',
+            f'for fd in /proc/$pid/fd/*; do [ "$fd" -ef {d}/{LOCK} ] && owns=1 && break; done',
             'if [ "$pid" -gt 1 ] && [ -n "$owns" ]; then',
             "  echo @@killed; kill -TERM -$pid $pid 2>/dev/null; pkill -TERM -P $pid",
             "else echo @@not-holder; fi",
@@ -321,11 +322,11 @@ def release_command(service_dir: str, status: LockStatus, force: bool, *, wait: 
         tries = int(wait * 10)
     lines += [
         "n=0",
-        f"while [ -e {d}/.lock ] && ! flock -n {d}/.lock rm -f {d}/lock.json; do",
+        f"while [ -e {d}/{LOCK} ] && ! flock -n {d}/{LOCK} rm -f {d}/{LOCK_RECORD}; do",
         f'  [ "$n" -lt {tries} ] || break',
         "  n=$((n+1)); sleep 0.1",
         "done",
-        f"[ -e {d}/.lock ] || rm -f {d}/lock.json",
+        f"[ -e {d}/{LOCK} ] || rm -f {d}/{LOCK_RECORD}",
         'echo @@waited; echo "$n"',
         status_command(service_dir),
     ]

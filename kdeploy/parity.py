@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kdeploy.errors import KdeployError, PreflightRefused
+from kdeploy.layout import PARITY_RECORD, RELEASES
 from kdeploy.report import PhaseFailed
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from kdeploy.report import HostResult
     from kdeploy.tunnel import ServiceHttp
 
-RECORD = ".kdeploy/parity.json"  # inside a release directory
+RECORD = PARITY_RECORD  # inside a release directory
 
 
 class _Frozen(BaseModel):
@@ -214,7 +215,7 @@ def usable(record: Record | None, spec: ParitySpec, model: str) -> bool:
 
 
 def record_path(service_dir: str, release_id: str) -> str:
-    return f"{service_dir}/releases/{release_id}/{RECORD}"
+    return f"{service_dir}/{RELEASES}/{release_id}/{RECORD}"
 
 
 def read_command(service_dir: str, release_id: str) -> str:

@@ -27,69 +27,26 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from kdeploy import layout, onhost
 from kdeploy.systemd import UNIT_DIR
 
-PREVIOUS_SECRETS = ".secrets.prev"  # kdeploy.secrets.PREVIOUS: the last confirmed secrets while a switch is pending
-
-PENDING = "pending"
-SCRIPT = ".revert.sh"  # beside it: systemd would expand $ and % in a command line given to systemd-run
+PREVIOUS_SECRETS = layout.SECRETS_PREVIOUS  # the last confirmed secrets while a switch is pending
+PENDING = layout.PENDING
+SCRIPT = layout.REVERT_SCRIPT
 NONE = "-"  # no confirmed release yet (a first deploy)
 MARGIN = 60.0  # seconds beyond restart + gate before the host acts on its own
 HOLDER_WAIT = 60  # seconds a fired revert waits for a held deploy lock (at most revert_after) before ending its holder
 TRANSIENT_DIR = "/run/systemd/transient"  # where systemd keeps the unit files of systemd-run's units
 
-GUARD_SCRIPT = ".boot-guard.sh"
-BOOT_MARK = ".pending.boot"  # the boot `pending` was armed in: the guard acts only in a later boot
+GUARD_SCRIPT = layout.GUARD_SCRIPT
+BOOT_MARK = layout.PENDING_BOOT  # the boot `pending` was armed in: the guard acts only in a later boot
 # A boot, also a container's (whose kernel boot_id does not change): the kernel's boot_id and when PID 1 started.
 _BOOT_ID = "$(cat /proc/sys/kernel/random/boot_id)-$(cut -d' ' -f22 /proc/1/stat)"
 
-# Runs on the host as a transient service (or, $7 = boot, from the boot guard): $1 service dir, $2 unit file,
-# $3 token, $4 first-deploy policy, $5 the environment file kdeploy writes secrets into ("-": none; its last
-# confirmed content is put back), $6 how long to wait for a held deploy lock before ending its holder. At boot
-# systemctl must not wait for jobs: the service's own start job waits for the guard.
-_REVERT = r"""d=$1 unit=$2 token=$3 policy=$4 envfile=$5 wait=$6 how=${7:-timer}
-nb=; [ "$how" = boot ] && nb=--no-block
-exec 9>>"$d/.lock" || exit 1
-if ! flock -w "$wait" 9; then  # a live controller confirms or re-arms long before: the holder's link is dead
-  pid=$(sed -n 's/.*"remote_pid": *\([0-9]*\).*/\1/p' "$d/lock.json" 2>/dev/null)
-  [ -n "$pid" ] && { pkill -TERM -P "$pid"; kill -TERM "$pid"; }
-  flock -w 30 9 || exit 1
-fi
-read -r tok prev target deadline < "$d/pending" 2>/dev/null || exit 0
-[ "$tok" = "$token" ] || exit 0
-now=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-info=$(printf '{"user":"systemd","controller":"%s","pid":%s,"since":"%s","command":"%s","remote_pid":%s}' \
-  "$(hostname)" $$ "$now" "kdeploy-revert: unconfirmed switch to $target" $$)
-printf '%s\n' "$info" > "$d/.lock.json.tmp" && mv -f "$d/.lock.json.tmp" "$d/lock.json"
-if [ "$envfile" != - ] && [ -f "$d/PREVIOUS" ]; then
-  (umask 077 && rm -f "$envfile.kdeploy-tmp" && cp "$d/PREVIOUS" "$envfile.kdeploy-tmp" &&
-    sync "$envfile.kdeploy-tmp" && mv -T "$envfile.kdeploy-tmp" "$envfile")
-fi
-if [ "$prev" = "-" ]; then
-  release=null
-  if [ "$policy" = stop ]; then
-    systemctl disable --quiet "$unit"; systemctl $nb stop "$unit"; what="first deploy not confirmed: service stopped"
-  else
-    what="first deploy not confirmed: service left running"
-  fi
-  [ "$how" = boot ] && what="host rebooted before the confirm; $what"
-else
-  release="\"$prev\""
-  cp "$d/releases/$prev/.kdeploy/unit.service" "UNIT_DIR/.$unit.kdeploy-revert" &&
-    chmod 0644 "UNIT_DIR/.$unit.kdeploy-revert" && mv -T "UNIT_DIR/.$unit.kdeploy-revert" "UNIT_DIR/$unit"
-  ln -sfn "releases/$prev" "$d/.current.tmp" && mv -T "$d/.current.tmp" "$d/current"
-  systemctl daemon-reload
-  systemctl $nb restart "$unit"
-  what="switch to $target not confirmed by the deadline: the host went back to $prev by itself"
-  [ "$how" = boot ] &&
-    what="host rebooted before the switch to $target was confirmed: it went back to $prev by itself at boot"
-fi
-rm -f "$d/pending" "$d/PREVIOUS"
-printf '{"attempted":"%s","command":"kdeploy-revert","controller":"%s","error":"%s","release":%s,%s}\n' \
-  "$target" "$(hostname)" "$what" "$release" "\"result\":\"reverted\",\"time\":\"$now\",\"user\":\"systemd\"" \
-  >> "$d/history.jsonl"
-[ "$(cat "$d/lock.json" 2>/dev/null)" = "$info" ] && rm -f "$d/lock.json"
-exit 0""".replace("UNIT_DIR", UNIT_DIR).replace("PREVIOUS", PREVIOUS_SECRETS)
+# The host's own way back (kdeploy/onhost/revert.sh): run by a transient service at the deadline, by the guard at boot.
+_REVERT = onhost.shell("revert.sh", UNIT_DIR=UNIT_DIR, SECRETS_PREVIOUS=layout.SECRETS_PREVIOUS, LOCK=layout.LOCK,
+                       LOCK_RECORD=layout.LOCK_RECORD, PENDING=layout.PENDING, RELEASES=layout.RELEASES,
+                       META=layout.META, CURRENT=layout.CURRENT, HISTORY=layout.HISTORY)
 
 
 @dataclass(frozen=True)

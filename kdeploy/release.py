@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 
+from kdeploy import onhost
 from kdeploy.errors import InvalidInput
+from kdeploy.layout import CURRENT, META, RELEASES, STAGING
 from kdeploy.systemd import UNIT_DIR, restart_command, stop_command
 
-META = ".kdeploy"
 _SKIP_DIRS = {"__pycache__", ".git", ".mypy_cache", ".pytest_cache", ".ruff_cache", META}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 
@@ -285,70 +286,26 @@ def _padding(size: int) -> bytes:
     return bytes(-size % tarfile.BLOCKSIZE)
 
 
-# Run by the host's python3 in the staging directory: check every file against the manifest and make what the
-# upload wrote durable (files with one link, i.e. not shared with `current`, and the directories), on a thread per
-# core with the fsyncs beside the hashing. hashlib is OpenSSL's SHA-256 (SHA extensions where the CPU has them:
-# 0.16 s for 200 MB where coreutils' sha256sum took 0.68 s here). Any python3 from 3.5 on.
-_VERIFY_CODE = r'''
-import hashlib, os, sys
-from concurrent.futures import ThreadPoolExecutor
-def digest(path):
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb", buffering=0) as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    except OSError:
-        return None
-    return h.hexdigest()
-def size(entry):
-    try:
-        return -os.path.getsize(entry[0])
-    except OSError:
-        return 0
-def sync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-expected = []
-with open(sys.argv[1]) as f:
-    for line in f:
-        sha, _, path = line.rstrip("\n").partition("  ")
-        expected.append((path, sha))
-expected.sort(key=size)
-durable = []
-for top, dirs, files in os.walk("."):
-    durable.append(top)
-    durable += [p for p in (os.path.join(top, n) for n in files) if os.lstat(p).st_nlink == 1]
-with ThreadPoolExecutor(max(2, min(16, os.cpu_count() or 1))) as pool:
-    synced = [pool.submit(sync, p) for p in durable]
-    bad = [path for (path, sha), got in zip(expected, pool.map(digest, [p for p, _ in expected])) if got != sha]
-    for s in synced:
-        s.result()
-if bad:
-    sys.exit("%d staged file(s) differ from the manifest (sha256): %s" % (len(bad), " ".join(sorted(bad)[:5])))
-'''
+_VERIFY_CODE = onhost.source("verify_release.py")  # runs on the host: kdeploy/onhost/verify_release.py
 
 
 def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta) -> str:
     """Build releases/<release> from hard links to ``current`` plus the tar on stdin, then verify it."""
     d = shlex.quote(service_dir)
-    staging = f"{d}/releases/.staging-{release}"
+    staging = f"{d}/{RELEASES}/{STAGING}{release}"
     drop = delta.changed + delta.removed
     lines = [
         "set -eu",
         "umask 022",
-        f"rm -rf {d}/releases/.staging-*",
+        f"rm -rf {d}/{RELEASES}/{STAGING}*",
         f"mkdir -p {staging}",
         # On any failure: no staging dir is left, and the free space is said (a full disk is the usual cause).
-        f"failed() {{ rc=$?; rm -rf {staging}; echo \"{FREE_MARK}$(df -PB1 {d}/releases 2>/dev/null | "
+        f"failed() {{ rc=$?; rm -rf {staging}; echo \"{FREE_MARK}$(df -PB1 {d}/{RELEASES} 2>/dev/null | "
         "awk 'NR==2 {print $4}')\" >&2; exit $rc; }",
         "trap failed EXIT",
     ]
     if has_current:
-        lines.append(f"cp -al {d}/current/. {staging}/")
+        lines.append(f"cp -al {d}/{CURRENT}/. {staging}/")
     lines += [f"cd {staging}", f"rm -rf {META}",
               "find . -name __pycache__ -type d -prune -exec rm -rf {} +"]
     if drop:
@@ -371,7 +328,7 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
         f"  sha256sum -c --quiet --strict {META}/manifest.sha256",
         "  find . \\( -type d -o -type f -links 1 \\) -exec sync -- {} +",
         "fi",
-        f"mv -T {staging} {d}/releases/{shlex.quote(release)}",
+        f"mv -T {staging} {d}/{RELEASES}/{shlex.quote(release)}",
         "trap - EXIT",
         "echo STAGED",
     ]
@@ -456,7 +413,7 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
     a stopped service is always restarted (a failed reload still fails the activation, after the restart).
     """
     d = shlex.quote(service_dir)
-    rel = f"{d}/releases/{shlex.quote(release)}"
+    rel = f"{d}/{RELEASES}/{shlex.quote(release)}"
     lines = ["set -eu", f"test -d {rel}", *([f"{{\n{arm}\n}} </dev/null"] if arm else []),
              *([env_step] if env_step else [])]
     if install_unit:
@@ -469,8 +426,8 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
             f"mv -T {tmp} {shlex.quote(f'{UNIT_DIR}/{unit_file}')}",
         ]
     lines += [
-        f"ln -sfn releases/{shlex.quote(release)} {d}/.current.tmp",
-        f"mv -T {d}/.current.tmp {d}/current",
+        f"ln -sfn {RELEASES}/{shlex.quote(release)} {d}/.{CURRENT}.tmp",
+        f"mv -T {d}/.{CURRENT}.tmp {d}/{CURRENT}",
         "trap '' HUP PIPE TERM INT",
         stop_command(unit_file),
         "set +e",
@@ -501,4 +458,4 @@ def prune_command(service_dir: str, releases: list[str]) -> str:
     if not releases:
         return ""
     d = shlex.quote(service_dir)
-    return "rm -rf -- " + " ".join(f"{d}/releases/{shlex.quote(r)}" for r in releases)
+    return "rm -rf -- " + " ".join(f"{d}/{RELEASES}/{shlex.quote(r)}" for r in releases)

@@ -14,20 +14,13 @@ import jinja2
 
 from kdeploy.errors import InvalidInput
 from kdeploy.inventory import HostConfig, Inventory, Service
+from kdeploy.layout import current_path, service_dir
 
 _BARE = re.compile(r"[A-Za-z0-9_./:=,+@-]+\Z")
 
 
 def unit_filename(service: Service) -> str:
     return f"{service.name}.service"
-
-
-def service_dir(service: Service) -> str:
-    return f"{service.remote_root.rstrip('/')}/{service.name}"
-
-
-def current_path(service: Service) -> str:
-    return f"{service_dir(service)}/current"
 
 
 def launch_argv(service: Service) -> list[str]:

@@ -20,14 +20,13 @@ import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 
-from kdeploy import provisional, readmit_host
+from kdeploy import onhost, provisional
 from kdeploy.errors import InvalidInput, KdeployError, Unreachable
 from kdeploy.inventory import HostConfig, Inventory, Router
-from kdeploy.render import service_dir
+from kdeploy.layout import READMIT_KEY, service_dir
 from kdeploy.tunnel import dial_address
 
 POLL = 0.25
@@ -250,14 +249,14 @@ def readmit_after(host: HostConfig) -> float:
 
 def arm_readmit_command(host: HostConfig, with_key: bool) -> str:
     """Arm the host's re-admit before the drain (so no drained host is ever without one): a transient timer
-    runs ``readmit_host`` with the service's python after ``readmit_after``. With ``with_key`` the router's API
-    key arrives on stdin and is kept root-only until the re-admit ran or was disarmed."""
+    runs ``kdeploy/onhost/readmit.py`` with the service's python after ``readmit_after``. With ``with_key`` the
+    router's API key arrives on stdin and is kept root-only until the re-admit ran or was disarmed."""
     assert host.router is not None and host.worker_url is not None
     sv = host.service
     d = service_dir(sv)
     unit = readmit_unit(sv.name)
     health = f"http://{_url_host(dial_address(sv.sglang.host))}:{sv.sglang.port}{sv.gate.ready_path}"
-    program = Path(readmit_host.__file__).read_text()
+    program = onhost.source("readmit.py")
     argv = ["systemd-run", "--quiet", "--collect", f"--unit={unit}", f"--on-active={max(1, int(readmit_after(host)))}",
             "--timer-property=AccuracySec=1s", f"--description=kdeploy: re-admit {sv.name} to its router",
             sv.python, "-I", "-u", f"{d}/.readmit.py", d, health, host.router.url_from_host or host.router.url,
@@ -265,7 +264,7 @@ def arm_readmit_command(host: HostConfig, with_key: bool) -> str:
     q = shlex.quote(d)
     return "\n".join([
         disarm_readmit_command(host),
-        f"(umask 077 && cat > {q}/.readmit.key)" if with_key else ":",
+        f"(umask 077 && cat > {q}/{READMIT_KEY})" if with_key else ":",
         f"printf '%s\\n' {shlex.quote(program)} > {q}/.readmit.py",
         " ".join(shlex.quote(a) for a in argv),
     ])
@@ -275,7 +274,7 @@ def disarm_readmit_command(host: HostConfig) -> str:
     """Cancel the host's re-admit: the controller admitted the host, or decided it stays out."""
     unit = shlex.quote(readmit_unit(host.service.name))
     return (f"systemctl stop {unit}.timer {unit}.service 2>/dev/null; "
-            f"rm -f {shlex.quote(service_dir(host.service))}/.readmit.key; true")
+            f"rm -f {shlex.quote(service_dir(host.service))}/{READMIT_KEY}; true")
 
 
 def _url_host(address: str) -> str:

@@ -26,9 +26,10 @@ from pathlib import Path
 
 from kdeploy.errors import InvalidInput
 from kdeploy.inventory import ENV_NAME, HostConfig, Inventory
-from kdeploy.provisional import PREVIOUS_SECRETS as PREVIOUS  # the confirmation and the host's revert know it too
+from kdeploy.layout import SECRETS_PREVIOUS as PREVIOUS  # the confirmation and the host's revert know it too
+from kdeploy.layout import SECRETS_SALT
 
-SALT = ".secrets.salt"
+SALT = SECRETS_SALT
 MASK = "***"
 MIN_MASKED = 4  # shorter values are not masked in logs: they would mask ordinary words
 _BAD = re.compile(r"[\x00-\x1f\x7f\ufeff]")

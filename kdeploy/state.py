@@ -13,8 +13,9 @@ from kdeploy import history, provisional, release, systemd
 from kdeploy import secrets as secret
 from kdeploy.gatespec import GateSpec
 from kdeploy.inventory import HostConfig
+from kdeploy.layout import CURRENT, GATE_RECORD, HISTORY, META, RELEASES, service_dir
 from kdeploy.lock import split_sections
-from kdeploy.render import service_dir, unit_filename
+from kdeploy.render import unit_filename
 from kdeploy.step import Step
 
 HISTORY_LINES = 200
@@ -95,7 +96,7 @@ class HostState:
 def _current(d: str) -> str:
     """The release ``current`` points at (a shell builtin takes its last part: every process spawned for
     a read costs each host of a fleet ~1.5 ms of CPU)."""
-    return f"echo @@current; r=$(readlink {d}/current 2>/dev/null) && echo \"${{r##*/}}\""
+    return f"echo @@current; r=$(readlink {d}/{CURRENT} 2>/dev/null) && echo \"${{r##*/}}\""
 
 
 def files_script(d: str) -> str:
@@ -103,7 +104,7 @@ def files_script(d: str) -> str:
     content fails the release's manifest; ``@@gone`` when there is no release directory to look at. Two
     processes; ``sha256sum`` reads the whole release (~0.7 s per 200 MB)."""
     return "\n".join([
-        f"if cd {d}/current 2>/dev/null; then",
+        f"if cd {d}/{CURRENT} 2>/dev/null; then",
         f"  echo @@found; find . -type d \\( -name __pycache__ -o -path ./{release.META} \\) -prune -o ! -type d"
         " -printf '%#m %p\\n'",
         f"  echo @@failed; sha256sum -c --quiet {release.META}/manifest.sha256 2>/dev/null",
@@ -132,12 +133,12 @@ def state_script(host: HostConfig, *, with_history: bool = False, with_files: bo
     unit = shlex.quote(f"{systemd.UNIT_DIR}/{unit_filename(host.service)}")
     lines = [
         _current(d),
-        f"echo @@manifest; cat {d}/current/{release.META}/manifest.sha256 2>/dev/null",
-        f"echo @@modes; cat {d}/current/{release.META}/modes 2>/dev/null",
+        f"echo @@manifest; cat {d}/{CURRENT}/{META}/manifest.sha256 2>/dev/null",
+        f"echo @@modes; cat {d}/{CURRENT}/{META}/modes 2>/dev/null",
         f"if [ -f {unit} ]; then echo @@unit; cat {unit}; echo; fi",
-        f"echo @@releases; ls -1 {d}/releases 2>/dev/null",
+        f"echo @@releases; ls -1 {d}/{RELEASES} 2>/dev/null",
         f"echo @@pending; {provisional.read_command(service_dir(host.service))}",
-        f"echo @@gates; grep -H . {d}/releases/*/{release.META}/gate.json 2>/dev/null",
+        f"echo @@gates; grep -H . {d}/{RELEASES}/*/{GATE_RECORD} 2>/dev/null",
     ]
     sv = host.service
     if sv.secrets.configured and sv.environment_file:
@@ -153,7 +154,7 @@ def state_script(host: HostConfig, *, with_history: bool = False, with_files: bo
 def parse_gates(text: str) -> dict[str, GateSpec]:
     """``grep -H`` lines ``.../releases/<id>/.kdeploy/gate.json:<json>``."""
     out = {}
-    marker = f"/{release.META}/gate.json:"
+    marker = f"/{GATE_RECORD}:"
     for line in text.splitlines():
         path, sep, body = line.partition(marker)
         spec = GateSpec.from_json(body) if sep else None
@@ -248,7 +249,7 @@ def status_script(host: HostConfig) -> str:
     return "\n".join([
         state_script(host, with_files=True),
         f"echo @@env; systemctl show -p Environment --value {unit}",
-        f"echo @@last; tail -n 1 {d}/history.jsonl 2>/dev/null",
+        f"echo @@last; tail -n 1 {d}/{HISTORY} 2>/dev/null",
         "true",
     ])
 
@@ -282,7 +283,7 @@ def running_script(host: HostConfig) -> str:
     return "\n".join([
         _current(d),
         f"echo @@pending; {provisional.read_command(service_dir(host.service))}",
-        f"echo @@gate; cat {d}/current/{release.META}/gate.json 2>/dev/null",
+        f"echo @@gate; cat {d}/{CURRENT}/{GATE_RECORD} 2>/dev/null",
         "true",
     ])
 

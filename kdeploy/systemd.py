@@ -8,6 +8,7 @@ import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kdeploy import onhost
 from kdeploy.step import Step
 
 SHOW_PROPERTIES = ("ActiveState", "SubState", "Result", "NRestarts", "InvocationID", "ExecMainPID",
@@ -48,17 +49,7 @@ def show_command(unit: str) -> str:
     return f"systemctl show {shlex.quote(unit)} -p {','.join(SHOW_PROPERTIES)} --no-pager"
 
 
-# Runs on the host: wait until the unit has an invocation other than $1 and is not stopping.
-_FOLLOW = """old=$1 unit=$2 seen=
-while :; do
-  s=$(systemctl show "$unit" -p ActiveState,InvocationID) || exit 1
-  inv=${s#*InvocationID=}; inv=${inv%%[!0-9a-f]*}
-  case $s in
-    *ActiveState=deactivating*) [ -n "$seen" ] || echo @@stopping; seen=1 ;;
-    *) [ -n "$inv" ] && [ "$inv" != "$old" ] && exit 0 ;;
-  esac
-  sleep $3
-done"""
+_FOLLOW = onhost.shell("follow.sh")  # runs on the host: kdeploy/onhost/follow.sh
 
 
 OLD_RUN = "@@old "

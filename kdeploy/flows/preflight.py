@@ -5,7 +5,8 @@ from __future__ import annotations
 from kdeploy import probe
 from kdeploy.errors import PreflightRefused
 from kdeploy.inventory import HostConfig
-from kdeploy.render import service_dir, unit_filename
+from kdeploy.layout import service_dir
+from kdeploy.render import unit_filename
 
 
 def preflight_command(host: HostConfig) -> str:

@@ -31,8 +31,9 @@ from kdeploy.flows.session import Local, connect, lock_and_read, open_remote, ra
 from kdeploy.flows.switch import Outcome, Reverted, go_back, revert_after, switch_and_gate
 from kdeploy.gatespec import GateSpec
 from kdeploy.inventory import HostConfig, Inventory
+from kdeploy.layout import service_dir
 from kdeploy.remote import InputFailed, Remote
-from kdeploy.render import service_dir, unit_filename
+from kdeploy.render import unit_filename
 from kdeploy.report import Cancelled, HostResult, PhaseFailed
 from kdeploy.state import Decision, HostState, decide
 

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from kdeploy import history, lock, release
 from kdeploy.flows.session import Local
 from kdeploy.inventory import HostConfig
-from kdeploy.render import service_dir
+from kdeploy.layout import service_dir
 from kdeploy.report import HostResult
 
 

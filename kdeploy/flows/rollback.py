@@ -15,7 +15,7 @@ from kdeploy.flows.record import finish_command
 from kdeploy.flows.session import connect, inventory_spec, lock_and_read, overridden
 from kdeploy.flows.switch import Outcome, revert_after, switch_and_gate
 from kdeploy.inventory import HostConfig, Inventory
-from kdeploy.render import service_dir
+from kdeploy.layout import service_dir
 from kdeploy.report import Cancelled, HostResult, PhaseFailed, Result
 from kdeploy.state import HostState
 

@@ -10,8 +10,8 @@ from kdeploy import secrets as secret
 from kdeploy.flows.options import Options
 from kdeploy.gatespec import GateSpec, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
+from kdeploy.layout import service_dir
 from kdeploy.remote import Remote
-from kdeploy.render import service_dir
 from kdeploy.report import Cancelled, HostResult
 from kdeploy.state import HostState, parse_state, state_script
 

@@ -16,8 +16,9 @@ from kdeploy import secrets as secret
 from kdeploy.errors import KdeployError, RemoteTimeout
 from kdeploy.gatespec import GateSpec
 from kdeploy.inventory import HostConfig
+from kdeploy.layout import service_dir
 from kdeploy.remote import Remote
-from kdeploy.render import service_dir, unit_filename
+from kdeploy.render import unit_filename
 from kdeploy.report import HostResult, PhaseFailed, Result
 
 

@@ -13,7 +13,8 @@ from kdeploy.flows.membership import router_phase
 from kdeploy.flows.options import Options
 from kdeploy.flows.session import Local, connect, inventory_spec, overridden
 from kdeploy.inventory import HostConfig, Inventory
-from kdeploy.render import service_dir, unit_filename
+from kdeploy.layout import service_dir
+from kdeploy.render import unit_filename
 from kdeploy.report import HostResult, PhaseFailed
 from kdeploy.state import decide, drift, running_step, state_step, status_step
 

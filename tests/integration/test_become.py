@@ -26,8 +26,8 @@ from kdeploy import lock, sshconfig
 from kdeploy.lab import router_env
 from kdeploy.lab.demo import demo_service, project_dir
 from kdeploy.lab.sandbox import Sandbox
+from kdeploy.layout import service_dir
 from kdeploy.remote import Remote
-from kdeploy.render import service_dir
 from tests.conftest import TEST_MARKER, TEST_PLUGIN, Deployment
 from tests.integration import test_provisional as provisional_tests
 

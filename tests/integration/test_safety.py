@@ -17,8 +17,8 @@ import pytest
 from kdeploy import fleet, lock, release, sshconfig, state
 from kdeploy.errors import RemoteTimeout
 from kdeploy.flows.options import Options
+from kdeploy.layout import service_dir
 from kdeploy.remote import Remote
-from kdeploy.render import service_dir
 from tests.conftest import Deployment
 
 

@@ -15,6 +15,8 @@ import urllib.error
 import urllib.request
 
 POLL = 2.0
+PENDING = "pending"  # kdeploy.layout.PENDING
+KEY = ".readmit.key"  # kdeploy.layout.READMIT_KEY
 
 
 def call(url: str, key: str | None, body: dict | None = None) -> tuple[int, str]:
@@ -41,11 +43,11 @@ def listed(router: str, worker: str, key: str | None) -> bool:
 
 
 def ready(service_dir: str, health: str) -> bool:
-    return not os.path.exists(f"{service_dir}/pending") and call(health, None)[0] == 200
+    return not os.path.exists(os.path.join(service_dir, PENDING)) and call(health, None)[0] == 200
 
 
 def main(service_dir: str, health: str, router: str, worker: str, seconds: str) -> int:
-    key_file = f"{service_dir}/.readmit.key"
+    key_file = os.path.join(service_dir, KEY)
     try:
         with open(key_file) as fh:
             key: str | None = fh.read().strip() or None
