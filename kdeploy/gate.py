@@ -124,8 +124,7 @@ def config_verdict(lines: list[systemd.JournalLine], config_line: str, expected:
 def _tail(remote: Remote, invocation: str) -> list[str]:
     if not invocation:
         return []
-    out = remote.run(systemd.journal_command(invocation, lines=JOURNAL_TAIL), timeout=30)
-    return [line.message for line in systemd.parse_journal(out.stdout)]
+    return [line.message for line in remote.ask(systemd.journal_step(invocation, lines=JOURNAL_TAIL))]
 
 
 def exit_watch_command(pid: int, seconds: float) -> str:
@@ -139,7 +138,7 @@ def exit_watch_command(pid: int, seconds: float) -> str:
 
 
 def _show(remote: Remote, unit: str) -> systemd.UnitState:
-    return systemd.parse_show(remote.run(systemd.show_command(unit), timeout=30).stdout)
+    return remote.ask(systemd.show_step(unit))
 
 
 def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str | None = None,
@@ -235,9 +234,9 @@ def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str
             phase.detail = "no markers configured"
             return record
         marker_deadline = min(deadline, time.monotonic() + MARKER_GRACE)
-        command = systemd.journal_command(invocation, grep=[*markers, RANK_LINE], first=STARTUP_RECORDS)
+        journal = systemd.journal_step(invocation, grep=[*markers, RANK_LINE], first=STARTUP_RECORDS)
         while True:
-            lines = systemd.parse_journal(remote.run(command, timeout=30).stdout)
+            lines = remote.ask(journal)
             wrong = spec.config_line and config_verdict(lines, spec.config_line, spec.config, release)
             if wrong:
                 raise PhaseFailed(wrong)

@@ -351,3 +351,14 @@ def release_failure(text: str, before: LockInfo | None) -> str | None:
 def status_step(service_dir: str) -> Step[LockStatus]:
     """Is the lock held, and what does its record say (never waits)."""
     return Step(status_command(service_dir), lambda out: parse_status(out.stdout), 30)
+
+
+def end_holder_step(service_dir: str, pid: int) -> Step[None]:
+    """``end_holder_command`` as a step."""
+    return Step(end_holder_command(service_dir, pid), lambda out: None, 30)
+
+
+def release_step(service_dir: str, status: LockStatus, force: bool) -> Step[tuple[LockStatus, str | None]]:
+    """``release_command`` as a step: the lock's status after it, and why it is still held (None: free)."""
+    return Step(release_command(service_dir, status, force),
+                lambda out: (parse_status(out.stdout), release_failure(out.stdout, status.info)), FORCE_WAIT + 30)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kdeploy.errors import KdeployError, PreflightRefused
 from kdeploy.layout import PARITY_RECORD, RELEASES
 from kdeploy.report import PhaseFailed
+from kdeploy.step import Step
 
 if TYPE_CHECKING:
     from kdeploy.gatespec import GateSpec
@@ -232,13 +233,11 @@ def write_command(service_dir: str, release_id: str) -> str:
 def read_record(remote: Remote, service_dir: str, release_id: str | None) -> Record | None:
     if not release_id:
         return None
-    return Record.parse(remote.run(read_command(service_dir, release_id), timeout=30).stdout)
+    return remote.ask(read_step(service_dir, release_id))
 
 
 def write_record(remote: Remote, service_dir: str, release_id: str, record: Record) -> None:
-    out = remote.run(write_command(service_dir, release_id), stdin=record.model_dump_json().encode(), timeout=30)
-    if not out.ok:
-        raise PhaseFailed(f"could not keep the parity record of {release_id}: {out.last_error()}")
+    remote.ask(write_step(service_dir, release_id), stdin=record.model_dump_json().encode())
 
 
 def own_record(remote: Remote, service_dir: str, spec: GateSpec, release_id: str | None,
@@ -329,3 +328,13 @@ def keep(remote: Remote, service_dir: str, result: HostResult, release_id: str, 
         write_record(remote, service_dir, release_id, record)
     except (PhaseFailed, KdeployError) as exc:
         result.log.append(f"parity record of {release_id} not kept: {getattr(exc, 'detail', exc)}")
+
+
+def read_step(service_dir: str, release_id: str) -> Step[Record | None]:
+    return Step(read_command(service_dir, release_id), lambda out: Record.parse(out.stdout), 30)
+
+
+def write_step(service_dir: str, release_id: str) -> Step[None]:
+    """``write_command`` as a step (the record on stdin)."""
+    return Step(write_command(service_dir, release_id), lambda out: None, 30,
+                fails=f"could not keep the parity record of {release_id}")

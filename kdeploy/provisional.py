@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass
 
 from kdeploy import layout, onhost
+from kdeploy.step import Step
 from kdeploy.systemd import UNIT_DIR
 
 PREVIOUS_SECRETS = layout.SECRETS_PREVIOUS  # the last confirmed secrets while a switch is pending
@@ -203,3 +204,9 @@ def read_command(service_dir: str) -> str:
 def deadline_seconds(stop_timeout: float, gate_timeout: float) -> float:
     """Restart (the old run's stop + the follow's margin) + the whole gate + a margin."""
     return stop_timeout + 60 + gate_timeout + MARGIN
+
+
+def confirm_step(service_dir: str, timer: str, token: str) -> Step[str | None]:
+    """``confirm_command`` as a step: None once kept, else why not (``LOST``: no longer ours)."""
+    return Step(confirm_command(service_dir, timer, token),
+                lambda out: None if "CONFIRMED" in out.stdout else out.last_error() if not out.ok else "LOST", 60)

@@ -26,7 +26,8 @@ from pathlib import Path, PurePosixPath
 from kdeploy import onhost
 from kdeploy.errors import InvalidInput
 from kdeploy.layout import CURRENT, META, RELEASES, STAGING
-from kdeploy.systemd import UNIT_DIR, restart_command, stop_command
+from kdeploy.step import Step
+from kdeploy.systemd import UNIT_DIR, parse_old_run, restart_command, stop_command
 
 _SKIP_DIRS = {"__pycache__", ".git", ".mypy_cache", ".pytest_cache", ".ruff_cache", META}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
@@ -459,3 +460,17 @@ def prune_command(service_dir: str, releases: list[str]) -> str:
         return ""
     d = shlex.quote(service_dir)
     return "rm -rf -- " + " ".join(f"{d}/{RELEASES}/{shlex.quote(r)}" for r in releases)
+
+
+def stage_step(service_dir: str, release: str, has_current: bool, delta: Delta) -> Step[StageFailure | None]:
+    """``stage_script`` as a step (its tar comes on stdin): None once staged, else why not."""
+    return Step(stage_script(service_dir, release, has_current, delta),
+                lambda out: None if out.ok and "STAGED" in out.stdout else parse_stage_failure(out.stderr, out.rc),
+                600)
+
+
+def activate_step(service_dir: str, release: str, unit_file: str, install_unit: bool, arm: str = "",
+                  env_step: str = "") -> Step[str]:
+    """``activate_script`` as a step: the run it replaces (``systemd.parse_old_run``)."""
+    return Step(activate_script(service_dir, release, unit_file, install_unit, arm, env_step),
+                lambda out: parse_old_run(out.stdout), 120, fails=f"switching to {release} failed")

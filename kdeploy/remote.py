@@ -755,9 +755,10 @@ class Remote:
             self.run(":", timeout=timeout)  # a failure may be another run's doing: is the lock still ours?
         return RunResult(rc, stdout.decode(errors="replace"), stderr.decode(errors="replace"))
 
-    def ask(self, step: Step[_T], *, stdin: bytes | None = None) -> _T:
-        """Run one :class:`Step` and read its output."""
-        out = self.run(step.command, stdin=stdin, timeout=step.timeout)
+    def ask(self, step: Step[_T], *, stdin: bytes | Iterable[bytes] | None = None,
+            cancel: threading.Event | None = None) -> _T:
+        """Run one :class:`Step` and read its output (``stdin``, ``cancel``: as :meth:`run`)."""
+        out = self.run(step.command, stdin=stdin, timeout=step.timeout, cancel=cancel)
         if step.fails is not None and not out.ok:
             raise PhaseFailed(f"{step.fails}: {out.last_error()}")
         return step.parse(out)

@@ -27,6 +27,7 @@ from kdeploy import onhost, provisional
 from kdeploy.errors import InvalidInput, KdeployError, Unreachable
 from kdeploy.inventory import HostConfig, Inventory, Router
 from kdeploy.layout import READMIT_KEY, service_dir
+from kdeploy.step import Step
 from kdeploy.tunnel import dial_address
 
 POLL = 0.25
@@ -279,3 +280,13 @@ def disarm_readmit_command(host: HostConfig) -> str:
 
 def _url_host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
+
+
+def arm_readmit_step(host: HostConfig, with_key: bool) -> Step[None]:
+    """``arm_readmit_command`` as a step (the API key, if any, on stdin); a failure ends the drain."""
+    return Step(arm_readmit_command(host, with_key), lambda out: None, 30,
+                fails="could not arm the host's re-admit, host not drained")
+
+
+def disarm_readmit_step(host: HostConfig) -> Step[None]:
+    return Step(disarm_readmit_command(host), lambda out: None, 30)

@@ -236,3 +236,20 @@ def follow_step(unit: str, old: str, timeout: float, poll: float) -> Step[Restar
     """``follow_command`` as a step; the host's own wait bounds it, the link gets 30 s more."""
     return Step(follow_command(unit, old, timeout, poll), lambda out: parse_restart(out.stdout), timeout + 30,
                 fails="following the restart failed")
+
+
+def show_step(unit: str) -> Step[UnitState]:
+    return Step(show_command(unit), lambda out: parse_show(out.stdout), 30)
+
+
+def journal_step(invocation: str, *, grep: Iterable[str] = (), lines: int | None = None,
+                 first: int | None = None) -> Step[list[JournalLine]]:
+    """``journal_command`` as a step: the run's lines."""
+    return Step(journal_command(invocation, grep=grep, lines=lines, first=first),
+                lambda out: parse_journal(out.stdout), 30)
+
+
+def disable_and_stop_step(unit: str, *, then: str = "true") -> Step[None]:
+    """Disable the unit and stop it without waiting, then run ``then`` (a first deploy that failed)."""
+    u = shlex.quote(unit)
+    return Step(f"systemctl disable --quiet {u}; systemctl stop --no-block {u}; {then}", lambda out: None, 60)

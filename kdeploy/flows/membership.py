@@ -16,7 +16,7 @@ from kdeploy.flows.session import raise_if_cancelled
 from kdeploy.flows.switch import Outcome
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.remote import Remote
-from kdeploy.report import HostResult, PhaseFailed, Result
+from kdeploy.report import HostResult, Result
 
 if TYPE_CHECKING:
     from kdeploy.router import RouterClient
@@ -27,15 +27,13 @@ def drain(remote: Remote, host: HostConfig, result: HostResult, client: RouterCl
           cancel: threading.Event) -> None:
     """Take the host's worker out of the router, then wait (up to ``drain_timeout``) until SGLang's gauges show
     no request running or queued, so the restart cuts none off."""
-    from kdeploy.router import POLL, api_key, arm_readmit_command, readmit_after
+    from kdeploy.router import POLL, api_key, arm_readmit_step, readmit_after
     from kdeploy.tunnel import ServiceHttp
 
     assert host.router is not None and host.worker_url is not None
     with result.phase("drain") as phase:
         key = api_key(host.router)
-        out = remote.run(arm_readmit_command(host, key is not None), stdin=key.encode() if key else None, timeout=30)
-        if not out.ok:
-            raise PhaseFailed(f"could not arm the host's re-admit, host not drained: {out.last_error()}")
+        remote.ask(arm_readmit_step(host, key is not None), stdin=key.encode() if key else None)
         was_in = client.remove(host.worker_url, cancel=lambda: raise_if_cancelled(cancel))
         result.router = "out"
         phase.detail = f"{host.worker_url} removed from the router" if was_in else f"{host.worker_url} was not in"
@@ -97,7 +95,7 @@ def behind_router(remote: Remote, host: HostConfig, result: HostResult, client: 
     if client is None:
         restart()
         return
-    from kdeploy.router import disarm_readmit_command
+    from kdeploy.router import disarm_readmit_step
 
     drain(remote, host, result, client, cancel)
     if restart().serving:
@@ -105,7 +103,7 @@ def behind_router(remote: Remote, host: HostConfig, result: HostResult, client: 
     else:
         result.log.append(f"left OUT of the router: fix the host, then `kdeploy router admit {host.name}`")
     try:  # decided: in, or out on purpose (a failed host stays out): the host's own re-admit is not needed
-        remote.run(disarm_readmit_command(host), timeout=30)
+        remote.ask(disarm_readmit_step(host))
     except KdeployError as exc:
         result.log.append(f"could not cancel the host's re-admit timer ({exc}): it re-admits the host itself "
                           "if it serves a confirmed release then")

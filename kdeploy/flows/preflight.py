@@ -7,6 +7,12 @@ from kdeploy.errors import PreflightRefused
 from kdeploy.inventory import HostConfig
 from kdeploy.layout import service_dir
 from kdeploy.render import unit_filename
+from kdeploy.step import Step
+
+
+def preflight_step(host: HostConfig) -> Step[str]:
+    """The checks' one round trip (its output is read by ``preflight_verdict``, with what the push uploads)."""
+    return Step(preflight_command(host), lambda out: out.stdout, 120)
 
 
 def preflight_command(host: HostConfig) -> str:

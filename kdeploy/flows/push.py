@@ -25,7 +25,7 @@ from kdeploy import lock, parity, provisional, release
 from kdeploy.errors import InvalidInput, KdeployError, PreflightRefused, Unreachable
 from kdeploy.flows.membership import behind_router
 from kdeploy.flows.options import Options, recorded_command
-from kdeploy.flows.preflight import preflight_command, preflight_verdict
+from kdeploy.flows.preflight import preflight_step, preflight_verdict
 from kdeploy.flows.record import finish_command
 from kdeploy.flows.session import Local, connect, lock_and_read, open_remote, raise_if_cancelled
 from kdeploy.flows.switch import Outcome, Reverted, go_back, revert_after, switch_and_gate
@@ -183,8 +183,8 @@ class HostPush:
         # The checks start the service's python, nvidia-smi and journalctl: only worth it before a change.
         if not decision.no_op and not self.opts.skip_preflight:
             upload = sum(local.payload.files[p].size for p in decision.delta.upload)
-            out = self.remote.run(preflight_command(host), timeout=120)
-            detail += "; " + preflight_verdict(host, out.stdout, upload, release.entries(local.payload.files))
+            out = self.remote.ask(preflight_step(host))
+            detail += "; " + preflight_verdict(host, out, upload, release.entries(local.payload.files))
         return detail
 
     def _stage_if_needed(self, at: Decided) -> Done | Staged:
@@ -245,10 +245,8 @@ class HostPush:
             self.result.attempted = target
             try:
                 tarball = release.TarStream(local.payload, delta.upload, meta)
-                out = self.remote.run(release.stage_script(service_dir(host.service), target,
-                                                           at.state.has_release, delta),
-                                      stdin=tarball, timeout=600, cancel=self.cancel)
-                failure = None if out.ok and "STAGED" in out.stdout else release.parse_stage_failure(out.stderr, out.rc)
+                failure = self.remote.ask(release.stage_step(service_dir(host.service), target, at.state.has_release,
+                                                             delta), stdin=tarball, cancel=self.cancel)
             except InputFailed as exc:  # a payload file vanished or shrank while the tar read it
                 failure = release.StageFailure(f"cannot read the payload: {exc}")
             if failure:
@@ -339,7 +337,7 @@ class HostPush:
         try:
             with self.result.phase("relock") as phase:
                 if self.held is not None and self.held.remote_pid:
-                    remote.run(lock.end_holder_command(sdir, self.held.remote_pid), timeout=30)
+                    remote.ask(lock.end_holder_step(sdir, self.held.remote_pid))
                 # Holding the lock, no revert can be half way: one waiting for it would end us, stop it.
                 waiting = provisional.stop_revert_service(provisional.timer_unit(self.host.service.name))
                 self.held, state = lock_and_read(remote, self.host, RELOCK_WAIT, first=waiting, command=self.command)

@@ -7,7 +7,6 @@ its typed outcome; the ``HostResult`` only reports it.
 
 from __future__ import annotations
 
-import shlex
 import time
 from dataclasses import dataclass
 
@@ -72,16 +71,13 @@ def switch(remote: Remote, host: HostConfig, result: HostResult, target: str, in
     elif restore and sv.environment_file and sv.secrets.configured:
         env_step = secret.restore_script(sdir, sv.environment_file)
     with result.phase("activate") as phase:
-        out = remote.run(release.activate_script(sdir, target, unit, install_unit, arm, env_step), stdin=stdin,
-                         timeout=120)
-        if not out.ok:
-            raise PhaseFailed(f"switching to {target} failed: {out.last_error()}")
+        old = remote.ask(release.activate_step(sdir, target, unit, install_unit, arm, env_step), stdin=stdin)
         phase.detail = (f"current -> {target}" + ("; unit installed, daemon-reload" if install_unit else "")
                         + "; old run stopping, restart queued"
                         + (f"; secrets written ({', '.join(secrets.masked())} = {secret.MASK})" if stdin else "")
                         + f"; reverts to {pending.previous or 'nothing'} by itself unless confirmed within "
                           f"{max(0, pending.deadline - time.time()):.0f}s")
-    return systemd.parse_old_run(out.stdout)
+    return old
 
 
 def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, old: str,
@@ -102,20 +98,19 @@ def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, old
 def confirm(remote: Remote, host: HostConfig, result: HostResult, pending: provisional.Pending) -> None:
     """Keep the switch: disarm the host's revert (it acts only on a ``pending`` that is still ours)."""
     with result.phase("confirm") as phase:
-        out = remote.run(provisional.confirm_command(service_dir(host.service),
-                                                     provisional.timer_unit(host.service.name), pending.token),
-                         timeout=60)
-        if "CONFIRMED" not in out.stdout:
+        lost = remote.ask(provisional.confirm_step(service_dir(host.service), provisional.timer_unit(host.service.name),
+                                                   pending.token))
+        if lost:
             raise PhaseFailed(f"the switch to {pending.target} was no longer pending: the host reverted by itself "
-                              f"or another deploy took over ({out.last_error() if not out.ok else 'LOST'})")
+                              f"or another deploy took over ({lost})")
         phase.detail = f"{pending.target} kept; revert disarmed"
 
 
 def disarm(remote: Remote, host: HostConfig, result: HostResult, pending: provisional.Pending) -> None:
     """The controller decided the host's end state itself: no revert may act on it later."""
     try:
-        remote.run(provisional.confirm_command(service_dir(host.service), provisional.timer_unit(host.service.name),
-                                               pending.token), timeout=60)
+        remote.ask(provisional.confirm_step(service_dir(host.service), provisional.timer_unit(host.service.name),
+                                            pending.token))
     except KdeployError as exc:
         result.log.append(f"could not disarm the host's revert timer: {exc}")
 
@@ -184,8 +179,7 @@ def _stop_first_deploy(remote: Remote, host: HostConfig) -> str:
     sv = host.service
     if sv.on_first_deploy_failure != "stop":
         return "left running as it is"
-    unit = shlex.quote(unit_filename(sv))
     restore = (secret.restore_script(service_dir(sv), sv.environment_file)
                if sv.secrets.configured and sv.environment_file else "true")
-    remote.run(f"systemctl disable --quiet {unit}; systemctl stop --no-block {unit}; {restore}", timeout=60)
+    remote.ask(systemd.disable_and_stop_step(unit_filename(sv), then=restore))
     return "stopped and disabled"

@@ -128,9 +128,7 @@ def lock_host(inventory: Inventory, host: HostConfig, opts: Options, result: Hos
             if status.held and not opts.force:
                 raise LockHeld(f"{host.name}: lock is held by a live deploy "
                                f"({status.info.describe() if status.info else 'unknown'}); use --force to end it")
-            out = remote.run(lock.release_command(sdir, status, opts.force), timeout=lock.FORCE_WAIT + 30).stdout
-            why = lock.release_failure(out, status.info)
-            status = lock.parse_status(out)
+            status, why = remote.ask(lock.release_step(sdir, status, opts.force))
         result.details = LockView(status.state, status.info)
     if why:
         raise LockHeld(f"{host.name}: lock still held: {why}")
