@@ -73,7 +73,7 @@ def stop_command(token: str) -> str:
 def run_host(inventory: Inventory, host: HostConfig, command: str, opts: Options, result: HostResult,
              cancel: threading.Event, timeout: float | None, mask: Callable[[str], str]) -> None:
     """Run ``command`` on one host until it exits, ``timeout`` passes or ``cancel`` is set."""
-    with connect(inventory, host, result, opts) as remote, result.phase("exec") as phase:
+    with connect(inventory, host, result, opts.reach) as remote, result.phase("exec") as phase:
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def stop() -> bool:

@@ -23,7 +23,7 @@ from kdeploy.flows.membership import admit_serving
 from kdeploy.flows.options import Options
 from kdeploy.flows.push import HostPush
 from kdeploy.flows.rollback import rollback_host
-from kdeploy.flows.session import Local
+from kdeploy.flows.session import Wanted
 from kdeploy.gatespec import PayloadGate, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.policy import Policy
@@ -76,7 +76,7 @@ def fan_out(inventory: Inventory, names: list[str], command: str, fn: HostFn, *,
     return Report(command, results)
 
 
-def rollout(inventory: Inventory, names: list[str], local: dict[str, Local], opts: Options, *, parallel: int,
+def rollout(inventory: Inventory, names: list[str], local: dict[str, Wanted], opts: Options, *, parallel: int,
             listener: Listener | None = None, cancel: threading.Event | None = None,
             command: str = "push", pre_deploy: bool = True) -> Report:
     """Stage on every host in parallel, then restart canary and batches in turn, each gated before the next.
@@ -217,7 +217,7 @@ def in_batches(names: list[str], results: dict[str, HostResult], policy: Policy,
             return
 
 
-def prepare(inventory: Inventory, names: list[str], opts: Options | None = None) -> dict[str, Local]:
+def prepare(inventory: Inventory, names: list[str], opts: Options | None = None) -> dict[str, Wanted]:
     """Render every unit, hash every payload, decide every gate and read every secret before any host is
     touched (bad input, e.g. a flag value the payload's manifest does not accept or a secret's environment
     variable that is not set, fails here)."""
@@ -231,7 +231,7 @@ def prepare(inventory: Inventory, names: list[str], opts: Options | None = None)
             payloads[path] = (scan_payload(path), load_payload_gate(path))
         payload, manifest = payloads[path]
         spec = gate_spec(host.service, manifest, workers=opts.workers, timeout=opts.timeout)
-        out[name] = Local(render_unit(inventory, host), payload, spec, secret.resolve(inventory, host))
+        out[name] = Wanted(render_unit(inventory, host), payload, spec, secret.resolve(inventory, host))
     return out
 
 
@@ -380,13 +380,13 @@ def changed_hosts(old: Inventory, new: Inventory) -> list[str]:
             or old.payload_dir(old.hosts[name]) != new.payload_dir(host)]
 
 
-def check_edit(edit: settings.Edit) -> dict[str, Local]:
+def check_edit(edit: settings.Edit) -> dict[str, Wanted]:
     """What the edit's rollout computes locally (units, payload hashes) for the hosts it changes, before the
     file is written: a value that validates but cannot be pushed (a missing payload) fails here."""
     return prepare(edit.new, changed_hosts(edit.old, edit.new))
 
 
-def apply_edit(edit: settings.Edit, local: dict[str, Local], command: str, opts: Options | None = None, *,
+def apply_edit(edit: settings.Edit, local: dict[str, Wanted], command: str, opts: Options | None = None, *,
                parallel: int = DEFAULT_PARALLEL, listener: Listener | None = None,
                cancel: threading.Event | None = None) -> Report:
     """Write an inventory edit and push it to the hosts it changes (``local``, from ``check_edit``); a failed

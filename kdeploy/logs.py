@@ -102,7 +102,7 @@ def read(inventory: Inventory, host: HostConfig, query: LogQuery, opts: Options,
          emit: Callable[[str], None] | None = None, stop: threading.Event | None = None) -> list[str]:
     """One host's journal lines; with ``query.follow`` each line goes to ``emit`` as it comes, until ``stop``."""
     unit = unit_filename(host.service)
-    with connect(inventory, host, result, opts) as remote:
+    with connect(inventory, host, result, opts.reach) as remote:
         if not query.follow:
             with result.phase("journal") as phase:
                 out = remote.run(journal_command(unit, query), timeout=120)

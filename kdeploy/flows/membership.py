@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kdeploy.errors import KdeployError
-from kdeploy.flows.options import Options
+from kdeploy.flows.options import Reach
 from kdeploy.flows.session import raise_if_cancelled
 from kdeploy.flows.switch import Outcome
 from kdeploy.inventory import HostConfig, Inventory
@@ -109,13 +109,13 @@ def behind_router(remote: Remote, host: HostConfig, result: HostResult, client: 
                           "if it serves a confirmed release then")
 
 
-def router_phase(inventory: Inventory, host: HostConfig, result: HostResult, opts: Options) -> bool:
+def router_phase(inventory: Inventory, host: HostConfig, result: HostResult, reach: Reach) -> bool:
     """Phase ``router``: is the host registered in its router, and healthy there? Sets ``result.router``."""
     from kdeploy import router as routing
 
     assert host.router is not None
     with result.phase("router") as phase, routing.connect(
-            inventory, host.router, accept_new_host_keys=opts.accept_new_host_keys, ssh_config=opts.ssh_config
+            inventory, host.router, accept_new_host_keys=reach.accept_new_host_keys, ssh_config=reach.ssh_config
     ) as client:
         member = routing.membership(client, host)
         result.router = "in" if member.member else "out"

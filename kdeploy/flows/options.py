@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 from kdeploy.policy import Policy
 
 
+@dataclass(frozen=True)
+class Reach:
+    """How the controller reaches a host: what every connection needs of the command's flags."""
+
+    ssh_config: str | None = None  # --ssh-config: overrides KDEPLOY_SSH_CONFIG and the inventory's
+    accept_new_host_keys: bool = False
+
+
 @dataclass
 class Options:
     accept_new_host_keys: bool = False
@@ -25,6 +33,10 @@ class Options:
     command: str | None = None  # what the lock and history record (the CLI's own command line; see recorded_command)
     parity: bool = False  # verify --parity: compare the running release with its parity record
     accept_parity_change: bool = False  # push: the served model changes, its answers become the new reference
+
+    @property
+    def reach(self) -> Reach:
+        return Reach(self.ssh_config, self.accept_new_host_keys)
 
 
 def recorded_command(opts: Options, verb: str) -> str:

@@ -27,7 +27,7 @@ from kdeploy.flows.membership import behind_router
 from kdeploy.flows.options import Options, recorded_command
 from kdeploy.flows.preflight import preflight_step, preflight_verdict
 from kdeploy.flows.record import finish_command
-from kdeploy.flows.session import Local, connect, lock_and_read, open_remote, raise_if_cancelled
+from kdeploy.flows.session import Wanted, connect, lock_and_read, open_remote, raise_if_cancelled
 from kdeploy.flows.switch import Outcome, Reverted, go_back, revert_after, switch_and_gate
 from kdeploy.gatespec import GateSpec
 from kdeploy.inventory import HostConfig, Inventory
@@ -111,7 +111,7 @@ class HostPush:
     whose hosts all fit in ``--parallel``: it holds no more connections at once than that either way.
     """
 
-    def __init__(self, inventory: Inventory, host: HostConfig, local: Local, opts: Options,
+    def __init__(self, inventory: Inventory, host: HostConfig, local: Wanted, opts: Options,
                  result: HostResult, cancel: threading.Event, router: RouterClient | None = None,
                  hold: bool = False) -> None:
         """``cancel``: Ctrl-C; checked before each change and during the upload. ``router``: the host's
@@ -148,7 +148,7 @@ class HostPush:
     def prepare(self) -> None:
         """The stage pass: ends Staged holding nothing (or the lock, with ``hold``), or ended and closed."""
         try:
-            self.remote = connect(self.inventory, self.host, self.result, self.opts)
+            self.remote = connect(self.inventory, self.host, self.result, self.opts.reach)
             with self.result.phase("preflight") as phase:
                 self.held, state = lock_and_read(self.remote, self.host, self.opts.lock_wait, with_files=True,
                                                  command=self.command)
@@ -162,7 +162,7 @@ class HostPush:
             if not isinstance(self.at, Staged):
                 self.close()
             elif not self.hold:
-                self._let_go()
+                self._release_until_turn()
 
     def _decide(self, state: HostState) -> Decided:
         return Decided(state, decide(self.local.payload.identity, self.local.unit_text, state,
@@ -201,7 +201,7 @@ class HostPush:
         staged = self._stage(at)
         return Staged(at.state, at.decision, staged, staged)
 
-    def _let_go(self) -> None:
+    def _release_until_turn(self) -> None:
         """Between the passes: release the lock (nothing to record yet) and disconnect. The staged release
         stays in ``releases/``, not current; ``activate`` checks it is still there."""
         if self.held is not None:
@@ -217,10 +217,10 @@ class HostPush:
         again: a host now in sync is ``unchanged``; else the staged release is used if it is still intact
         (it holds every file, whatever is current), or a new one is staged."""
         with self.result.phase("resume") as phase:
-            self.remote = open_remote(self.inventory, self.host, self.opts)
+            self.remote = open_remote(self.inventory, self.host, self.opts.reach)
             self.held, state = lock_and_read(self.remote, self.host, self.opts.lock_wait, with_files=True,
                                              command=self.command)
-            moved = _moved(at.state, state, at.staged)
+            moved = changed_since_staging(at.state, state, at.staged)
             phase.detail = f"lock taken again; {moved + ', decided again' if moved else 'nothing moved since staging'}"
         if not moved:
             return Staged(state, at.decision, at.target, at.staged)
@@ -324,7 +324,7 @@ class HostPush:
         pending = at.pending
         assert self.remote is not None
         try:
-            remote = connect(self.inventory, self.host, self.result, self.opts)
+            remote = connect(self.inventory, self.host, self.result, self.opts.reach)
         except Unreachable as exc:
             self.result.finish("unreachable", f"connection lost after switching to {pending.target}; reconnect "
                                               f"failed ({exc}); the host goes back to "
@@ -385,7 +385,7 @@ class HostPush:
     def _remove_staged(self, staged: str) -> None:
         """Connect and take the lock again (never waiting) to remove the release this push staged and never
         activated; if someone made it current or pending meanwhile, it is theirs now and stays."""
-        self.remote = open_remote(self.inventory, self.host, self.opts)
+        self.remote = open_remote(self.inventory, self.host, self.opts.reach)
         held, state = lock_and_read(self.remote, self.host, 0, command=self.command)
         theirs = staged in (state.current, state.pending.target if state.pending else None)
         held.release("" if theirs else release.prune_command(service_dir(self.host.service), [staged]))
@@ -413,7 +413,7 @@ class HostPush:
                                       drop) if c)
 
 
-def _moved(before: HostState, now: HostState, staged: str | None) -> str:
+def changed_since_staging(before: HostState, now: HostState, staged: str | None) -> str:
     """What changed on a host between the stage pass and its batch (empty: nothing), in words."""
     if now.current != before.current:
         return f"current moved from {before.current or 'none'} to {now.current or 'none'}"

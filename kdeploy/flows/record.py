@@ -6,14 +6,14 @@ import time
 from datetime import UTC, datetime
 
 from kdeploy import history, lock, release
-from kdeploy.flows.session import Local
+from kdeploy.flows.session import Wanted
 from kdeploy.inventory import HostConfig
 from kdeploy.layout import service_dir
 from kdeploy.report import HostResult
 
 
 def finish_command(host: HostConfig, result: HostResult, started: float, releases: list[str],
-                   local: Local | None = None, keep: set[str | None] = frozenset(), *, command: str,
+                   local: Wanted | None = None, keep: set[str | None] = frozenset(), *, command: str,
                    secrets: str | None = None) -> str:
     """Append the history line and prune old releases (sent to the lock holder, run under the lock).
 

@@ -30,7 +30,7 @@ def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result:
     ``router`` meanwhile. ``before_change(target, current)``: the pre_host hook, under the lock; False ends
     the host (its result set) untouched. A host refused (no such release, the hook) gets no history line."""
     started = time.monotonic()
-    with connect(inventory, host, result, opts) as remote:
+    with connect(inventory, host, result, opts.reach) as remote:
         held: lock.HeldLock | None = None
         state: HostState | None = None
         recorded = True

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kdeploy import lock, release, sshconfig
 from kdeploy import secrets as secret
-from kdeploy.flows.options import Options
+from kdeploy.flows.options import Reach
 from kdeploy.gatespec import GateSpec, gate_spec, load_payload_gate
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.layout import service_dir
@@ -16,15 +16,15 @@ from kdeploy.report import Cancelled, HostResult
 from kdeploy.state import HostState, parse_state, state_script
 
 
-def open_remote(inventory: Inventory, host: HostConfig, opts: Options) -> Remote:
-    return Remote.connect(host, sshconfig.target_for(inventory, host, opts.ssh_config),
-                          accept_new_host_keys=opts.accept_new_host_keys)
+def open_remote(inventory: Inventory, host: HostConfig, reach: Reach) -> Remote:
+    return Remote.connect(host, sshconfig.target_for(inventory, host, reach.ssh_config),
+                          accept_new_host_keys=reach.accept_new_host_keys)
 
 
-def connect(inventory: Inventory, host: HostConfig, result: HostResult, opts: Options) -> Remote:
+def connect(inventory: Inventory, host: HostConfig, result: HostResult, reach: Reach) -> Remote:
     """``open_remote`` as the host's ``connect`` phase."""
     with result.phase("connect") as phase:
-        remote = open_remote(inventory, host, opts)
+        remote = open_remote(inventory, host, reach)
         phase.detail = remote.describe()
     return remote
 
@@ -46,8 +46,9 @@ def raise_if_cancelled(cancel: threading.Event) -> None:
 
 
 @dataclass
-class Local:
-    """What the controller computes once per host before touching it."""
+class Wanted:
+    """What a host should run (unit, payload, gate, secrets), computed once on the controller before any host
+    is touched."""
 
     unit_text: str
     payload: release.Payload

@@ -11,7 +11,7 @@ from kdeploy import gate, history, lock, parity, probe
 from kdeploy.errors import InvalidInput, KdeployError, LockHeld
 from kdeploy.flows.membership import router_phase
 from kdeploy.flows.options import Options
-from kdeploy.flows.session import Local, connect, inventory_spec, overridden
+from kdeploy.flows.session import Wanted, connect, inventory_spec, overridden
 from kdeploy.inventory import HostConfig, Inventory
 from kdeploy.layout import service_dir
 from kdeploy.render import unit_filename
@@ -69,9 +69,9 @@ class LockView:
         return {"state": self.state, "holder": asdict(self.holder) if self.holder else None}
 
 
-def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Options, result: HostResult) -> None:
+def plan_host(inventory: Inventory, host: HostConfig, local: Wanted, opts: Options, result: HostResult) -> None:
     """Show what a push would do; reads only (no lock, no directories created)."""
-    with connect(inventory, host, result, opts) as remote:
+    with connect(inventory, host, result, opts.reach) as remote:
         with result.phase("preflight") as phase:
             state = remote.ask(state_step(host, with_files=True))
             phase.detail = f"current {state.current or 'none'}, unit {state.unit.summary}"
@@ -90,7 +90,7 @@ def plan_host(inventory: Inventory, host: HostConfig, local: Local, opts: Option
 def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
     """The gate against what runs now, as its release was deployed (else as the inventory says); changes
     nothing."""
-    with connect(inventory, host, result, opts) as remote:
+    with connect(inventory, host, result, opts.reach) as remote:
         running = remote.ask(running_step(host))
         result.release = running.current
         if running.pending:
@@ -107,20 +107,20 @@ def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: H
         except PhaseFailed as exc:
             result.finish("unhealthy", exc.detail)
             return
-    if host.router is not None and not router_phase(inventory, host, result, opts):
+    if host.router is not None and not router_phase(inventory, host, result, opts.reach):
         result.finish("unhealthy", result.phases[-1].detail)
         return
     result.finish("healthy")
 
 
 def history_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
-    with connect(inventory, host, result, opts) as remote:
+    with connect(inventory, host, result, opts.reach) as remote:
         result.details = History(remote.ask(history.read_step(service_dir(host.service), opts.history_limit)))
     result.finish("ok")
 
 
 def lock_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult, release_it: bool) -> None:
-    with connect(inventory, host, result, opts) as remote:
+    with connect(inventory, host, result, opts.reach) as remote:
         sdir = service_dir(host.service)
         status = remote.ask(lock.status_step(sdir))
         why = None
@@ -135,8 +135,8 @@ def lock_host(inventory: Inventory, host: HostConfig, opts: Options, result: Hos
     result.finish("ok")
 
 
-def status_host(inventory: Inventory, host: HostConfig, local: Local, opts: Options, result: HostResult) -> None:
-    with connect(inventory, host, result, opts) as remote, result.phase("status") as phase:
+def status_host(inventory: Inventory, host: HostConfig, local: Wanted, opts: Options, result: HostResult) -> None:
+    with connect(inventory, host, result, opts.reach) as remote, result.phase("status") as phase:
         status = remote.ask(status_step(host))
     state = status.state
     found = drift(local.payload.identity, local.unit_text, status, local.secrets)
@@ -147,7 +147,7 @@ def status_host(inventory: Inventory, host: HostConfig, local: Local, opts: Opti
     phase.detail = "; ".join(found) or "in sync with the inventory"
     if host.router is not None:
         try:
-            router_phase(inventory, host, result, opts)
+            router_phase(inventory, host, result, opts.reach)
         except KdeployError as exc:  # the router's state is unknown, not the host's: status still answers
             result.log.append(f"router membership unknown: {exc}")
     result.finish("ok")
@@ -155,7 +155,7 @@ def status_host(inventory: Inventory, host: HostConfig, local: Local, opts: Opti
 
 def probe_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult) -> None:
     """What the host's service python offers the payload (SGLang version, loader, hooks, registry)."""
-    with connect(inventory, host, result, opts) as remote, result.phase("probe") as phase:
+    with connect(inventory, host, result, opts.reach) as remote, result.phase("probe") as phase:
         report = remote.ask(probe.probe_step(host.service.python))
         phase.detail = report.summary()
     result.details = report

@@ -178,7 +178,7 @@ def test_switched_but_never_gated_is_a_change_and_reverts(quick: Deployment,
     assert step.at.staged and not result.done and step.remote is None, result  # staged, holding nothing
     pending = provisional.new_pending(step.state.confirmed, step.at.staged, REVERT_AFTER)
     staged = step.at
-    with session.connect(inv, host, result, Options()) as remote:  # then the controller is gone: no gate, no confirm
+    with session.connect(inv, host, result, Options().reach) as remote:  # the controller then dies: no gate/confirm
         replaced = switch.switch(remote, host, result, staged.staged, staged.decision.install_unit, pending)
     new = step.at.staged
     assert _current(quick) == new and replaced == invocation

@@ -154,7 +154,7 @@ def capture_state(box: Sandbox) -> None:
     step.prepare()
     assert step.state is not None and step.at.staged
     pending = provisional.new_pending(step.state.confirmed, step.at.staged, 3600)
-    with session.connect(inv, host, step.result, Options()) as remote:
+    with session.connect(inv, host, step.result, Options().reach) as remote:
         switch.switch(remote, host, step.result, step.at.staged, step.at.decision.install_unit, pending)
     out = box.exec(HOST, ["sh", "-c", state.state_script(host, with_history=True)]).stdout
     (HERE / "state_pending.txt").write_text(out)
