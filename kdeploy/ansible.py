@@ -23,14 +23,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from ruamel.yaml.error import YAMLError
 
-from kdeploy import inventory, patterns
+from kdeploy import patterns
 from kdeploy.errors import InvalidInput
+from kdeploy.yamlsource import WEEK, line_of, parse_yaml, read_text, yaml_loader
 
 # ini, yaml: Ansible's own file formats; list: ansible-inventory --list JSON; plugin: only Ansible's plugins read it
 Format = Literal["ini", "yaml", "list", "plugin"]
@@ -179,7 +181,7 @@ def _vars_dir(folder: Path, name: str) -> dict:
                             if p.is_file() and p.suffix in ("", ".yml", ".yaml", ".json"))
     for path in candidates:
         if path.is_file():
-            data = inventory.parse_yaml(inventory.read_text(path, "variables file"), path,
+            data = parse_yaml(read_text(path, "variables file"), path,
                                         "a variables file must be a mapping")
             found.update(data)
     return found
@@ -199,7 +201,7 @@ def detect(path: Path, text: str) -> tuple[Format | None, Any]:
     if suffix == ".toml":
         return "plugin", None
     try:
-        data: Any = inventory.yaml_loader().load(text)
+        data: Any = yaml_loader().load(text)
     except YAMLError:
         return (None if suffix in (".yaml", ".yml", ".json") else "ini"), None
     if isinstance(data, dict):
@@ -288,7 +290,7 @@ def _scan(folder: Path) -> list[tuple[Path, Format | None, str]]:
         elif _is_script(entry):
             found.append((entry, None, ""))
         else:
-            text = inventory.read_text(entry)
+            text = read_text(entry)
             fmt, _ = detect(entry, text)
             if fmt is None:
                 raise InvalidInput(f"{entry}: not an Ansible inventory (an inventory directory holds Ansible "
@@ -303,7 +305,7 @@ def _read_file(found: AnsibleInventory, path: Path, text: str, fmt: Format) -> N
     elif fmt == "yaml":
         _read_yaml(found, path, text)
     else:
-        _read_list(found, inventory.parse_yaml(text, path), path, text)
+        _read_list(found, parse_yaml(text, path), path, text)
 
 
 def timeout() -> float:
@@ -315,7 +317,7 @@ def timeout() -> float:
         seconds = float(value)
     except ValueError:
         seconds = 0
-    if not 0 < seconds <= inventory.WEEK:
+    if not 0 < seconds <= WEEK:
         raise InvalidInput(f"KDEPLOY_INVENTORY_TIMEOUT={value!r}: expected seconds, a number above 0")
     return seconds
 
@@ -397,13 +399,16 @@ def _ansible_inventory(path: Path, what: str) -> AnsibleInventory:
     return found
 
 
-def load(found: AnsibleInventory, service: Path | None, service_text: str | None = None) -> inventory.Inventory:
-    """The kdeploy inventory of an Ansible inventory plus the service file (``service_text``: its content)."""
+def document(found: AnsibleInventory, service: Path | None,
+             service_text: str | None = None) -> tuple[dict, Path, Callable[[tuple], str]]:
+    """An Ansible inventory plus the service file (``service_text``: its content) as a kdeploy inventory
+    document, the path its relative paths start from (the service file's), and where each key came from:
+    what :func:`kdeploy.inventory.parse` takes."""
     path = found.path
     service = require_service(path, service)
     if service_text is None:
-        service_text = inventory.read_text(service, *SERVICE_FILE)
-    defaults = inventory.parse_yaml(service_text, service, "the service file must be a mapping like defaults:")
+        service_text = read_text(service, *SERVICE_FILE)
+    defaults = parse_yaml(service_text, service, "the service file must be a mapping like defaults:")
     hosts: dict[str, dict] = {}
     sources: dict[str, dict[str, str]] = {}
     for host in found.hosts:
@@ -415,7 +420,7 @@ def load(found: AnsibleInventory, service: Path | None, service_text: str | None
     def locate(where: tuple) -> str:
         level, rest = where[0], where[1:]
         if level == "defaults":
-            line = inventory.line_of(defaults, rest)
+            line = line_of(defaults, rest)
             return f"{service}{f':{line}' if line else ''}: {'.'.join(map(str, rest))}"
         if level == "hosts" and len(rest) > 1:
             name, key = str(rest[0]), str(rest[1])
@@ -424,7 +429,7 @@ def load(found: AnsibleInventory, service: Path | None, service_text: str | None
             return f"{file}{f':{line}' if line else ''}: {name}: {'.'.join([var, *map(str, rest[2:])])}"
         return f"{path}: {'.'.join(map(str, rest)) or level}"
 
-    return inventory.parse(raw, service, locate=locate)  # paths in the service file are relative to it
+    return raw, service, locate  # paths in the service file are relative to it
 
 
 def require_service(path: Path, service: Path | None) -> Path:
@@ -576,7 +581,7 @@ def _literal(value: str) -> Any:
 
 def _read_yaml(found: AnsibleInventory, path: Path, text: str) -> None:
     """ansible-core's ``yaml`` plugin: top-level groups, each ``{hosts: {NAME: vars}, children: {...}, vars}``."""
-    data = inventory.parse_yaml(text, path)
+    data = parse_yaml(text, path)
     known = list(found.hosts)
     for name, body in data.items():
         _yaml_group(found, path, str(name), body)
@@ -594,7 +599,7 @@ def _yaml_group(found: AnsibleInventory, path: Path, name: str, body: Any) -> No
         if isinstance(value, str):
             value = {value: None}
         if value is not None and not isinstance(value, dict):
-            raise InvalidInput(f"{path}:{inventory.line_of(body, (section,))}: {name}.{section}: must be a mapping")
+            raise InvalidInput(f"{path}:{line_of(body, (section,))}: {name}.{section}: must be a mapping")
         if section == "vars":
             found.group(name).vars.update(value or {})
         elif section == "children":
@@ -603,7 +608,7 @@ def _yaml_group(found: AnsibleInventory, path: Path, name: str, body: Any) -> No
                 found.add_child(name, str(child))
         else:
             for pattern, variables in (value or {}).items():
-                line = inventory.line_of(value, (pattern,))
+                line = line_of(value, (pattern,))
                 if not isinstance(variables, dict | None):
                     raise InvalidInput(f"{path}:{line}: host {pattern}: its variables must be a mapping")
                 names, port = expand(str(pattern), f"{path}:{line}")
@@ -619,7 +624,7 @@ def _read_list(found: AnsibleInventory, data: Any, path: Path, text: str | None)
     {...}, children: [...]}``), ``_meta.hostvars`` for the hosts the groups name. ``text``: the file it was read
     from (lines in errors), None for a program's output."""
     def where(*keys: Any) -> str:
-        line = inventory.line_of(data, keys) if text is not None else None
+        line = line_of(data, keys) if text is not None else None
         return f"{path}{f':{line}' if line else ''}" if text is not None else f"{path} (--list output)"
 
     if not isinstance(data, dict):
@@ -646,7 +651,7 @@ def _read_list(found: AnsibleInventory, data: Any, path: Path, text: str | None)
             if not isinstance(value, dict if kind == "an object" else list):
                 raise InvalidInput(f"{where(name, key)}: {group}.{key} must be {kind}")
         for index, host in enumerate(hosts):
-            found.add_host(str(host), group, {}, (path, inventory.line_of(data, (name, "hosts", index))))
+            found.add_host(str(host), group, {}, (path, line_of(data, (name, "hosts", index))))
             named.append(str(host))
         found.group(group).vars.update(variables)
         for child in children:

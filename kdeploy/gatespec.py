@@ -9,6 +9,7 @@ workers, markers, model), not with the configuration that just failed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Literal
@@ -17,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kdeploy.errors import InvalidInput
 from kdeploy.inventory import ParitySet, Service
-from kdeploy.parity import ParitySpec
 from kdeploy.render import unit_filename
 
 MANIFEST = "kdeploy-gate.json"
@@ -25,6 +25,21 @@ MANIFEST = "kdeploy-gate.json"
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ParitySpec(_Frozen):
+    """The golden set and its tolerances, resolved (the gate's prompts filled in)."""
+
+    prompts: list[str] = Field(min_length=1)
+    max_tokens: int = Field(gt=0)
+    top_logprobs: int = Field(ge=1, le=20)
+    match_tokens: int = Field(gt=0)
+    logprob_tolerance: float = Field(gt=0)
+
+    def set_key(self) -> str:
+        """What a record must have been captured with to be compared (tolerances do not matter to it)."""
+        text = json.dumps([self.prompts, self.max_tokens, self.top_logprobs])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class Setting(_Frozen):

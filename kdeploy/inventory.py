@@ -26,12 +26,11 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
-from ruamel.yaml.error import YAMLError
 
-from kdeploy import patterns
+from kdeploy import ansible, patterns
 from kdeploy.errors import InvalidInput
+from kdeploy.yamlsource import WEEK, line_of, parse_yaml, read_text
 
 DEFAULT_INVENTORY = Path("inventory.yaml")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -110,7 +109,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-WEEK = 7 * 24 * 3600  # the longest wait kdeploy or a unit setting takes: a bound that still catches typos and .inf
 
 
 def _doc(description: str, default: Any = ..., *, shown: str | None = None, **constraints: Any) -> Any:
@@ -503,44 +501,6 @@ class Inventory:
 _suggest = patterns.suggest
 
 
-def yaml_loader() -> YAML:
-    """Round trip: the documents keep their comments and line numbers (for edits and error locations)."""
-    yaml = YAML(typ="rt")
-    yaml.preserve_quotes = True
-    return yaml
-
-
-def read_text(path: Path, what: str = "inventory", option: str = "--inventory PATH", *, exact: bool = False) -> str:
-    """``exact``: with the file's own line endings (``\\r\\n`` stays), for an edit that writes it back."""
-    try:
-        with open(path, newline="" if exact else None) as fh:
-            return fh.read()
-    except FileNotFoundError:
-        raise InvalidInput(f"{path}: {what} not found (pass {option})") from None
-    except OSError as exc:
-        raise InvalidInput(f"{path}: cannot read {what}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        line = path.read_bytes()[:exc.start].count(b"\n") + 1
-        raise InvalidInput(f"{path}:{line}: {what} is not UTF-8 text ({exc.reason})") from None
-
-
-def parse_yaml(text: str, path: Path,
-               shape: str = "the inventory must be a mapping with defaults/groups/hosts") -> CommentedMap:
-    """``text`` (the content of ``path``) as a round-trip document; ``shape``: the error when it is no mapping."""
-    try:
-        data = yaml_loader().load(text)
-    except YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise InvalidInput(f"{path}{where}: invalid YAML: {problem}") from None
-    if data is None:
-        data = CommentedMap()
-    if not isinstance(data, dict):
-        raise InvalidInput(f"{path}: {shape}")
-    return data
-
-
 def checked(document: Any, text: str, path: Path) -> CommentedMap:
     """The document ``ansible.detect`` parsed from ``text``, as :func:`parse_yaml` would return it (``text`` is
     parsed again only where it is no mapping: empty, or to report what is wrong with it)."""
@@ -550,21 +510,24 @@ def checked(document: Any, text: str, path: Path) -> CommentedMap:
 def load(path: Path | str = DEFAULT_INVENTORY, service: Path | str | None = None) -> Inventory:
     """A kdeploy inventory, or an Ansible one (any kind: docs/inventory.md) with the kdeploy service file
     ``service``."""
-    from kdeploy import ansible  # it builds on this module
-
     path = Path(path)
     service_path = Path(service) if service is not None else None
     if ansible.is_source(path):
         ansible.require_service(path, service_path)  # before a script runs
-        return replace(ansible.load(ansible.read_source(path), service_path), source=path)
+        return replace(from_ansible(ansible.read_source(path), service_path), source=path)
     text = read_text(path)
     fmt, document = ansible.detect(path, text)
     if fmt is not None:
         ansible.require_service(path, service_path)
-        return replace(ansible.load(ansible.read(path, text, fmt), service_path), source=path)
+        return replace(from_ansible(ansible.read(path, text, fmt), service_path), source=path)
     if service is not None:
         raise service_without_ansible(path)
     return parse(checked(document, text, path), path)
+
+
+def from_ansible(found: ansible.AnsibleInventory, service: Path | None, service_text: str | None = None) -> Inventory:
+    """The kdeploy inventory of an Ansible inventory plus the service file (``service_text``: its content)."""
+    return parse(*ansible.document(found, service, service_text))
 
 
 def check_env(env: dict[str, str]) -> None:
@@ -672,23 +635,6 @@ def _mapping(value: Any, where: tuple, errors: _Errors) -> dict:
     if not isinstance(value, dict):
         errors.fail(where, "must be a mapping")
     return value
-
-
-def line_of(raw: Any, where: tuple) -> int | None:
-    """1-based line of the deepest key of ``where`` that exists in the document."""
-    line = None
-    node = raw
-    for key in where:
-        if isinstance(node, CommentedMap) and key in node:
-            line = node.lc.key(key)[0] + 1
-            node = node[key]
-        elif isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
-            if hasattr(node, "lc"):
-                line = node.lc.item(key)[0] + 1
-            node = node[key]
-        else:
-            break
-    return line
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:

@@ -11,7 +11,6 @@ the two executors (capture over the gate's HTTP channel, read/write of the recor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shlex
@@ -19,15 +18,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kdeploy.errors import KdeployError, PreflightRefused
+from kdeploy.gatespec import GateSpec, ParitySpec
 from kdeploy.layout import PARITY_RECORD, RELEASES
 from kdeploy.report import PhaseFailed
 from kdeploy.step import Step
 
 if TYPE_CHECKING:
-    from kdeploy.gatespec import GateSpec
     from kdeploy.remote import Remote
     from kdeploy.report import HostResult
     from kdeploy.tunnel import ServiceHttp
@@ -37,21 +36,6 @@ RECORD = PARITY_RECORD  # inside a release directory
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ParitySpec(_Frozen):
-    """The golden set and its tolerances, resolved (the gate's prompts filled in)."""
-
-    prompts: list[str] = Field(min_length=1)
-    max_tokens: int = Field(gt=0)
-    top_logprobs: int = Field(ge=1, le=20)
-    match_tokens: int = Field(gt=0)
-    logprob_tolerance: float = Field(gt=0)
-
-    def set_key(self) -> str:
-        """What a record must have been captured with to be compared (tolerances do not matter to it)."""
-        text = json.dumps([self.prompts, self.max_tokens, self.top_logprobs])
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class Sample(_Frozen):

@@ -280,12 +280,12 @@ def _apply_service(path: Path, file: tuple[str, ansible.Format] | None, service:
     service = ansible.require_service(path, service)
     before = inventory.read_text(service, *ansible.SERVICE_FILE, exact=True)
     found = ansible.read(path, *file) if file else ansible.read_source(path)  # once: a script runs once
-    old = replace(ansible.load(found, service, _lf(before)), source=path)
+    old = replace(inventory.from_ansible(found, service, _lf(before)), source=path)
     original = inventory.parse_yaml(_lf(before), service)
     doc = inventory.parse_yaml(_lf(before), service)
     change(Level(doc, "defaults", _shared(doc)))
     after, _ = _write_out(doc, before)
-    new = replace(ansible.load(found, service, _lf(after)), source=path)  # source: what hooks pass on as -i
+    new = replace(inventory.from_ansible(found, service, _lf(after)), source=path)  # source: what hooks pass on as -i
     return Edit(service, before, after, "defaults", old, new, tuple(diff(original, doc)))
 
 
