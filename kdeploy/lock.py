@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from kdeploy.errors import LockHeld, PreflightRefused, Unreachable
 from kdeploy.layout import LOCK, LOCK_BEAT, LOCK_RECORD
 from kdeploy.remote import FENCE_MARK, FENCE_RC, Process, Remote
-from kdeploy.step import Step
+from kdeploy.step import Step, split_sections
 
 READY = "@@ready"
 END = "@@end"
@@ -125,18 +125,6 @@ def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: st
 def _dq(text: str) -> str:
     """Escape for a double-quoted shell string: nothing in it expands."""
     return text.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`").replace("$", "\\$")
-
-
-def split_sections(text: str) -> dict[str, str]:
-    """Split ``@@name`` marked output into sections."""
-    sections: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in text.splitlines():
-        if line.startswith("@@") and " " not in line:
-            current = sections.setdefault(line[2:], [])
-        elif current is not None:
-            current.append(line)
-    return {k: "\n".join(v) for k, v in sections.items()}
 
 
 @dataclass(eq=False)

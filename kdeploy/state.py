@@ -14,9 +14,8 @@ from kdeploy import secrets as secret
 from kdeploy.gatespec import GateSpec
 from kdeploy.inventory import HostConfig
 from kdeploy.layout import CURRENT, GATE_RECORD, HISTORY, META, RELEASES, service_dir
-from kdeploy.lock import split_sections
 from kdeploy.render import unit_filename
-from kdeploy.step import Step
+from kdeploy.step import Step, split_sections
 
 HISTORY_LINES = 200
 # Results after which the history's ``release`` is what ran from then on.

@@ -40,3 +40,15 @@ class Step(Generic[T]):
     parse: Callable[[RunResult], T]
     timeout: float = 60.0
     fails: str | None = None
+
+
+def split_sections(text: str) -> dict[str, str]:
+    """Split ``@@name`` marked output into sections."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("@@") and " " not in line:
+            current = sections.setdefault(line[2:], [])
+        elif current is not None:
+            current.append(line)
+    return {k: "\n".join(v) for k, v in sections.items()}

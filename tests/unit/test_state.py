@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from kdeploy import provisional
-from kdeploy.lock import split_sections
 from kdeploy.release import META, Payload, TarStream, release_id, release_meta, scan_payload, stage_script
 from kdeploy.state import Decision, HostState, ReleaseFiles, decide, files_script, parse_files, parse_gates, parse_state
+from kdeploy.step import split_sections
 from tests.unit.test_release import T0, UNIT, V1, make_tree, remote_identity, run_script, snapshot, stage
 
 CAPTURED = Path(__file__).resolve().parents[2] / "tests/data/captured"
