@@ -19,7 +19,7 @@ from kdeploy.remote import Remote
 from kdeploy.report import HostResult, Result
 
 if TYPE_CHECKING:
-    from kdeploy.router import RouterClient
+    from kdeploy.router import Membership, RouterClient
     from kdeploy.tunnel import ServiceHttp
 
 
@@ -109,7 +109,7 @@ def behind_router(remote: Remote, host: HostConfig, result: HostResult, client: 
                           "if it serves a confirmed release then")
 
 
-def router_phase(inventory: Inventory, host: HostConfig, result: HostResult, reach: Reach) -> bool:
+def router_phase(inventory: Inventory, host: HostConfig, result: HostResult, reach: Reach) -> Membership:
     """Phase ``router``: is the host registered in its router, and healthy there? Sets ``result.router``."""
     from kdeploy import router as routing
 
@@ -120,4 +120,4 @@ def router_phase(inventory: Inventory, host: HostConfig, result: HostResult, rea
         member = routing.membership(client, host)
         result.router = "in" if member.member else "out"
         phase.detail = member.describe()
-        return member.member and member.healthy
+        return member

@@ -103,13 +103,15 @@ def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: H
                 raise InvalidInput(f"{host.name}: --parity: parity is off for this release (gate.parity: false)")
             baseline = parity.own_record(remote, service_dir(host.service), spec, running.current, required=True)
         try:
-            gate.run_gate(remote, spec, result, release=result.release, baseline=baseline)
+            gate.run_gate(remote, spec, result, release=running.current, baseline=baseline)
         except PhaseFailed as exc:
             result.finish("unhealthy", exc.detail)
             return
-    if host.router is not None and not router_phase(inventory, host, result, opts.reach):
-        result.finish("unhealthy", result.phases[-1].detail)
-        return
+    if host.router is not None:
+        member = router_phase(inventory, host, result, opts.reach)
+        if not (member.member and member.healthy):
+            result.finish("unhealthy", member.describe())
+            return
     result.finish("healthy")
 
 
