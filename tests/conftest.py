@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from kdeploy import cli, inventory, layout
+from kdeploy.cli import app as cli
+from kdeploy.core import inventory, layout
 from kdeploy.lab import sglang_env
 from kdeploy.lab.demo import demo_service, project_dir
 from kdeploy.lab.sandbox import Sandbox

@@ -10,25 +10,25 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kdeploy.errors import KdeployError
+from kdeploy.core.errors import KdeployError
+from kdeploy.core.inventory import HostConfig, Inventory
+from kdeploy.core.report import HostResult, Result
 from kdeploy.flows.options import Reach
 from kdeploy.flows.session import raise_if_cancelled
 from kdeploy.flows.switch import Outcome
-from kdeploy.inventory import HostConfig, Inventory
-from kdeploy.remote import Remote
-from kdeploy.report import HostResult, Result
+from kdeploy.ssh.remote import Remote
 
 if TYPE_CHECKING:
-    from kdeploy.router import Membership, RouterClient
-    from kdeploy.tunnel import ServiceHttp
+    from kdeploy.host.router import Membership, RouterClient
+    from kdeploy.ssh.tunnel import ServiceHttp
 
 
 def drain(remote: Remote, host: HostConfig, result: HostResult, client: RouterClient,
           cancel: threading.Event) -> None:
     """Take the host's worker out of the router, then wait (up to ``drain_timeout``) until SGLang's gauges show
     no request running or queued, so the restart cuts none off."""
-    from kdeploy.router import POLL, api_key, arm_readmit_step, readmit_after
-    from kdeploy.tunnel import ServiceHttp
+    from kdeploy.host.router import POLL, api_key, arm_readmit_step, readmit_after
+    from kdeploy.ssh.tunnel import ServiceHttp
 
     assert host.router is not None and host.worker_url is not None
     with result.phase("drain") as phase:
@@ -58,7 +58,7 @@ def drain(remote: Remote, host: HostConfig, result: HostResult, client: RouterCl
 def _in_flight(http: ServiceHttp) -> int | None:
     import httpx
 
-    from kdeploy.router import in_flight
+    from kdeploy.host.router import in_flight
 
     try:
         response = http.client.get("/metrics")
@@ -95,7 +95,7 @@ def behind_router(remote: Remote, host: HostConfig, result: HostResult, client: 
     if client is None:
         restart()
         return
-    from kdeploy.router import disarm_readmit_step
+    from kdeploy.host.router import disarm_readmit_step
 
     drain(remote, host, result, client, cancel)
     if restart().serving:
@@ -111,7 +111,7 @@ def behind_router(remote: Remote, host: HostConfig, result: HostResult, client: 
 
 def router_phase(inventory: Inventory, host: HostConfig, result: HostResult, reach: Reach) -> Membership:
     """Phase ``router``: is the host registered in its router, and healthy there? Sets ``result.router``."""
-    from kdeploy import router as routing
+    from kdeploy.host import router as routing
 
     assert host.router is not None
     with result.phase("router") as phase, routing.connect(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kdeploy.policy import Policy
+from kdeploy.core.policy import Policy
 
 
 @dataclass(frozen=True)

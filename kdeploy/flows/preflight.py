@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from kdeploy import probe
-from kdeploy.errors import PreflightRefused
-from kdeploy.inventory import HostConfig
-from kdeploy.layout import service_dir
-from kdeploy.render import unit_filename
-from kdeploy.step import Step
+from kdeploy.core import probe
+from kdeploy.core.errors import PreflightRefused
+from kdeploy.core.inventory import HostConfig
+from kdeploy.core.layout import service_dir
+from kdeploy.core.render import unit_filename
+from kdeploy.core.step import Step
 
 
 def preflight_step(host: HostConfig) -> Step[str]:

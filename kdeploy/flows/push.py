@@ -21,24 +21,25 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kdeploy import lock, parity, provisional, release
-from kdeploy.errors import InvalidInput, KdeployError, PreflightRefused, Unreachable
+from kdeploy.core import provisional, release
+from kdeploy.core.errors import InvalidInput, KdeployError, PreflightRefused, Unreachable
+from kdeploy.core.gatespec import GateSpec
+from kdeploy.core.inventory import HostConfig, Inventory
+from kdeploy.core.layout import service_dir
+from kdeploy.core.render import unit_filename
+from kdeploy.core.report import Cancelled, HostResult, PhaseFailed
+from kdeploy.core.state import Decision, HostState, decide
 from kdeploy.flows.membership import behind_router
 from kdeploy.flows.options import Options, recorded_command
 from kdeploy.flows.preflight import preflight_step, preflight_verdict
 from kdeploy.flows.record import finish_command
 from kdeploy.flows.session import Wanted, connect, lock_and_read, open_remote, raise_if_cancelled
 from kdeploy.flows.switch import Outcome, Reverted, go_back, revert_after, switch_and_gate
-from kdeploy.gatespec import GateSpec
-from kdeploy.inventory import HostConfig, Inventory
-from kdeploy.layout import service_dir
-from kdeploy.remote import InputFailed, Remote
-from kdeploy.render import unit_filename
-from kdeploy.report import Cancelled, HostResult, PhaseFailed
-from kdeploy.state import Decision, HostState, decide
+from kdeploy.host import lock, parity
+from kdeploy.ssh.remote import InputFailed, Remote
 
 if TYPE_CHECKING:
-    from kdeploy.router import RouterClient
+    from kdeploy.host.router import RouterClient
 
 RELOCK_WAIT = 30.0  # after a reconnect: the host's own revert may be holding the lock while it runs
 

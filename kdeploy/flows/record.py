@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
-from kdeploy import history, lock, release
+from kdeploy.core import history, release
+from kdeploy.core.inventory import HostConfig
+from kdeploy.core.layout import service_dir
+from kdeploy.core.report import HostResult
 from kdeploy.flows.session import Wanted
-from kdeploy.inventory import HostConfig
-from kdeploy.layout import service_dir
-from kdeploy.report import HostResult
+from kdeploy.host import lock
 
 
 def finish_command(host: HostConfig, result: HostResult, started: float, releases: list[str],

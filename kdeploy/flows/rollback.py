@@ -7,20 +7,21 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kdeploy import lock, parity, provisional
-from kdeploy.errors import InvalidInput, KdeployError, PreflightRefused
+from kdeploy.core import provisional
+from kdeploy.core.errors import InvalidInput, KdeployError, PreflightRefused
+from kdeploy.core.inventory import HostConfig, Inventory
+from kdeploy.core.layout import service_dir
+from kdeploy.core.report import Cancelled, HostResult, PhaseFailed, Result
+from kdeploy.core.state import HostState
 from kdeploy.flows.membership import behind_router
 from kdeploy.flows.options import Options, recorded_command
 from kdeploy.flows.record import finish_command
 from kdeploy.flows.session import connect, inventory_spec, lock_and_read, overridden
 from kdeploy.flows.switch import Outcome, revert_after, switch_and_gate
-from kdeploy.inventory import HostConfig, Inventory
-from kdeploy.layout import service_dir
-from kdeploy.report import Cancelled, HostResult, PhaseFailed, Result
-from kdeploy.state import HostState
+from kdeploy.host import lock, parity
 
 if TYPE_CHECKING:
-    from kdeploy.router import RouterClient
+    from kdeploy.host.router import RouterClient
 
 
 def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult,

@@ -5,15 +5,17 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from kdeploy import lock, release, sshconfig
-from kdeploy import secrets as secret
+from kdeploy.core import release
+from kdeploy.core import secrets as secret
+from kdeploy.core.gatespec import GateSpec, gate_spec, load_payload_gate
+from kdeploy.core.inventory import HostConfig, Inventory
+from kdeploy.core.layout import service_dir
+from kdeploy.core.report import Cancelled, HostResult
+from kdeploy.core.state import HostState, parse_state, state_script
 from kdeploy.flows.options import Reach
-from kdeploy.gatespec import GateSpec, gate_spec, load_payload_gate
-from kdeploy.inventory import HostConfig, Inventory
-from kdeploy.layout import service_dir
-from kdeploy.remote import Remote
-from kdeploy.report import Cancelled, HostResult
-from kdeploy.state import HostState, parse_state, state_script
+from kdeploy.host import lock
+from kdeploy.ssh import sshconfig
+from kdeploy.ssh.remote import Remote
 
 
 def open_remote(inventory: Inventory, host: HostConfig, reach: Reach) -> Remote:

@@ -10,15 +10,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kdeploy import gate, parity, provisional, release, systemd
-from kdeploy import secrets as secret
-from kdeploy.errors import KdeployError, RemoteTimeout
-from kdeploy.gatespec import GateSpec
-from kdeploy.inventory import HostConfig
-from kdeploy.layout import service_dir
-from kdeploy.remote import Remote
-from kdeploy.render import unit_filename
-from kdeploy.report import HostResult, PhaseFailed, Result
+from kdeploy.core import provisional, release, systemd
+from kdeploy.core import secrets as secret
+from kdeploy.core.errors import KdeployError, RemoteTimeout
+from kdeploy.core.gatespec import GateSpec
+from kdeploy.core.inventory import HostConfig
+from kdeploy.core.layout import service_dir
+from kdeploy.core.render import unit_filename
+from kdeploy.core.report import HostResult, PhaseFailed, Result
+from kdeploy.host import gate, parity
+from kdeploy.ssh.remote import Remote
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,17 @@ import difflib
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
-from kdeploy import gate, history, lock, parity, probe
-from kdeploy.errors import InvalidInput, KdeployError, LockHeld
+from kdeploy.core import history, probe
+from kdeploy.core.errors import InvalidInput, KdeployError, LockHeld
+from kdeploy.core.inventory import HostConfig, Inventory
+from kdeploy.core.layout import service_dir
+from kdeploy.core.render import unit_filename
+from kdeploy.core.report import HostResult, PhaseFailed
+from kdeploy.core.state import decide, drift, running_step, state_step, status_step
 from kdeploy.flows.membership import router_phase
 from kdeploy.flows.options import Options
 from kdeploy.flows.session import Wanted, connect, inventory_spec, overridden
-from kdeploy.inventory import HostConfig, Inventory
-from kdeploy.layout import service_dir
-from kdeploy.render import unit_filename
-from kdeploy.report import HostResult, PhaseFailed
-from kdeploy.state import decide, drift, running_step, state_step, status_step
+from kdeploy.host import gate, lock, parity
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The Python ones run under the host's own interpreter (the service's python for the probe, any ``python3``
 from 3.5 on for the staging check): stdlib only, no kdeploy import. The shell ones are templates whose
-``@NAME@`` marks are filled from :mod:`kdeploy.layout` and friends when they are sent.
+``@NAME@`` marks are filled from :mod:`kdeploy.core.layout` and friends when they are sent.
 """
 
 from __future__ import annotations

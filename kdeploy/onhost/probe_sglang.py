@@ -3,7 +3,7 @@ registry), read from SGLang's sources: never imports sglang.
 
 Runs on the host under the service's python (any 3.8+), stdlib only, sent as ``python -I -c <this file>
 [cache]``. ``cache``: a file where it keeps what it found for as long as the sources it read do not
-change. Prints one ``KDEPLOY_PROBE {json}`` line (``kdeploy.probe.parse_probe`` reads it).
+change. Prints one ``KDEPLOY_PROBE {json}`` line (``kdeploy.core.probe.parse_probe`` reads it).
 """
 
 import ast

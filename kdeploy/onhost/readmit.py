@@ -15,8 +15,8 @@ import urllib.error
 import urllib.request
 
 POLL = 2.0
-PENDING = "pending"  # kdeploy.layout.PENDING
-KEY = ".readmit.key"  # kdeploy.layout.READMIT_KEY
+PENDING = "pending"  # kdeploy.core.layout.PENDING
+KEY = ".readmit.key"  # kdeploy.core.layout.READMIT_KEY
 
 
 def call(url: str, key: str | None, body: dict | None = None) -> tuple[int, str]:

@@ -1,4 +1,4 @@
-# The host's own way back from an unconfirmed switch (kdeploy.provisional), run by a transient service at the
+# The host's own way back from an unconfirmed switch (kdeploy.core.provisional), run by a transient service at the
 # deadline or, $7 = boot, by the boot guard: $1 service dir, $2 unit file, $3 token, $4 first-deploy policy,
 # $5 the environment file kdeploy writes secrets into ("-": none; its last confirmed content is put back),
 # $6 how long to wait for a held deploy lock before ending its holder. At boot systemctl must not wait for

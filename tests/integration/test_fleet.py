@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kdeploy import fleet
+from kdeploy.flows import fleet
 from kdeploy.flows.options import Options
 from tests.conftest import Deployment
 

@@ -17,10 +17,10 @@ import time
 
 import pytest
 
-from kdeploy import fleet, provisional, state
-from kdeploy.flows import push, session, switch
+from kdeploy.core import provisional, state
+from kdeploy.core.report import HostResult
+from kdeploy.flows import fleet, push, session, switch
 from kdeploy.flows.options import Options
-from kdeploy.report import HostResult
 from tests.conftest import Deployment
 
 REVERT_AFTER = 12

@@ -14,11 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import fleet, lock, release, sshconfig, state
-from kdeploy.errors import RemoteTimeout
+from kdeploy.core import release, state
+from kdeploy.core.errors import RemoteTimeout
+from kdeploy.core.layout import service_dir
+from kdeploy.flows import fleet
 from kdeploy.flows.options import Options
-from kdeploy.layout import service_dir
-from kdeploy.remote import Remote
+from kdeploy.host import lock
+from kdeploy.ssh import sshconfig
+from kdeploy.ssh.remote import Remote
 from tests.conftest import Deployment
 
 
@@ -165,7 +168,7 @@ def test_changed_host_key_is_always_refused(deployment: Deployment, tmp_path: Pa
     deployment.edit(lambda doc: doc["defaults"].update(known_hosts=str(known)))
     before = _snapshot(deployment)
     capsys.readouterr()
-    from kdeploy import cli
+    from kdeploy.cli import app as cli
 
     code = cli.main(["push", "test", "--inventory", str(deployment.path), "--accept-new-host-keys"])
     err = capsys.readouterr().err

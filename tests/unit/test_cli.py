@@ -1,4 +1,4 @@
-"""kdeploy/cli.py: the command line the lock and history record on every host."""
+"""kdeploy/cli/app.py: the command line the lock and history record on every host."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from typing import Annotated
 import pytest
 import typer
 
-from kdeploy import cli, fleet, lock
+from kdeploy.cli import app as cli
+from kdeploy.core.inventory import load
+from kdeploy.core.report import HostResult, Report
+from kdeploy.flows import fleet
 from kdeploy.flows.options import Options, recorded_command
 from kdeploy.flows.record import finish_command
-from kdeploy.inventory import load
-from kdeploy.report import HostResult, Report
+from kdeploy.host import lock
 
 REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "inventory.yaml"

@@ -13,9 +13,12 @@ from types import SimpleNamespace
 import pytest
 import typer.main
 
-from kdeploy import cli, fleet, logs, progress, remote
+from kdeploy.cli import app as cli
+from kdeploy.cli import progress
+from kdeploy.core.report import Report
+from kdeploy.flows import fleet, logs
 from kdeploy.flows.options import Options
-from kdeploy.report import Report
+from kdeploy.ssh import remote
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import layout, onhost, provisional, systemd
+from kdeploy import onhost
+from kdeploy.core import layout, provisional, systemd
 from kdeploy.onhost import probe_sglang, readmit, verify_release
 
 PLUGINS = "def load_plugins():\n    return 'sglang.srt.plugins'\n"

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from kdeploy import release
+from kdeploy.core import release
+from kdeploy.core.inventory import load
+from kdeploy.core.layout import service_dir
+from kdeploy.core.report import HostResult
+from kdeploy.core.state import parse_state
 from kdeploy.flows.options import Options
 from kdeploy.flows.push import Decided, HostPush, Refused, Staged, Switched, Withdrawn
-from kdeploy.inventory import load
-from kdeploy.layout import service_dir
-from kdeploy.report import HostResult
-from kdeploy.state import parse_state
 
 REPO = Path(__file__).resolve().parents[2]
 CAPTURED = REPO / "tests/data/captured/state_pending.txt"

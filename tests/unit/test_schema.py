@@ -1,4 +1,4 @@
-"""kdeploy/schema.py: the --json contract, checked against real reports and the dataclasses they come from."""
+"""kdeploy/cli/schema.py: the --json contract, checked against real reports and the dataclasses they come from."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import jsonschema
 import pytest
 from ruamel.yaml import YAML
 
-from kdeploy import __version__, cli, lock, schema
+from kdeploy import __version__
+from kdeploy.cli import app as cli
+from kdeploy.cli import schema
+from kdeploy.core.report import SCHEMA_VERSION, HostResult, Phase, Report, Result
 from kdeploy.flows import views
-from kdeploy.report import SCHEMA_VERSION, HostResult, Phase, Report, Result
+from kdeploy.host import lock
 
 
 def described(node: object, where: str = "") -> list[str]:
@@ -97,4 +100,4 @@ def test_the_example_inventory_names_its_schema_and_validates():
 def test_the_reference_tables_of_docs_inventory_are_the_models():
     text = (REPO / "docs" / "inventory.md").read_text()
     assert text.count("<!-- BEGIN generated:") == len(schema._TABLES)
-    assert schema.update_reference(text) == text, "regenerate: python -m kdeploy.schema docs/inventory.md"
+    assert schema.update_reference(text) == text, "regenerate: python -m kdeploy.cli.schema docs/inventory.md"

@@ -1,4 +1,4 @@
-"""kdeploy/state.py and kdeploy/provisional.py: the state read's parser on captured real output, and the one
+"""kdeploy/core/state.py and kdeploy/core/provisional.py: the state read's parser on captured real output, and the one
 decision push, plan and status make from it."""
 
 from __future__ import annotations
@@ -14,10 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import provisional
-from kdeploy.release import META, Payload, TarStream, release_id, release_meta, scan_payload, stage_script
-from kdeploy.state import Decision, HostState, ReleaseFiles, decide, files_script, parse_files, parse_gates, parse_state
-from kdeploy.step import split_sections
+from kdeploy.core import provisional
+from kdeploy.core.release import META, Payload, TarStream, release_id, release_meta, scan_payload, stage_script
+from kdeploy.core.state import (
+    Decision,
+    HostState,
+    ReleaseFiles,
+    decide,
+    files_script,
+    parse_files,
+    parse_gates,
+    parse_state,
+)
+from kdeploy.core.step import split_sections
 from tests.unit.test_release import T0, UNIT, V1, make_tree, remote_identity, run_script, snapshot, stage
 
 CAPTURED = Path(__file__).resolve().parents[2] / "tests/data/captured"

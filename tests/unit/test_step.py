@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from kdeploy import lock, provisional, release, systemd
-from kdeploy.release import Delta
-from kdeploy.step import RunResult
+from kdeploy.core import provisional, release, systemd
+from kdeploy.core.release import Delta
+from kdeploy.core.step import RunResult
+from kdeploy.host import lock
 
 
 def test_a_confirm_says_why_the_switch_was_not_kept() -> None:

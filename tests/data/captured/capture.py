@@ -47,19 +47,20 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 
-from kdeploy import cli, fleet, inventory, provisional, state, systemd  # noqa: E402
-from kdeploy.flows import push, session, switch  # noqa: E402
+from kdeploy.cli import app as cli  # noqa: E402
+from kdeploy.core import inventory, provisional, state, systemd  # noqa: E402
+from kdeploy.core.render import quote_env_assignment, quote_exec_arg  # noqa: E402
+from kdeploy.core.report import HostResult  # noqa: E402
+from kdeploy.flows import fleet, push, session, switch  # noqa: E402
 from kdeploy.flows.options import Options  # noqa: E402
 from kdeploy.lab.demo import demo_service, project_dir  # noqa: E402
 from kdeploy.lab.sandbox import Sandbox  # noqa: E402
-from kdeploy.render import quote_env_assignment, quote_exec_arg  # noqa: E402
-from kdeploy.report import HostResult  # noqa: E402
 
 DEFAULT_MARKERS = ("[kdtree] defrag Tier-0", "[kdtree] installed verify override")
 
 INSTANCE = 7
 HOST = "h1"
-RANK_LINE = "Load weight end."  # kdeploy.gate.RANK_LINE (not imported: gate pulls in httpx/paramiko)
+RANK_LINE = "Load weight end."  # kdeploy.host.gate.RANK_LINE (not imported: gate pulls in httpx/paramiko)
 
 TRICKY_ENV = {
     "SPACES": "a b  c ",
