@@ -31,12 +31,13 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 from ruamel.yaml import YAML  # noqa: E402
 
-from kdeploy import fleet, inventory  # noqa: E402
-from kdeploy.deploy import Options  # noqa: E402
+from kdeploy.core import inventory  # noqa: E402
+from kdeploy.core.policy import Policy  # noqa: E402
+from kdeploy.flows import fleet  # noqa: E402
+from kdeploy.flows.options import Options  # noqa: E402
 from kdeploy.lab import sandbox_router  # noqa: E402
 from kdeploy.lab.demo import demo_service, project_dir  # noqa: E402
 from kdeploy.lab.sandbox import Sandbox  # noqa: E402
-from kdeploy.policy import Policy  # noqa: E402
 
 HOSTS = 4
 CONCURRENCY = 12

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from kdeploy import cli, inventory, render
+from kdeploy.cli import app as cli
+from kdeploy.core import inventory, layout
 from kdeploy.lab import sglang_env
 from kdeploy.lab.demo import demo_service, project_dir
 from kdeploy.lab.sandbox import Sandbox
@@ -98,7 +99,7 @@ class Deployment:
 
     @property
     def service_dir(self) -> str:
-        return render.service_dir(self.load().hosts[self.hosts[0]].service)
+        return layout.service_dir(self.load().hosts[self.hosts[0]].service)
 
     def kdeploy(self, *args: str) -> int:
         return cli.main([*args, "--inventory", str(self.path)])

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from ruamel.yaml import YAML
 
-from kdeploy.errors import SandboxError
+from kdeploy.core.errors import SandboxError
 from kdeploy.lab import router_env
 from kdeploy.lab.sandbox import Sandbox, SandboxHost
 

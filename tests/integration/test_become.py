@@ -22,12 +22,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kdeploy import lock, sshconfig
+from kdeploy.core.layout import service_dir
+from kdeploy.host import lock
 from kdeploy.lab import router_env
 from kdeploy.lab.demo import demo_service, project_dir
 from kdeploy.lab.sandbox import Sandbox
-from kdeploy.remote import Remote
-from kdeploy.render import service_dir
+from kdeploy.ssh import sshconfig
+from kdeploy.ssh.remote import Remote
 from tests.conftest import TEST_MARKER, TEST_PLUGIN, Deployment
 from tests.integration import test_provisional as provisional_tests
 

@@ -138,9 +138,9 @@ def test_failed_gate_keeps_the_host_out_until_its_rollback_passed(routed: Routed
         if host == "h2" and status == "start" and phase in ("rollback", "rollback restart", "admit"):
             seen.append((phase, routed.worker_url("h2") in routed.workers()))
 
-    from kdeploy import fleet
-    from kdeploy.deploy import Options
-    from kdeploy.policy import Policy
+    from kdeploy.core.policy import Policy
+    from kdeploy.flows import fleet
+    from kdeploy.flows.options import Options
 
     report = fleet.push(dep.load(), "test", Options(policy=Policy(batch="1")), listener=watch)
     hosts = {h.host: h for h in report.hosts}

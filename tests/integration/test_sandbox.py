@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from kdeploy.errors import SandboxError
+from kdeploy.core.errors import SandboxError
 from kdeploy.lab.sandbox import HOST_VENV, Sandbox, SandboxHost
 
 REPO = Path(__file__).resolve().parents[2]
@@ -176,7 +176,7 @@ def test_up_ssh_journald_inventory_then_down(sb8: Sandbox, tmp_path: Path) -> No
     assert doc["groups"] == {"sandbox": {"hosts": ["h1", "h2"]}}
     assert doc["hosts"] == {"h1": {"address": "10.213.8.11"}, "h2": {"address": "10.213.8.12"}}
     assert "hosts: [h1, h2]" in text
-    from kdeploy.inventory import load
+    from kdeploy.core.inventory import load
     loaded = load(inventory)
     assert loaded.resolve("sandbox") == ["h1", "h2"]
     assert loaded.hosts["h2"].address == "10.213.8.12"

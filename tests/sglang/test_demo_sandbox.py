@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import cli
-from kdeploy.errors import SandboxError
+from kdeploy.cli import app as cli
+from kdeploy.core.errors import SandboxError
 from kdeploy.lab.demo import demo_service
 from kdeploy.lab.sandbox import SGLANG_HOST_VENV, Sandbox
 

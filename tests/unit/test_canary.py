@@ -1,4 +1,4 @@
-"""kdeploy/canary.py's pure parts: --analysis parsing, settings, baseline, the one decision, the live view's rows,
+"""kdeploy/flows/canary.py's pure parts: --analysis parsing, settings, baseline, the one decision, the live view's rows,
 and the batch loop's stop after the canary."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import analysis, canary, cli, fleet
-from kdeploy.errors import ExitCode, InvalidInput
-from kdeploy.inventory import load
-from kdeploy.policy import Policy
-from kdeploy.report import HostResult
+from kdeploy.cli import app as cli
+from kdeploy.core import analysis
+from kdeploy.core.errors import ExitCode, InvalidInput
+from kdeploy.core.inventory import load
+from kdeploy.core.policy import Policy
+from kdeploy.core.report import HostResult
+from kdeploy.flows import canary, fleet
 from tests.unit.test_inventory import BASE, write
 
 ROUTED = BASE + """\
@@ -87,8 +89,8 @@ def test_the_baseline_is_the_rest_behind_the_canarys_router(tmp_path: Path) -> N
 
 
 def test_a_required_analysis_that_the_inventory_rules_out_is_refused_before_any_change(tmp_path: Path) -> None:
-    from kdeploy.deploy import Options
-    from kdeploy.errors import PreflightRefused
+    from kdeploy.core.errors import PreflightRefused
+    from kdeploy.flows.options import Options
 
     bare = _inventory(tmp_path, router=False)
     names = list(bare.hosts)
@@ -170,8 +172,8 @@ def test_the_analysis_after_the_canary_stops_or_lets_the_rest_go() -> None:
 
 def test_a_terminal_run_hands_the_rollout_a_live_view_and_keeps_stdout_for_json(monkeypatch,
                                                                                capsys: pytest.CaptureFixture[str]):
-    from kdeploy import progress
-    from kdeploy.report import Report
+    from kdeploy.cli import progress
+    from kdeploy.core.report import Report
 
     monkeypatch.setattr(progress, "plain_wanted", lambda env, tty: False)
     ui = cli.Ui(as_json=True)

@@ -1,4 +1,4 @@
-"""kdeploy/inventory.py: loading, layered precedence, target resolution, and one-line errors for bad files."""
+"""kdeploy/core/inventory.py: loading, layered precedence, target resolution, and one-line errors for bad files."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import cli
-from kdeploy.analysis import Bounds
-from kdeploy.errors import ExitCode, InvalidInput
-from kdeploy.inventory import load
+from kdeploy.cli import app as cli
+from kdeploy.core.analysis import Bounds
+from kdeploy.core.errors import ExitCode, InvalidInput
+from kdeploy.core.inventory import load
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "inventory.yaml"
