@@ -103,16 +103,20 @@ def test_a_slower_canary_is_rolled_back_by_the_analysis_and_the_rest_keep_their_
 
 
 @pytest.mark.hosts(3)
-def test_a_canary_failing_one_percent_of_its_requests_is_rolled_back(analysed: Routed, capsys) -> None:
-    """The reference server fails exactly every 100th request at 1%: a window with at least 100 canary requests
-    sees one (min_requests: 100 makes a shorter one undecided, which a required analysis also rolls back)."""
+def test_a_canary_failing_one_percent_of_its_requests_is_rolled_back_and_the_edit_reverted(analysed: Routed,
+                                                                                           capsys) -> None:
+    """Through set-env: the flag that makes the server fail reaches the canary alone, the analysis rolls it back
+    and the inventory edit is reverted. The reference server fails exactly every 100th request at 1%: a window
+    with at least 100 canary requests sees one (min_requests: 100 makes a shorter one undecided, which a
+    required analysis also rolls back)."""
     dep = analysed.dep
     before = {h: _current(dep, h) for h in dep.hosts}
-    _canary_fault(dep, "errors", {"REFSERVER_ERROR_RATE": "0.01"})
     dep.edit(lambda doc: doc["defaults"]["service"].update(gate={**doc["defaults"]["service"]["gate"],
                                                                  "analysis": {"interval": 1, "min_requests": 100}}))
+    edited = dep.path.read_text()
     with Traffic(analysed.url, threads=12, tokens=1) as traffic:
-        code, doc = dep.json(capsys, "push", "test", "--canary", "1", "--batch", "1", "--analysis", "8s")
+        code, doc = dep.json(capsys, "set-env", "REFSERVER_ERROR_RATE=0.01", "--canary", "1", "--batch", "1",
+                             "--analysis", "8s")
     hosts = {h["host"]: h for h in doc["hosts"]}
     assert code == 4, doc
     data = _analysis(hosts["h1"])["data"]
@@ -120,6 +124,8 @@ def test_a_canary_failing_one_percent_of_its_requests_is_rolled_back(analysed: R
     assert 0.001 < data["failed"]["canary"] <= 0.01 and data["failed"]["baseline"] == 0
     assert hosts["h1"]["result"] == "rolled_back" and {hosts[h]["result"] for h in ("h2", "h3")} == {"skipped"}
     assert {h: _current(dep, h) for h in dep.hosts} == before
+    assert doc["inventory"]["reverted"] and dep.path.read_text() == edited
+    assert all("REFSERVER_ERROR_RATE" not in dep.show(h, "Environment") for h in dep.hosts)
     assert 500 not in traffic.codes  # the router retried the canary's failures on another worker
 
 
