@@ -319,30 +319,42 @@ def _draft_tile(Q, KExt, VExt, Mask, MaskIndptr, b, q_start, q_len, prefix, r_ok
                 stride_qt, stride_qh, stride_ket, stride_vet, DL: tl.constexpr, DR: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, HAS_MASK: tl.constexpr):
     """The draft tree of BLOCK_R (token, head) rows of request ``b``: scores against its draft keys as one
-    [BLOCK_R, BLOCK_J] tile (the 576 channels 64 at a time), the tree mask (each row sees its token's
-    ancestors), softmax, ``P V`` for channels ``offs_d`` -> (row max, -inf where a row sees no draft key; the
-    row sums; the unnormalised output)."""
+    [BLOCK_R, BLOCK_J] tile, the tree mask (each row sees its token's ancestors), softmax, ``P V`` for channels
+    ``offs_d`` -> (row max, -inf where a row sees no draft key; the row sums; the unnormalised output). The tile
+    lies between the split kernel's end and the output: with up to 16 draft keys every load (query, keys,
+    values, mask) is issued before the first product, one round trip to memory instead of one per 64 channels
+    (larger trees keep the loop over channels: their keys would not fit in registers at once)."""
     offs_j = tl.arange(0, BLOCK_J)
     j_ok = offs_j < q_len
     q_row = Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
     k_row = KExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_ket
-    s = tl.zeros([BLOCK_R, BLOCK_J], dtype=tl.float32)
-    for c in range(0, DL + DR, 64):
-        offs_c = c + tl.arange(0, 64)
-        qc = tl.load(q_row + offs_c[None, :], mask=r_ok[:, None], other=0.0)
-        kc = tl.load(k_row + offs_c[None, :], mask=j_ok[:, None], other=0.0)
-        s = tl.dot(qc, tl.trans(kc), s, input_precision="ieee" if qc.dtype == tl.float32 else None)
+    v = tl.load(VExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_vet + offs_d[None, :], mask=j_ok[:, None],
+                other=0.0)
     if HAS_MASK:
         mask_row = Mask + tl.load(MaskIndptr + b).to(tl.int64) + tok.to(tl.int64) * (prefix + q_len) + prefix
         seen = tl.load(mask_row[:, None] + offs_j[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0) != 0
     else:
         seen = offs_j[None, :] <= tok[:, None]
     seen = seen & j_ok[None, :]
+    if BLOCK_J <= 16:
+        offs_dl = tl.arange(0, DL)
+        offs_dr = tl.arange(0, DR)
+        q_lat = tl.load(q_row + offs_dl[None, :], mask=r_ok[:, None], other=0.0)
+        q_rope = tl.load(q_row + DL + offs_dr[None, :], mask=r_ok[:, None], other=0.0)
+        k_lat = tl.load(k_row + offs_dl[None, :], mask=j_ok[:, None], other=0.0)
+        k_rope = tl.load(k_row + DL + offs_dr[None, :], mask=j_ok[:, None], other=0.0)
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee" if v.dtype == tl.float32 else None)
+        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision="ieee" if v.dtype == tl.float32 else None)
+    else:
+        s = tl.zeros([BLOCK_R, BLOCK_J], dtype=tl.float32)
+        for c in range(0, DL + DR, 64):
+            offs_c = c + tl.arange(0, 64)
+            qc = tl.load(q_row + offs_c[None, :], mask=r_ok[:, None], other=0.0)
+            kc = tl.load(k_row + offs_c[None, :], mask=j_ok[:, None], other=0.0)
+            s = tl.dot(qc, tl.trans(kc), s, input_precision="ieee" if v.dtype == tl.float32 else None)
     s = tl.where(seen, s * qk_scale, float("-inf"))
     m = tl.max(s, 1)
     p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
-    v = tl.load(VExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_vet + offs_d[None, :], mask=j_ok[:, None],
-                other=0.0)
     return m, tl.sum(p, 1), tl.dot(p.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else None)
 
 

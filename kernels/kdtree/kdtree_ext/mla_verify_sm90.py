@@ -7,11 +7,12 @@ normalised fp32 partial and log2-sum-exp per segment).
 Warp-specialised (``gl.warp_specialize``): four producer warps gather each segment's query rows and key tiles
 with ``cp.async`` into a two-slot ring (each thread's copies arrive on the slot's ``ready`` mbarrier when they
 land); the eight compute warps wait on ``ready``, free a slot on ``empty`` once both warp groups' ``P V`` has
-read it, and free the query rows on ``q_free`` at the end of each segment (the producers then load the next
-request's). The two warp groups split the 64 keys of the score tile (each ``Q Kᵀ`` for 32 of them) and the 512
-value channels of ``P V`` (256 each); the probabilities meet in shared memory. The producers run in 40
-registers: what a segment needs is read again from ``kv_indptr``/``qo_indptr`` per segment, not kept (a draft
-tree tile or a transposed 16-row tail tile in this kernel made either partition spill; docs/benchmarks.md).
+read it, and free the query rows on ``q_free`` once a segment's last tile has its scores (the producers then
+load the next request's rows while that tile's ``P V`` and the partial's store run). The two warp groups split
+the 64 keys of the score tile (each ``Q Kᵀ`` for 32 of them) and the 512 value channels of ``P V`` (256 each);
+the probabilities meet in shared memory. The producers run in 40 registers: what a segment needs is read again
+from ``kv_indptr``/``qo_indptr`` per segment, not kept (a draft tree tile or a transposed 16-row tail tile in
+this kernel made either partition spill; docs/benchmarks.md).
 
 Imported only on a CUDA device of compute capability 9.x with a Triton that has Gluon (``mla_verify._sm90_ok``);
 everywhere else, and under ``TRITON_INTERPRET=1``, ``mla_verify`` runs its Triton kernel.
@@ -90,12 +91,14 @@ def _keys_below(n0, end, BN: gl.constexpr, S_L: gl.constexpr):
 
 
 @gluon.jit
-def _tile(q_lat, q_rope, kl, kr, vl, p_smem, acc, m_i, l_part, keep, qk_scale, S_L: gl.constexpr,
+def _tile(q_lat, q_rope, kl, kr, vl, p_smem, q_free, last, acc, m_i, l_part, keep, qk_scale, S_L: gl.constexpr,
           O_L: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
     """One key tile already in shared memory (kl = its c_kv rows, kr = k_rope, vl = the values: kl itself for
     prefix keys; the scores where ``keep`` is false are masked): each warp group's ``Q Kᵀ`` for its 32 keys, the
     online softmax (a row that keeps no key so far stays at max -inf, sums 0), p through shared memory, ``P V``
-    for its 256 channels. Returns (acc, row max, per-thread row sums)."""
+    for its 256 channels; on a segment's ``last`` tile the query rows are free (``q_free``) once both ``Q Kᵀ`` are
+    done, so the producers load the next request's while ``P V`` runs. Returns (acc, row max, per-thread row
+    sums)."""
     s = gl.zeros([BM, BN], gl.float32, layout=S_L)
     s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
@@ -107,7 +110,8 @@ def _tile(q_lat, q_rope, kl, kr, vl, p_smem, acc, m_i, l_part, keep, qk_scale, S
     p = gl.exp2(s - m_use[:, None])
     p_smem.store(p.to(kl.dtype))
     fence_async_shared()
-    gl.thread_barrier()                            # both halves of p are in shared memory
+    gl.thread_barrier()                            # both halves of p are in shared memory: both Q Kᵀ are done
+    mbarrier.arrive(q_free, count=1, pred=last)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
     acc = warpgroup_mma(p_smem, vl, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=[acc])
@@ -171,7 +175,8 @@ def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, Part
                 b_lo, b_hi, p, chunk, base0, row0, qk_scale, stride_ps, stride_pr, stride_ls, H: gl.constexpr,
                 DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
     """The 8 compute warps, per segment: its key tiles (wait on ``ready``, free the ring slot on ``empty`` once
-    both warp groups' ``P V`` has read it), its partial into slot column + request, then ``q_free``."""
+    both warp groups' ``P V`` has read it; the query rows on ``q_free`` after the last tile's ``Q Kᵀ``), its
+    partial into slot column + request."""
     S_L: gl.constexpr = S_LAYOUT
     O_L: gl.constexpr = O_LAYOUT
     it = 0
@@ -181,19 +186,20 @@ def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, Part
             m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
             acc = gl.zeros([BM, DL], gl.float32, layout=O_L)
             l_part = gl.zeros([BM, BN], gl.float32, layout=S_L)
-            for i in range(gl.cdiv(end - start, BN)):
+            n_tiles = gl.cdiv(end - start, BN)
+            for i in range(n_tiles):
                 buf = it % 2
                 mbarrier.wait(ready.index(buf), (it // 2) & 1)
                 fence_async_shared()               # cp.async wrote through the generic proxy; wgmma reads async
                 n0 = start + i * BN
                 acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(buf), k_rope.index(buf), k_lat.index(buf), p_smem,
-                                         acc, m_i, l_part, _keys_below(n0, end, BN, S_L), qk_scale, S_L, O_L, BM, BN)
+                                         q_free, i == n_tiles - 1, acc, m_i, l_part, _keys_below(n0, end, BN, S_L),
+                                         qk_scale, S_L, O_L, BM, BN)
                 gl.thread_barrier()                # both warp groups are done with slot buf and with p
                 mbarrier.arrive(empty.index(buf), count=1)
                 it += 1
             _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, p + b, stride_ps, stride_pr, stride_ls, DL,
                            BM, S_L, O_L)
-            mbarrier.arrive(q_free, count=1)       # every warp group's wgmma on the rows waited for: free
 
 
 @gluon.jit
