@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kdeploy import inventory, release, remote, sshconfig  # noqa: E402
-from kdeploy.lab.demo import demo_service, project_dir  # noqa: E402
-from kdeploy.lab.sandbox import Sandbox  # noqa: E402
+from kdeploy_lab.demo import demo_service, project_dir  # noqa: E402
+from kdeploy_lab.sandbox import Sandbox  # noqa: E402
 
 HOSTS = 8
 DEST = "/tmp/bench-upload.bin"  # where scp and rsync write

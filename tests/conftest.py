@@ -19,9 +19,9 @@ import pytest
 from ruamel.yaml import YAML
 
 from kdeploy import cli, inventory, render
-from kdeploy.lab import sglang_env
-from kdeploy.lab.demo import demo_service, project_dir
-from kdeploy.lab.sandbox import Sandbox
+from kdeploy_lab import sglang_env
+from kdeploy_lab.demo import demo_service, project_dir
+from kdeploy_lab.sandbox import Sandbox
 
 FLEET_SIZE = 8
 TEST_PLUGIN = Path(__file__).parent / "data" / "testplugin"

@@ -23,11 +23,11 @@ import httpx
 import pytest
 
 from kdeploy import lock, sshconfig
-from kdeploy.lab import router_env
-from kdeploy.lab.demo import demo_service, project_dir
-from kdeploy.lab.sandbox import Sandbox
 from kdeploy.remote import Remote
 from kdeploy.render import service_dir
+from kdeploy_lab import router_env
+from kdeploy_lab.demo import demo_service, project_dir
+from kdeploy_lab.sandbox import Sandbox
 from tests.conftest import TEST_MARKER, TEST_PLUGIN, Deployment
 from tests.integration import test_provisional as provisional_tests
 

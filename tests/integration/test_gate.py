@@ -17,8 +17,8 @@ import pytest
 
 from kdeploy import fleet
 from kdeploy.deploy import Options
-from kdeploy.lab.demo import PLUGIN_LOADED
-from kdeploy.lab.refserver import READY_MESSAGE
+from kdeploy_lab.demo import PLUGIN_LOADED
+from kdeploy_lab.refserver import READY_MESSAGE
 from tests.conftest import TEST_MARKER, Deployment
 
 GATE_PHASES = ["unit", "ready", "completion", "workers"]

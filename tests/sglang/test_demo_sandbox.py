@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from kdeploy import cli
-from kdeploy.errors import SandboxError
-from kdeploy.lab.demo import demo_service
-from kdeploy.lab.sandbox import SGLANG_HOST_VENV, Sandbox
+from kdeploy_lab.demo import demo_service
+from kdeploy_lab.sandbox import SGLANG_HOST_VENV, Sandbox, SandboxError
 
 
 @pytest.fixture(scope="module")

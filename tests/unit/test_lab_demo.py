@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from kdeploy.inventory import load
-from kdeploy.lab.demo import demo_service, light_service
-from kdeploy.lab.sandbox import HOST_VENV
 from kdeploy.render import launch_argv
+from kdeploy_lab.demo import demo_service, light_service
+from kdeploy_lab.sandbox import HOST_VENV
 
 
 def test_light_service_is_the_demo_service_at_tp1_gated_on_one_worker(tmp_path: Path) -> None:

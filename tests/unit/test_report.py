@@ -14,12 +14,12 @@ from kdeploy.errors import (
     KdeployError,
     LockHeld,
     PreflightRefused,
-    SandboxError,
     Unreachable,
     most_severe,
 )
 from kdeploy.lock import LockInfo
 from kdeploy.report import Cancelled, HostResult, Phase, PhaseFailed, Report, Result
+from kdeploy_lab.sandbox import SandboxError
 
 # most severe first; INVALID (2) is outside the order: it wins outright
 SEVERITY = [5, 4, 3, 8, 7, 6, 1, 0]

@@ -48,10 +48,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 
 from kdeploy import cli, deploy, fleet, inventory, provisional, state, systemd  # noqa: E402
-from kdeploy.lab.demo import demo_service, project_dir  # noqa: E402
-from kdeploy.lab.sandbox import Sandbox  # noqa: E402
 from kdeploy.render import quote_env_assignment, quote_exec_arg  # noqa: E402
 from kdeploy.report import HostResult  # noqa: E402
+from kdeploy_lab.demo import demo_service, project_dir  # noqa: E402
+from kdeploy_lab.sandbox import Sandbox  # noqa: E402
 
 DEFAULT_MARKERS = ("[kdtree] defrag Tier-0", "[kdtree] installed verify override")
 
