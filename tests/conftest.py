@@ -100,6 +100,30 @@ class Deployment:
     def service_dir(self) -> str:
         return render.service_dir(self.load().hosts[self.hosts[0]].service)
 
+    # What a host has now, read straight from it (the one place tests spell these paths).
+    @property
+    def unit_path(self) -> str:
+        return f"/etc/systemd/system/{self.service}.service"
+
+    def link(self, host: str = "h1") -> str:
+        """Where ``current`` points, as written (``releases/ID``: relative)."""
+        return self.sh(host, f"readlink {self.service_dir}/current").strip()
+
+    def current(self, host: str = "h1") -> str:
+        """The release ``current`` points at."""
+        return self.link(host).removeprefix("releases/")
+
+    def history(self, host: str = "h1") -> list[dict]:
+        """The host's history records, oldest first ([] before the first deploy)."""
+        out = self.sh(host, f"cat {self.service_dir}/history.jsonl 2>/dev/null", check=False)
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def state(self, host: str = "h1") -> tuple[str, str, str]:
+        """(current, every entry of releases/ (staging ones too), the unit's InvocationID): what a host that a
+        push skips or refuses must keep."""
+        return self.link(host), self.sh(host, f"ls -a {self.service_dir}/releases").strip(), \
+            self.show(host, "InvocationID")
+
     def kdeploy(self, *args: str) -> int:
         return cli.main([*args, "--inventory", str(self.path)])
 

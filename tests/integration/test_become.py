@@ -108,7 +108,7 @@ def test_push_verify_status_logs_set_env_rollback_as_the_user(dep: Deployment, c
             _phase(host, "connect")["detail"]
     # what kdeploy wrote is root's, with the modes it has when root logs in; none of it is writable by others
     d = dep.service_dir
-    unit = f"/etc/systemd/system/{dep.service}.service"
+    unit = dep.unit_path
     assert dep.sh("h1", f"stat -c '%U:%G %a' {unit} {d} {d}/history.jsonl {d}/.lock {SECRETS_FILE}").split() == [
         "root:root", "644", "root:root", "755", "root:root", "600", "root:root", "600", "root:root", "600"]
     pid = dep.show("h1", "MainPID")
