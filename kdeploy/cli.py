@@ -159,7 +159,7 @@ def _add_missing(parent: typer.Typer, name: str, what: str, how: str) -> None:
     def missing() -> None:
         raise InvalidInput(f"{name}: {what} is not installed: {how}")
 
-    parent.command(name, help=f"Not installed: {how}", add_help_option=False,
+    parent.command(name, help=f"Not installed: {what}. {how}", add_help_option=False,
                    context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(missing)
 
 
