@@ -28,7 +28,7 @@ from kdeploy.render import service_dir
 from kdeploy_lab import router_env
 from kdeploy_lab.demo import demo_service, project_dir
 from kdeploy_lab.sandbox import Sandbox
-from tests.conftest import TEST_MARKER, TEST_PLUGIN, Deployment
+from tests.conftest import TEST_MARKER, TEST_PLUGIN, Deployment, fast_drain
 from tests.integration import test_provisional as provisional_tests
 
 USER = "deploy"
@@ -57,6 +57,7 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         pytest.fail("no free sandbox instance: run `kdeploy sandbox down --instance N`")
     box.up(len(HOSTS), become_user=USER)
     try:
+        fast_drain(box)
         tmp = tmp_path_factory.mktemp("become")
         payload = tmp / "payload"
         shutil.copytree(TEST_PLUGIN, payload, ignore=shutil.ignore_patterns("__pycache__"))
