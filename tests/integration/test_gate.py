@@ -198,7 +198,7 @@ def test_main_process_killed_while_loading_is_reported_at_once(deployment: Deplo
 
 
 def test_slow_start_passes_and_readiness_is_noticed_at_once(deployment: Deployment) -> None:
-    deployment.set_service(env={"REFSERVER_SLOW_START": "20"}, gate=gate(90))
+    deployment.set_service(env={"REFSERVER_SLOW_START": "6"}, gate=gate(90))
     marks: dict[str, float] = {}
 
     def listener(host: str, name: str, status: str) -> None:
@@ -210,7 +210,7 @@ def test_slow_start_passes_and_readiness_is_noticed_at_once(deployment: Deployme
     assert report.exit_code == 0, report.as_json()
     assert host.result == "deployed"
     ready = next(p for p in host.phases if p.name == "ready")
-    assert ready.seconds >= 15  # it really waited through the slow start, within the gate timeout
+    assert ready.seconds >= 5  # it really waited through the slow start, within the gate timeout
     invocation = deployment.show("h1", "InvocationID")
     out = deployment.sh("h1", f"journalctl --no-pager _SYSTEMD_INVOCATION_ID={invocation} -o json")
     stamps = [int(rec["__REALTIME_TIMESTAMP"]) / 1e6 for rec in map(json.loads, out.splitlines())
@@ -248,7 +248,7 @@ def test_nondeterministic_answer_fails_completion(deployment: Deployment,
 def test_worker_without_the_extension_fails_workers_phase(deployment: Deployment,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     previous = push_good(deployment, capsys)
-    deployment.set_service(env={"REFSERVER_NO_PLUGINS_RANK": "5"}, gate=gate(10))
+    deployment.set_service(env={"REFSERVER_NO_PLUGINS_RANK": "5"}, gate=gate(5))  # waited out
     code, doc = deployment.json(capsys, "push", "test")
     host = assert_rolled_back(deployment, code, doc, previous)
     failed = failed_phase(host)
@@ -259,7 +259,7 @@ def test_worker_without_the_extension_fails_workers_phase(deployment: Deployment
 def test_markers_of_an_earlier_invocation_are_not_counted(deployment: Deployment,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     push_good(deployment, capsys)
-    deployment.set_service(env={"REFSERVER_NO_PLUGINS_RANK": "3"}, gate=gate(10))
+    deployment.set_service(env={"REFSERVER_NO_PLUGINS_RANK": "3"}, gate=gate(5))  # waited out
     code, doc = deployment.json(capsys, "push", "test", "--no-verify")
     assert code == 0, [(h["error"], h["phases"]) for h in doc["hosts"]]
     assert doc["hosts"][0]["result"] == "deployed"
