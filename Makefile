@@ -94,6 +94,14 @@ bench-rollout: venv
 	@$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/pip install -q matplotlib
 	flock /tmp/sandbox-heavy.lock $(BIN)/python bench/rollout.py
 
+# Canary analysis (issue 29; docs/benchmarks.md "Canary analysis"): 4 sandbox hosts behind the real sglang-router
+# under load, a +50% TTFT canary (rolled back) and a good one (promoted); writes bench/results/analysis.json and
+# analysis.png; ~3 min on 2 cores.
+.PHONY: bench-analysis
+bench-analysis: venv
+	@$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/pip install -q matplotlib
+	flock /tmp/sandbox-heavy.lock $(BIN)/python bench/analysis.py
+
 # Upload throughput (issue 16; docs/benchmarks.md "Upload"): kdeploy's stage phase against scp and rsync of the
 # same 1/50/200 MB payload to 1 and 8 sandbox hosts; prints a table, writes bench/results/upload.json; ~3 min.
 .PHONY: bench-upload

@@ -40,8 +40,9 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 from ruamel.yaml import YAML  # noqa: E402
 
-from kdeploy import fleet, inventory  # noqa: E402
-from kdeploy.deploy import Options  # noqa: E402
+from kdeploy.core import inventory  # noqa: E402
+from kdeploy.flows import fleet  # noqa: E402
+from kdeploy.flows.options import Options  # noqa: E402
 from kdeploy_lab import sandbox_router  # noqa: E402
 from kdeploy_lab.demo import demo_service, project_dir  # noqa: E402
 from kdeploy_lab.sandbox import Sandbox, SandboxHost  # noqa: E402

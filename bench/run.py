@@ -57,8 +57,9 @@ RESULTS = BENCH / "results"
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))
 
-from kdeploy import fleet, inventory  # noqa: E402
-from kdeploy.render import render_unit  # noqa: E402
+from kdeploy.core import inventory  # noqa: E402
+from kdeploy.core.render import render_unit  # noqa: E402
+from kdeploy.flows import fleet  # noqa: E402
 from kdeploy_lab import floor  # noqa: E402
 from kdeploy_lab.demo import PLUGIN_LOADED, demo_service, project_dir  # noqa: E402
 from kdeploy_lab.procwatch import slope  # noqa: E402
@@ -593,7 +594,10 @@ PROFILE_SNIPPET = r"""
 import json, sys, threading, time
 from collections import Counter
 from pathlib import Path
-from kdeploy import fleet, inventory, remote, lock, tunnel
+from kdeploy.flows import fleet  # noqa: E402
+from kdeploy.core import inventory  # noqa: E402
+from kdeploy.ssh import remote, tunnel  # noqa: E402
+from kdeploy.host import lock  # noqa: E402
 
 calls = []
 mutex = threading.Lock()
@@ -726,7 +730,7 @@ def profile_noop(f: Fleet) -> dict:
         m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
         if m:
             rows.append((int(m.group(2)), len(m.group(3)), m.group(4)))
-    top = max((r for r in rows if r[2] == "kdeploy.cli"), default=None)
+    top = max((r for r in rows if r[2] == "kdeploy.cli.app"), default=None)
     prof["import_kdeploy_cli_s"] = round(top[0] / 1e6, 3) if top else None
     heavy = sorted((r for r in rows if "." not in r[2] and r[2] != "kdeploy"), reverse=True)[:12]
     prof["imports_top"] = [{"module": name, "cumulative_s": round(us / 1e6, 3)} for us, _, name in heavy]
@@ -760,9 +764,9 @@ CATEGORIES = (   # first match wins; py-spy samples only threads that run (not i
     ("SSH connect (key exchange, auth)", ("auth_handler.py", "kex_", "_parse_kex", "Transport.connect",
                                           "SSHClient.connect", "start_client")),
     ("SSH transport thread (packets, ciphers)", ("paramiko/transport.py", "paramiko/packet.py")),
-    ("gate: HTTP over SSH channels", ("kdeploy/gate.py", "httpx", "httpcore")),
-    ("payload hash, tar, render", ("kdeploy/release.py", "kdeploy/render.py", "jinja2")),
-    ("inventory (YAML, pydantic)", ("kdeploy/inventory.py", "ruamel", "pydantic")),
+    ("gate: HTTP over SSH channels", ("kdeploy/host/gate.py", "httpx", "httpcore")),
+    ("payload hash, tar, render", ("kdeploy/core/release.py", "kdeploy/core/render.py", "jinja2")),
+    ("inventory (YAML, pydantic)", ("kdeploy/core/inventory.py", "ruamel", "pydantic")),
     ("CLI output (rich, typer, JSON)", ("rich/", "typer/", "json/")),
     ("kdeploy per-host steps (other)", ("kdeploy/",)),
 )
@@ -1082,7 +1086,7 @@ def print_tables(report: dict) -> str:
     if prof:
         lines.append("")
         lines.append(f"No-op push profile ({prof['hosts']} hosts): python start {prof.get('python_startup_s')}s, "
-                     f"`import kdeploy.cli` {prof.get('import_kdeploy_cli_s')}s, library push "
+                     f"`import kdeploy.cli.app` {prof.get('import_kdeploy_cli_s')}s, library push "
                      f"{prof.get('library_push_total_s')}s with {prof.get('round_trips_per_host')} SSH round "
                      f"trips per host:")
         for call in prof.get("round_trips_one_host", []):

@@ -59,8 +59,9 @@ KINDS = ("full", "noop", "verify")
 PARAMIKO_CONNS = """
 import sys, threading
 from concurrent.futures import ThreadPoolExecutor
-from kdeploy import inventory, sshconfig
-from kdeploy.remote import Remote
+from kdeploy.core import inventory
+from kdeploy.ssh import sshconfig
+from kdeploy.ssh.remote import Remote
 inv = inventory.load(sys.argv[1])
 names = inv.resolve("all")
 held, all_in = [], threading.Barrier(len(names))

@@ -42,8 +42,9 @@ BEFORE = ("import sys; sys.meta_path = [f for f in sys.meta_path if 'editable' n
           "sys.path.insert(0, {tree!r}); sys.argv[0] = 'kdeploy'; from kdeploy.__main__ import main; main()")
 PARAMIKO_CONNECT = """
 import sys, time
-from kdeploy import inventory, sshconfig
-from kdeploy.remote import Remote
+from kdeploy.core import inventory
+from kdeploy.ssh import sshconfig
+from kdeploy.ssh.remote import Remote
 inv = inventory.load(sys.argv[1])
 for name in inv.resolve("all"):
     host = inv.hosts[name]

@@ -19,7 +19,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kdeploy import inventory, sshconfig
+from kdeploy.core import inventory
+from kdeploy.ssh import sshconfig
 
 REPO = Path(__file__).resolve().parents[1]
 

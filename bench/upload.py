@@ -34,7 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kdeploy import inventory, release, remote, sshconfig  # noqa: E402
+from kdeploy.core import inventory, release  # noqa: E402
+from kdeploy.ssh import remote, sshconfig  # noqa: E402
 from kdeploy_lab.demo import demo_service, project_dir  # noqa: E402
 from kdeploy_lab.sandbox import Sandbox  # noqa: E402
 

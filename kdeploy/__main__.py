@@ -14,7 +14,7 @@ def main() -> int:
     sys.modules.setdefault("invoke", None)  # type: ignore[arg-type]
     # pydantic scans every installed distribution for plugins (~40 ms) on the first model it builds.
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "1")
-    from kdeploy.cli import main as cli_main
+    from kdeploy.cli.app import main as cli_main
 
     code = cli_main()
     # By now every host is released and every file written; tearing down ~400 modules would add ~0.1 s.

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from kdeploy import cli, inventory, render
+from kdeploy.cli import app as cli
+from kdeploy.core import inventory, layout
 from kdeploy_lab import sglang_env
 from kdeploy_lab.demo import demo_service, project_dir
 from kdeploy_lab.sandbox import Sandbox
@@ -113,7 +114,7 @@ class Deployment:
 
     @property
     def service_dir(self) -> str:
-        return render.service_dir(self.load().hosts[self.hosts[0]].service)
+        return layout.service_dir(self.load().hosts[self.hosts[0]].service)
 
     # What a host has now, read straight from it (the one place tests spell these paths).
     @property

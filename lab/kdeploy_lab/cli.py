@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kdeploy.errors import InvalidInput
+from kdeploy.core.errors import InvalidInput
 
 sandbox_app = typer.Typer(help="Local test hosts with real systemd, sshd and journald.")
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout; human text on stderr.")]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from kdeploy.errors import KdeployError
+from kdeploy.core.errors import KdeployError
 
 ENV_PATH = "KDEPLOY_ROUTER_VENV"
 DEFAULT_PATH = Path("/var/cache/kdeploy/router-venv")

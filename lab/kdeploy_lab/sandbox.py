@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-from kdeploy.errors import ExitCode, KdeployError
+from kdeploy.core.errors import ExitCode, KdeployError
 
 DEFAULT_DIR = Path(os.environ.get("KDEPLOY_SANDBOX_DIR", "/var/lib/kdeploy-sandbox"))
 HOST_VENV = "/opt/kdeploy-sandbox/venv"

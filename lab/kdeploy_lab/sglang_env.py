@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from kdeploy.errors import KdeployError
+from kdeploy.core.errors import KdeployError
 
 ENV_PATH = "KDEPLOY_SGLANG_VENV"
 DEFAULT_PATH = Path("/var/cache/kdeploy/sglang-venv")

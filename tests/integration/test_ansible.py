@@ -8,7 +8,7 @@ import sys
 import pytest
 from ruamel.yaml import YAML
 
-from kdeploy import cli
+from kdeploy.cli import app as cli
 from tests.conftest import Deployment
 
 # kdeploy settings that the Ansible inventory carries instead of the service file

@@ -22,9 +22,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kdeploy import lock, sshconfig
-from kdeploy.remote import Remote
-from kdeploy.render import service_dir
+from kdeploy.core.layout import service_dir
+from kdeploy.host import lock
+from kdeploy.ssh import sshconfig
+from kdeploy.ssh.remote import Remote
 from kdeploy_lab import router_env
 from kdeploy_lab.demo import demo_service, project_dir
 from kdeploy_lab.sandbox import Sandbox

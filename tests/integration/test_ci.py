@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import xmlschema
 
-from kdeploy import cli, progress, schema
+from kdeploy.cli import app as cli
+from kdeploy.cli import progress, schema
 from tests.conftest import TEST_MARKER, Deployment
 
 XSD = xmlschema.XMLSchema10(Path(__file__).resolve().parents[1] / "data" / "junit" / "junit-10.xsd")

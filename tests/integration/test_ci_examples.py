@@ -26,7 +26,7 @@ import pytest
 import xmlschema
 from ruamel.yaml import YAML
 
-from kdeploy import schema
+from kdeploy.cli import schema
 from tests.conftest import Deployment
 
 REPO = Path(__file__).resolve().parents[2]

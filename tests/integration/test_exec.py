@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kdeploy import schema
+from kdeploy.cli import schema
 from tests.conftest import Deployment
 
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from kdeploy import fleet
-from kdeploy.deploy import Options
+from kdeploy.flows import fleet
+from kdeploy.flows.options import Options
 from tests.conftest import Deployment
 
 ALL = [f"h{i}" for i in range(1, 9)]

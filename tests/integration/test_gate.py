@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import fleet
-from kdeploy.deploy import Options
+from kdeploy.flows import fleet
+from kdeploy.flows.options import Options
 from kdeploy_lab.demo import PLUGIN_LOADED
 from kdeploy_lab.refserver import READY_MESSAGE
 from tests.conftest import TEST_MARKER, Deployment

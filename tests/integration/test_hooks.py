@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import cli
+from kdeploy.cli import app as cli
 from tests.conftest import Deployment
 
 PRE_HOST = ('echo "pre_host $KDEPLOY_HOST batch $KDEPLOY_BATCH"; '

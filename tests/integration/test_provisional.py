@@ -16,9 +16,10 @@ import time
 
 import pytest
 
-from kdeploy import deploy, fleet, provisional, state
-from kdeploy.deploy import Options
-from kdeploy.report import HostResult
+from kdeploy.core import provisional, state
+from kdeploy.core.report import HostResult
+from kdeploy.flows import fleet, push, session, switch
+from kdeploy.flows.options import Options
 from tests.conftest import Deployment
 
 REVERT_AFTER = 12
@@ -161,13 +162,14 @@ def test_switched_but_never_gated_is_a_change_and_reverts(quick: Deployment,
     host = inv.hosts["h1"]
     local = fleet.prepare(inv, ["h1"])["h1"]
     result = HostResult("h1")
-    step = deploy.HostPush(inv, host, local, Options(), result, threading.Event())
+    step = push.HostPush(inv, host, local, Options(), result, threading.Event())
     step.prepare()
-    assert step.staged and not result.done and step.remote is None, result  # staged, holding nothing
-    pending = provisional.new_pending(step.state.confirmed, step.staged, REVERT_AFTER)
-    with deploy.connect(inv, host, result, Options()) as remote:  # then the controller is gone: no gate,
-        replaced = deploy._activate(remote, host, result, step.staged, step.install_unit, pending)  # no confirm
-    new = step.staged
+    assert step.at.staged and not result.done and step.remote is None, result  # staged, holding nothing
+    pending = provisional.new_pending(step.state.confirmed, step.at.staged, REVERT_AFTER)
+    staged = step.at
+    with session.connect(inv, host, result, Options().reach) as remote:  # the controller then dies: no gate/confirm
+        replaced = switch.switch(remote, host, result, staged.staged, staged.decision.install_unit, pending)
+    new = step.at.staged
     assert quick.current() == new and replaced == invocation
     deadline = time.monotonic() + 30
     while (switched := quick.show("h1", "InvocationID")) == invocation:  # the restart queued behind the stop

@@ -96,7 +96,7 @@ def test_unit_only_change_reloads_and_restarts(deployment: Deployment, capsys: p
     assert "daemon-reload" in activate["detail"]
     assert "+0 ~0 -0" in next(p for p in host["phases"] if p["name"] == "stage")["detail"]
     assert deployment.show("h1", "InvocationID") != before
-    from kdeploy.systemd import parse_environment
+    from kdeploy.core.systemd import parse_environment
 
     env = parse_environment(deployment.show("h1", "Environment"))
     assert env["KDTREE_DEFRAG_SORT"] == "1"

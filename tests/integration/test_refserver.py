@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import analysis
+from kdeploy.core import analysis
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = REPO / "tests" / "data" / "testplugin"

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -73,8 +74,15 @@ def _stream(url: str, tokens: int, out: list, started: threading.Event) -> None:
 @pytest.fixture
 def routed(deployment: Deployment, tmp_path: Path) -> Iterator[Routed]:
     """The deployment's hosts serving on 0.0.0.0, all registered in a real router started here."""
+    with behind_router(deployment, tmp_path) as r:
+        yield r
+
+
+@contextmanager
+def behind_router(deployment: Deployment, tmp_path: Path, token_delay: float = TOKEN_DELAY) -> Iterator[Routed]:
+    """``routed``'s set-up, with each generated token taking ``token_delay`` seconds (tests/integration/test_canary)."""
     deployment.edit(lambda doc: doc["defaults"]["service"].update(
-        env={"REFSERVER_TOKEN_DELAY": str(TOKEN_DELAY), "REFSERVER_SHUTDOWN_POLL": "1"}))
+        env={"REFSERVER_TOKEN_DELAY": str(token_delay), "REFSERVER_SHUTDOWN_POLL": "1"}))
     deployment.edit(lambda doc: doc["defaults"]["service"]["sglang"].update(
         host="0.0.0.0", extra_args=["--enable-metrics"]))
     assert deployment.kdeploy("push", "test", "--no-verify") == 0
@@ -130,9 +138,9 @@ def test_failed_gate_keeps_the_host_out_until_its_rollback_passed(routed: Routed
         if host == "h2" and status == "start" and phase in ("rollback", "rollback restart", "admit"):
             seen.append((phase, routed.worker_url("h2") in routed.workers()))
 
-    from kdeploy import fleet
-    from kdeploy.deploy import Options
-    from kdeploy.policy import Policy
+    from kdeploy.core.policy import Policy
+    from kdeploy.flows import fleet
+    from kdeploy.flows.options import Options
 
     report = fleet.push(dep.load(), "test", Options(policy=Policy(batch="1")), listener=watch)
     hosts = {h.host: h for h in report.hosts}

@@ -14,10 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import deploy, fleet, lock, release, sshconfig, state
-from kdeploy.errors import RemoteTimeout
-from kdeploy.remote import Remote
-from kdeploy.render import service_dir
+from kdeploy.core import release, state
+from kdeploy.core.errors import RemoteTimeout
+from kdeploy.core.layout import service_dir
+from kdeploy.flows import fleet
+from kdeploy.flows.options import Options
+from kdeploy.host import lock
+from kdeploy.ssh import sshconfig
+from kdeploy.ssh.remote import Remote
 from tests.conftest import Deployment
 
 
@@ -164,7 +168,7 @@ def test_changed_host_key_is_always_refused(deployment: Deployment, tmp_path: Pa
     deployment.edit(lambda doc: doc["defaults"].update(known_hosts=str(known)))
     before = _snapshot(deployment)
     capsys.readouterr()
-    from kdeploy import cli
+    from kdeploy.cli import app as cli
 
     code = cli.main(["push", "test", "--inventory", str(deployment.path), "--accept-new-host-keys"])
     err = capsys.readouterr().err
@@ -487,7 +491,7 @@ def test_host_files_are_root_only_except_what_the_service_reads(deployment: Depl
             held.release()
 
     monkeypatch.setattr("sys.argv", ["deploy_wrapper.py", "--vault-token", "s3cret"])
-    report = fleet.push(deployment.load(), "test", deploy.Options(force_restart=True))
+    report = fleet.push(deployment.load(), "test", Options(force_restart=True))
     assert report.exit_code == 0, [(h.error, h.phases) for h in report.hosts]
     history = deployment.sh("h1", f"cat {d}/history.jsonl")
     assert json.loads(history.splitlines()[-1])["command"] == "kdeploy push (library)"

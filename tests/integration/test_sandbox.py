@@ -175,7 +175,7 @@ def test_up_ssh_journald_inventory_then_down(sb8: Sandbox, tmp_path: Path) -> No
     assert doc["groups"] == {"sandbox": {"hosts": ["h1", "h2"]}}
     assert doc["hosts"] == {"h1": {"address": "10.213.8.11"}, "h2": {"address": "10.213.8.12"}}
     assert "hosts: [h1, h2]" in text
-    from kdeploy.inventory import load
+    from kdeploy.core.inventory import load
     loaded = load(inventory)
     assert loaded.resolve("sandbox") == ["h1", "h2"]
     assert loaded.hosts["h2"].address == "10.213.8.12"

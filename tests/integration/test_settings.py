@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kdeploy import cli
+from kdeploy.cli import app as cli
 from tests.conftest import Deployment
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import remote, sshconfig
+from kdeploy.ssh import remote, sshconfig
 from tests.conftest import Deployment
 
 pytestmark = pytest.mark.hosts(4)
@@ -362,7 +362,7 @@ def test_a_host_refusing_connections_for_3s_is_reached_through_retries(
 def test_sandbox_with_bastion_and_host_certs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`sandbox up --bastion --host-certs`: an inventory of ssh_config aliases behind a jump host, with
     certified host keys, that kdeploy and OpenSSH both reach; the hosts are not reachable directly."""
-    from kdeploy import cli
+    from kdeploy.cli import app as cli
     from kdeploy_lab import demo
     from kdeploy_lab.sandbox import Sandbox
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import cli
+from kdeploy.cli import app as cli
 from kdeploy_lab.demo import demo_service
 from kdeploy_lab.sandbox import SGLANG_HOST_VENV, Sandbox, SandboxError
 from tests.conftest import fast_drain

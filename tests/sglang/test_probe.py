@@ -1,4 +1,4 @@
-"""kdeploy/probe.py: the probe and preflight parsers and checks, on output captured from real runs.
+"""kdeploy/core/probe.py: the probe and preflight parsers and checks, on output captured from real runs.
 
 tests/sglang/data/probe/ holds what the commands printed: the probe with the CPU SGLang venv's python (real
 sglang 0.5.23), with Debian's /usr/bin/python3 (no sglang) and with a missing interpreter; the combined
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import probe
-from kdeploy.probe import Check, Listener
+from kdeploy.core import probe
+from kdeploy.core.probe import Check, Listener
 
 DATA = Path(__file__).resolve().parent / "data" / "probe"
 

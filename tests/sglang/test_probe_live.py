@@ -1,4 +1,4 @@
-"""kdeploy/probe.py's probe command run for real: the CPU SGLang venv's python and Debian's python3."""
+"""kdeploy/core/probe.py's probe command run for real: the CPU SGLang venv's python and Debian's python3."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kdeploy import probe
+from kdeploy.core import probe
 from tests.sglang.conftest import DEBIAN_PYTHON
 
 

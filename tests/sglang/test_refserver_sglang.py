@@ -11,7 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from kdeploy import analysis, parity
+from kdeploy.core import analysis
+from kdeploy.host import parity
 from kdeploy_lab import refserver
 from tests.sglang.conftest import DEBIAN_PYTHON, REPO, run_python
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kdeploy import analysis
+from kdeploy.core import analysis
 
 TTFT_BOUNDS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4)
 LABELS = 'model_name="m",engine_type="unified"'

@@ -1,4 +1,4 @@
-"""kdeploy/ansible.py: Ansible inventories read as kdeploy inventories.
+"""kdeploy/core/ansible.py: Ansible inventories read as kdeploy inventories.
 
 The parity tests take the real ``ansible-inventory --list`` (ansible-core, a dev dependency) as the reference
 for the hosts, each group's members (children included) and the connection variables kdeploy resolves.
@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import ansible, cli, inventory, settings
-from kdeploy.errors import InvalidInput
+from kdeploy.cli import app as cli
+from kdeploy.core import ansible, inventory
+from kdeploy.core.errors import InvalidInput
+from kdeploy.flows import settings
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICE = f"""\

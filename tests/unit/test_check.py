@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import check, cli, schema
-from kdeploy.remote import Remote
+from kdeploy.cli import app as cli
+from kdeploy.cli import schema
+from kdeploy.flows import check
+from kdeploy.ssh.remote import Remote
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,8 +93,8 @@ def test_check_finds_every_problem_with_its_file_and_line(inventory: Path, capsy
         f"{inventory}:17: hosts.nopayload.service.payload: {inventory.parent}/kernels/missing: payload directory "
         "not found", unset]
     assert found["badtemplate"] == [
-        f"{inventory.parent}/templates/bad.service.j2:3: unit template for badtemplate: 'kdeploy.inventory.Service "
-        "object' has no attribute 'nope'", unset]
+        f"{inventory.parent}/templates/bad.service.j2:3: unit template for badtemplate: "
+        "'kdeploy.core.inventory.Service object' has no attribute 'nope'", unset]
     template = inventory.parent / "templates" / "restart.service.j2"
     assert found["badunit"][0].startswith(f"{template}: unit rendered for badunit, line ")
     assert "(Restart=sometimes): systemd-analyze verify: Failed to parse service restart specifier" in \

@@ -1,5 +1,5 @@
 """CI output and CLI conventions: plain per-phase lines off a TTY, heartbeats, --quiet, --version, env defaults,
-completion of TARGET (kdeploy/progress.py, kdeploy/cli.py)."""
+completion of TARGET (kdeploy/cli/progress.py, kdeploy/cli/app.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import __version__, cli, fleet, progress
-from kdeploy.report import HostResult, PhaseFailed, Report, Result
+from kdeploy import __version__
+from kdeploy.cli import app as cli
+from kdeploy.cli import progress
+from kdeploy.core.report import HostResult, PhaseFailed, Report, Result
+from kdeploy.flows import fleet
 
 REPO = Path(__file__).resolve().parents[2]
 ANSI = re.compile(r"\x1b\[")

@@ -1,4 +1,4 @@
-"""kdeploy/cli.py: the command line the lock and history record on every host."""
+"""kdeploy/cli/app.py: the command line the lock and history record on every host."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ from typing import Annotated
 import pytest
 import typer
 
-from kdeploy import cli, deploy, fleet, lock
-from kdeploy.inventory import load
-from kdeploy.report import HostResult, Report
+from kdeploy.cli import app as cli
+from kdeploy.core.inventory import load
+from kdeploy.core.report import HostResult, Report
+from kdeploy.flows import fleet
+from kdeploy.flows.options import Options, recorded_command
+from kdeploy.flows.record import finish_command
+from kdeploy.host import lock
 
 REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "inventory.yaml"
@@ -19,9 +23,9 @@ WRAPPER_ARGV = ["deploy_wrapper.py", "--vault-token", "s3cret"]
 
 
 @pytest.fixture
-def captured(monkeypatch) -> list[deploy.Options]:
+def captured(monkeypatch) -> list[Options]:
     """The Options the CLI hands to fleet.push / fleet.rollback, which do nothing here."""
-    seen: list[deploy.Options] = []
+    seen: list[Options] = []
 
     def fake(inventory, target, opts, **kw) -> Report:
         seen.append(opts)
@@ -73,10 +77,10 @@ def test_a_library_call_records_the_library_call_not_sys_argv(monkeypatch):
     """A wrapper script that calls the library API must not put its own argv (a token) on every host."""
     monkeypatch.setattr("sys.argv", WRAPPER_ARGV)
     host = load(INVENTORY).hosts["ct200"]
-    command = deploy.recorded_command(deploy.Options(), "push")
+    command = recorded_command(Options(), "push")
     assert command == "kdeploy push (library)"
-    assert deploy.recorded_command(deploy.Options(command="kdeploy push all"), "push") == "kdeploy push all"
-    finish = deploy.finish_command(host, HostResult("ct200").finish("deployed"), time.monotonic(), [],
+    assert recorded_command(Options(command="kdeploy push all"), "push") == "kdeploy push all"
+    finish = finish_command(host, HostResult("ct200").finish("deployed"), time.monotonic(), [],
                                    command=command)
     script = lock.holder_script("/opt/kdeploy/svc", lock.holder_info(command))
     for text in (finish, script):

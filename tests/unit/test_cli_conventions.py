@@ -13,8 +13,12 @@ from types import SimpleNamespace
 import pytest
 import typer.main
 
-from kdeploy import cli, deploy, fleet, logs, progress, remote
-from kdeploy.report import Report
+from kdeploy.cli import app as cli
+from kdeploy.cli import progress
+from kdeploy.core.report import Report
+from kdeploy.flows import fleet, logs
+from kdeploy.flows.options import Options
+from kdeploy.ssh import remote
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,9 +53,9 @@ def test_minus_h_is_help_on_every_command_and_lists_the_global_options(path: lis
 
 
 @pytest.fixture
-def pushed(monkeypatch: pytest.MonkeyPatch) -> list[deploy.Options]:
+def pushed(monkeypatch: pytest.MonkeyPatch) -> list[Options]:
     """The Options the CLI hands to fleet.push, which does nothing here."""
-    seen: list[deploy.Options] = []
+    seen: list[Options] = []
     monkeypatch.setattr(fleet, "push", lambda inventory, target, opts, **kw: seen.append(opts) or Report("push", []))
     monkeypatch.chdir(REPO)
     return seen

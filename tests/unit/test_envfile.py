@@ -1,10 +1,10 @@
-"""The preflight check of service.environment_file (kdeploy/probe.py): present, root's, readable by root only."""
+"""The preflight check of service.environment_file (kdeploy/core/probe.py): present, root's, readable by root only."""
 
 from __future__ import annotations
 
 import pytest
 
-from kdeploy import probe
+from kdeploy.core import probe
 
 
 @pytest.mark.parametrize(("stat", "status", "words"), [

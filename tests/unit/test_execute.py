@@ -1,4 +1,4 @@
-"""kdeploy/execute.py: the commands ``kdeploy exec`` runs on each host, tried with the real /bin/sh here (the
+"""kdeploy/flows/execute.py: the commands ``kdeploy exec`` runs on each host, tried with the real /bin/sh here (the
 sandbox test drives them over SSH): the command's exit status and output pass through, and the stop command
 (what Ctrl-C and --timeout run) ends everything the command started, even what ignores SIGTERM."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import execute
-from kdeploy.report import HostResult
+from kdeploy.core.report import HostResult
+from kdeploy.flows import execute
 
 
 def _running(command: str) -> list[int]:

@@ -3,7 +3,7 @@ import threading
 import time
 from pathlib import Path
 
-from kdeploy.filecache import FileCache
+from kdeploy.core.filecache import FileCache
 
 
 def test_parsed_once_until_a_file_changes(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""kdeploy/gate.py: the pure verdicts the health gate polls (unit state, golden completion, worker markers)."""
+"""kdeploy/host/gate.py: the pure verdicts the health gate polls (unit state, golden completion, worker markers)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy.gate import (
+from kdeploy.core.systemd import JournalLine, UnitState, parse_journal, parse_show
+from kdeploy.host.gate import (
     RANK_LINE,
     MarkerVerdict,
     UnitVerdict,
@@ -22,7 +23,6 @@ from kdeploy.gate import (
     marker_verdict,
     unit_verdict,
 )
-from kdeploy.systemd import JournalLine, UnitState, parse_journal, parse_show
 
 DEFRAG, VERIFY_OVERRIDE = "[kdtree] defrag Tier-0", "[kdtree] installed verify override"
 CAPTURED = Path(__file__).resolve().parents[2] / "tests/data/captured"

@@ -1,4 +1,4 @@
-"""kdeploy/history.py: the commands run for real with bash on a temp service dir, and the parser."""
+"""kdeploy/core/history.py: the commands run for real with bash on a temp service dir, and the parser."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kdeploy.history import append_command, columns, parse, read_command
+from kdeploy.core.history import append_command, columns, parse, read_command
 
 RECORD = {"time": "2025-01-02T03:04:05Z", "user": "alice", "release": "20250102T030405Z-abcdef01",
           "result": "deployed", "note": "it's $HOME `id` \"q\" \\ ü"}

@@ -1,4 +1,4 @@
-"""kdeploy/hooks.py and the inventory's ``hooks:``: layered settings, the KDEPLOY_* variables, and the
+"""kdeploy/flows/hooks.py and the inventory's ``hooks:``: layered settings, the KDEPLOY_* variables, and the
 executor (exit codes, output, timeout and Ctrl-C killing the whole process group) with real /bin/sh."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import fleet, hooks
-from kdeploy.errors import InvalidInput
-from kdeploy.inventory import Inventory, load, parse
-from kdeploy.remote import Remote
-from kdeploy.report import HostResult, Report
+from kdeploy.core.errors import InvalidInput
+from kdeploy.core.inventory import Inventory, load, parse
+from kdeploy.core.report import HostResult, Report
+from kdeploy.flows import fleet, hooks
+from kdeploy.ssh.remote import Remote
 
 REPO = Path(__file__).resolve().parents[2]
 

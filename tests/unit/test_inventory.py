@@ -1,4 +1,4 @@
-"""kdeploy/inventory.py: loading, layered precedence, target resolution, and one-line errors for bad files."""
+"""kdeploy/core/inventory.py: loading, layered precedence, target resolution, and one-line errors for bad files."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import cli
-from kdeploy.errors import ExitCode, InvalidInput
-from kdeploy.inventory import load
+from kdeploy.cli import app as cli
+from kdeploy.core.analysis import Bounds
+from kdeploy.core.errors import ExitCode, InvalidInput
+from kdeploy.core.inventory import load
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "inventory.yaml"
@@ -157,6 +158,15 @@ def test_become_is_off_by_default_and_layers_like_any_connection_key(tmp_path):
             hosts["ct200"].become_method) == ("deploy", True, "root", "sudo")
     assert not hosts["ct201"].become
     assert not load(write(tmp_path, BASE)).hosts["ct200"].become
+
+
+def test_gate_analysis_is_off_by_default_and_gives_its_bounds(tmp_path):
+    hosts = load(write(tmp_path, host_a("      gate: {analysis: {duration: 8, max_p99_ratio: 1.5}}"))).hosts
+    assert hosts["ct201"].service.gate.analysis is None
+    analysis = hosts["ct200"].service.gate.analysis
+    assert analysis.duration == 8
+    assert analysis.bounds() == Bounds(max_p99_ratio=1.5, max_error_rate=0.001, min_throughput_ratio=0.8,
+                                       min_accept_length_ratio=0.95, min_requests=20)
 
 
 def test_bad_lower_layer_value_overridden_by_host_is_fine(tmp_path):
@@ -354,6 +364,11 @@ BAD = [
     pytest.param(BASE.replace("      name: svc-b", '      name: "a b"  # <-'),
                  "hosts.ct201.service.name",
                  "must be a systemd unit name without '.service' (letters, digits, ':_.@-')", id="unit-name-space"),
+    pytest.param(host_a("      gate: {analysis: {duration: 0}}  # <-"),
+                 "hosts.ct200.service.gate.analysis.duration", "Input should be greater than 0", id="analysis-zero"),
+    pytest.param(host_a("      gate: {analysis: {max_error_rate: 2}}  # <-"),
+                 "hosts.ct200.service.gate.analysis.max_error_rate", "Input should be less than or equal to 1",
+                 id="analysis-rate"),
     pytest.param(host_a("      gate: {prompts: [{prompt: x, expect: '(('}]}  # <-"),
                  "hosts.ct200.service.gate.prompts.0.expect", "not a valid regular expression", id="gate-bad-regex"),
     pytest.param(BASE.replace("    hosts: [ct200]\n", "    hosts: ct200  # <-\n"),

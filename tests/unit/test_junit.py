@@ -1,4 +1,4 @@
-"""kdeploy/junit.py: JUnit XML valid against the schema GitLab and Jenkins read (Jenkins' junit-10.xsd)."""
+"""kdeploy/cli/junit.py: JUnit XML valid against the schema GitLab and Jenkins read (Jenkins' junit-10.xsd)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import xmlschema
 
-from kdeploy import cli, fleet, junit
-from kdeploy.inventory import load
-from kdeploy.report import HostResult, Phase, Report, Result
+from kdeploy.cli import app as cli
+from kdeploy.cli import junit
+from kdeploy.core.inventory import load
+from kdeploy.core.report import HostResult, Phase, Report, Result
+from kdeploy.flows import fleet
 from tests.unit.test_ci_output import REPO, fake_push
 
 XSD = xmlschema.XMLSchema10(Path(__file__).resolve().parents[1] / "data" / "junit" / "junit-10.xsd")

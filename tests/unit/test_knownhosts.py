@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import hostcert, knownhosts
-from kdeploy.knownhosts import Offered
+from kdeploy.ssh import hostcert, knownhosts
+from kdeploy.ssh.knownhosts import Offered
 
 
 def now() -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kdeploy.inventory import load
-from kdeploy.render import launch_argv
+from kdeploy.core.inventory import load
+from kdeploy.core.render import launch_argv
 from kdeploy_lab.demo import demo_service, light_service
 from kdeploy_lab.sandbox import HOST_VENV
 

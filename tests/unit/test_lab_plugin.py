@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import typer.main
 
-from kdeploy import cli
+from kdeploy.cli import app as cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def test_the_product_wheel_holds_no_lab_code(tmp_path: Path) -> None:
     names = _wheel(REPO, ("pyproject.toml", "README.md", "kdeploy"), tmp_path).namelist()
     packages = {n.split("/")[0] for n in names}
     assert packages == {"kdeploy", "kdeploy-0.1.0.dist-info"}, packages
-    assert "kdeploy/cli.py" in names
+    assert "kdeploy/cli/app.py" in names
     assert not [n for n in names if "lab" in Path(n).parts or "refserver" in n or "sandbox" in n]
 
 

@@ -1,4 +1,4 @@
-"""kdeploy/lock.py: the holder script RUN for real with sh (as on a host) and flock in a temp service dir.
+"""kdeploy/host/lock.py: the holder script RUN for real with sh (as on a host) and flock in a temp service dir.
 
 Each holder is started in its own process group, so a test can SIGKILL exactly it (the shell and its
 `cat`, which inherits the flock'd descriptor) and every holder left running is ended at teardown.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy.lock import (
+from kdeploy.host.lock import (
     END,
     HELD_RC,
     READY,

@@ -1,4 +1,4 @@
-"""kdeploy/logs.py: the journalctl command each host runs, and the checks made before connecting."""
+"""kdeploy/flows/logs.py: the journalctl command each host runs, and the checks made before connecting."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from kdeploy import cli
-from kdeploy.errors import InvalidInput
-from kdeploy.logs import LogQuery, Run, journal_command, prefixed
+from kdeploy.cli import app as cli
+from kdeploy.core.errors import InvalidInput
+from kdeploy.flows.logs import LogQuery, Run, journal_command, prefixed
 
 
 def test_default_is_the_last_50_lines_of_the_unit():

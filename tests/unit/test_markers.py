@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy.errors import InvalidInput
-from kdeploy.gatespec import load_payload_gate
+from kdeploy.core.errors import InvalidInput
+from kdeploy.core.gatespec import load_payload_gate
 
 PAYLOAD = Path(__file__).resolve().parents[2] / "kernels" / "kdtree"
 

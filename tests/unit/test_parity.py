@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import gatespec, parity
-from kdeploy.inventory import Service
+from kdeploy.core import gatespec
+from kdeploy.core.inventory import Service
+from kdeploy.host import parity
 
 CAPTURED = {  # the reference server's answer (SGLang 0.5.23's LogProbs shape) to the France prompt, logprobs=2
     "tokens": [" Paris.", " This", " is"],

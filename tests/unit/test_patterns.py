@@ -1,4 +1,4 @@
-"""kdeploy/patterns.py: host patterns in Ansible's language.
+"""kdeploy/core/patterns.py: host patterns in Ansible's language.
 
 The parity test takes ansible-core's own InventoryManager (a dev dependency: ``get_hosts`` is what
 ``ansible PATTERN --list-hosts`` and ``--limit`` evaluate) as the reference on an INI inventory that kdeploy
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import cli, inventory, patterns
-from kdeploy.errors import InvalidInput
+from kdeploy.cli import app as cli
+from kdeploy.core import inventory, patterns
+from kdeploy.core.errors import InvalidInput
 from tests.unit.test_ansible import SERVICE  # kdeploy's part of an Ansible fleet
 
 HOSTS_INI = """\

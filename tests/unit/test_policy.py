@@ -1,4 +1,4 @@
-"""kdeploy/policy.py and its one batch loop: the rollout policy push, set-env, set and rollback share."""
+"""kdeploy/core/policy.py and its one batch loop: the rollout policy push, set-env, set and rollback share."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import cli, fleet
-from kdeploy.errors import InvalidInput
-from kdeploy.policy import Policy, count, plan_batches
-from kdeploy.report import HostResult, Report
+from kdeploy.cli import app as cli
+from kdeploy.core.errors import InvalidInput
+from kdeploy.core.policy import Policy, count, plan_batches
+from kdeploy.core.report import HostResult, Report
+from kdeploy.flows import fleet
 
 REPO = Path(__file__).resolve().parents[2]
 RESTARTING = ["push", "set-env", "set", "rollback"]

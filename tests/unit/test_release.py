@@ -1,4 +1,4 @@
-"""kdeploy/release.py: manifests, deltas, release ids, pruning, and the stage/activate scripts RUN for real
+"""kdeploy/core/release.py: manifests, deltas, release ids, pruning, and the stage/activate scripts RUN for real
 with sh (as on a host) in a temp dir playing the service dir (only systemctl is a fake that records its arguments)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import release as release_module
-from kdeploy.errors import InvalidInput
-from kdeploy.release import (
+from kdeploy.core import release as release_module
+from kdeploy.core.errors import InvalidInput
+from kdeploy.core.release import (
     META,
     Delta,
     StageFailure,
@@ -36,7 +36,7 @@ from kdeploy.release import (
     sha256_text,
     stage_script,
 )
-from kdeploy.systemd import UNIT_DIR, parse_old_run
+from kdeploy.core.systemd import UNIT_DIR, parse_old_run
 
 UNIT = "svc.service"
 STOP = [f"show -p InvocationID --value {UNIT}", f"stop --no-block {UNIT}"]

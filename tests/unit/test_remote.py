@@ -1,4 +1,4 @@
-"""How kdeploy.remote reads a command's output and gives up on one whose input failed, on stand-in channels
+"""How kdeploy.ssh.remote reads a command's output and gives up on one whose input failed, on stand-in channels
 (a real channel over a sandbox host: tests/integration/test_safety.py)."""
 
 import subprocess
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kdeploy import remote
+from kdeploy.ssh import remote
 
 
 class StandInChannel:
@@ -89,7 +89,7 @@ def test_a_command_that_exits_is_not_waited_for_longer() -> None:
 
 def test_paramikos_log_lines_stay_off_a_library_callers_stderr_unless_it_configures_logging():
     """The gate's polls of a port that is not up yet made paramiko log 'Secsh channel N open FAILED' to stderr."""
-    code = ("import logging, sys; import kdeploy.remote; {setup}"
+    code = ("import logging, sys; import kdeploy.ssh.remote; {setup}"
             "logging.getLogger('paramiko.transport').error('Secsh channel 4 open FAILED')")
     quiet = subprocess.run([sys.executable, "-c", code.format(setup="")], capture_output=True, text=True, check=True)
     assert quiet.stderr == ""

@@ -1,4 +1,4 @@
-"""kdeploy/render.py: the unit file, the launch argv, systemd quoting, and systemd's own verdict on the result."""
+"""kdeploy/core/render.py: the unit file, the launch argv, systemd quoting, and systemd's own verdict on the result."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy.errors import InvalidInput
-from kdeploy.inventory import HostConfig, Inventory, load
-from kdeploy.render import (
+from kdeploy.core.errors import InvalidInput
+from kdeploy.core.inventory import HostConfig, Inventory, load
+from kdeploy.core.render import (
     current_path,
     launch_argv,
     quote_env_assignment,

@@ -1,4 +1,4 @@
-"""kdeploy/report.py and kdeploy/errors.py: exit codes, their severity order, and the --json shape."""
+"""kdeploy/core/report.py and kdeploy/core/errors.py: exit codes, their severity order, and the --json shape."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from kdeploy.deploy import LockView, Plan
-from kdeploy.errors import (
+from kdeploy.core.errors import (
     ExitCode,
     InvalidInput,
     KdeployError,
@@ -17,8 +16,9 @@ from kdeploy.errors import (
     Unreachable,
     most_severe,
 )
-from kdeploy.lock import LockInfo
-from kdeploy.report import Cancelled, HostResult, Phase, PhaseFailed, Report, Result
+from kdeploy.core.report import Cancelled, HostResult, Phase, PhaseFailed, Report, Result
+from kdeploy.flows.views import LockView, Plan
+from kdeploy.host.lock import LockInfo
 from kdeploy_lab.sandbox import SandboxError
 
 # most severe first; INVALID (2) is outside the order: it wins outright

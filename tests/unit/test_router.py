@@ -1,4 +1,4 @@
-"""kdeploy/router.py's pure parts: the router's /workers answer, SGLang's gauges, the rollout preflight."""
+"""kdeploy/host/router.py's pure parts: the router's /workers answer, SGLang's gauges, the rollout preflight."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy.errors import ExitCode, InvalidInput
-from kdeploy.inventory import Router
-from kdeploy.router import RouterError, Worker, api_key, in_flight, parse_workers, preflight_verdict
+from kdeploy.core.errors import ExitCode, InvalidInput
+from kdeploy.core.inventory import Router
+from kdeploy.host.router import RouterError, Worker, api_key, in_flight, parse_workers, preflight_verdict
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "inventory.yaml"
 # As sglang-router 0.3.2 answers GET /workers (one worker, trimmed metadata).
@@ -76,7 +76,7 @@ def test_api_key_from_the_environment(monkeypatch):
 
 
 def test_router_command_without_router_section_is_invalid_input(capsys):
-    from kdeploy import cli
+    from kdeploy.cli import app as cli
 
     code = cli.main(["router", "admit", "ct200", "--inventory", str(EXAMPLE)])
     err = capsys.readouterr().err.strip().splitlines()
@@ -85,7 +85,7 @@ def test_router_command_without_router_section_is_invalid_input(capsys):
 
 
 def test_unset_api_key_variable_refuses_before_any_host(tmp_path, capsys, monkeypatch):
-    from kdeploy import cli
+    from kdeploy.cli import app as cli
 
     monkeypatch.delenv("KD_NO_SUCH_KEY", raising=False)
     text = EXAMPLE.read_text().replace("defaults:\n", "defaults:\n  router: {url: 'http://127.0.0.1:9', "
@@ -100,8 +100,8 @@ def test_unset_api_key_variable_refuses_before_any_host(tmp_path, capsys, monkey
 def test_the_re_admit_is_armed_with_the_hosts_view_of_the_router_and_cancelled_by_name(tmp_path):
     import shlex
 
-    from kdeploy import inventory
-    from kdeploy.router import arm_readmit_command, disarm_readmit_command, readmit_after
+    from kdeploy.core import inventory
+    from kdeploy.host.router import arm_readmit_command, disarm_readmit_command, readmit_after
 
     text = EXAMPLE.read_text().replace("defaults:\n", "defaults:\n  router: {url: 'http://127.0.0.1:9', "
                                                       "url_from_host: 'http://10.0.0.254:9', drain_timeout: 20}\n", 1)

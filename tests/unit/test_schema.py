@@ -1,4 +1,4 @@
-"""kdeploy/schema.py: the --json contract, checked against real reports and the dataclasses they come from."""
+"""kdeploy/cli/schema.py: the --json contract, checked against real reports and the dataclasses they come from."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import jsonschema
 import pytest
 from ruamel.yaml import YAML
 
-from kdeploy import __version__, cli, deploy, lock, schema
-from kdeploy.report import SCHEMA_VERSION, HostResult, Phase, Report, Result
+from kdeploy import __version__
+from kdeploy.cli import app as cli
+from kdeploy.cli import schema
+from kdeploy.core.report import SCHEMA_VERSION, HostResult, Phase, Report, Result
+from kdeploy.flows import views
+from kdeploy.host import lock
 
 
 def described(node: object, where: str = "") -> list[str]:
@@ -37,7 +41,7 @@ def test_every_field_of_the_report_schema_is_described(capsys):
 
 
 @pytest.mark.parametrize(("doc", "source"), [
-    (schema.PhaseDoc, Phase), (schema.PlanDoc, deploy.Plan), (schema.StatusDoc, deploy.StatusView),
+    (schema.PhaseDoc, Phase), (schema.PlanDoc, views.Plan), (schema.StatusDoc, views.StatusView),
     (schema.LockHolderDoc, lock.LockInfo),
 ])
 def test_the_models_have_the_dataclasses_fields(doc, source):
@@ -45,8 +49,8 @@ def test_the_models_have_the_dataclasses_fields(doc, source):
 
 
 def reports() -> list[Report]:
-    plan = deploy.Plan(["a.py"], [], [], "--- a\n+++ b\n", True, True, ["unit changed"])
-    status = deploy.StatusView("active", "running", "t", {"A": "1"}, {"result": "deployed"}, [])
+    plan = views.Plan(["a.py"], [], [], "--- a\n+++ b\n", True, True, ["unit changed"])
+    status = views.StatusView("active", "running", "t", {"A": "1"}, {"result": "deployed"}, [])
     holder = lock.LockInfo("ci", "runner", 12, "t", "kdeploy push all", 99)
     hosts = [
         HostResult("h1", phases=[Phase("connect", True, 0.1, "root@h1:22")], release="r1").finish(Result.DEPLOYED),
@@ -54,8 +58,8 @@ def reports() -> list[Report]:
                    traceback="tb").finish(Result.ROLLED_BACK, "no"),
         HostResult("h3", details=plan).finish(Result.PLANNED),
         HostResult("h4", details=status).finish(Result.OK),
-        HostResult("h5", details=deploy.History([{"result": "deployed"}])).finish(Result.OK),
-        HostResult("h6", details=deploy.LockView("held", holder)).finish(Result.OK),
+        HostResult("h5", details=views.History([{"result": "deployed"}])).finish(Result.OK),
+        HostResult("h6", details=views.LockView("held", holder)).finish(Result.OK),
         HostResult("h7", restored=Result.RESTORED).finish(Result.ROLLED_BACK),
     ]
     edit = {"inventory": {"path": "i.yaml", "level": "defaults", "diff": "", "rolled_out_to": ["h1"],
@@ -96,4 +100,4 @@ def test_the_example_inventory_names_its_schema_and_validates():
 def test_the_reference_tables_of_docs_inventory_are_the_models():
     text = (REPO / "docs" / "inventory.md").read_text()
     assert text.count("<!-- BEGIN generated:") == len(schema._TABLES)
-    assert schema.update_reference(text) == text, "regenerate: python -m kdeploy.schema docs/inventory.md"
+    assert schema.update_reference(text) == text, "regenerate: python -m kdeploy.cli.schema docs/inventory.md"

@@ -1,4 +1,4 @@
-"""kdeploy/secrets.py: reading, checking and quoting secrets, the salted decision, masking, and the host-side
+"""kdeploy/core/secrets.py: reading, checking and quoting secrets, the salted decision, masking, and the host-side
 write/restore scripts (run here with sh on a temp directory)."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import inventory, logs, provisional, secrets
-from kdeploy.errors import InvalidInput
-from kdeploy.state import decide, parse_state
+from kdeploy.core import inventory, provisional, secrets
+from kdeploy.core.errors import InvalidInput
+from kdeploy.core.state import decide, parse_state
+from kdeploy.flows import logs
 
 
 def _inventory(tmp_path: Path, service_extra: dict, host_extra: dict | None = None) -> inventory.Inventory:

@@ -1,4 +1,4 @@
-"""kdeploy/settings.py and fleet.apply_edit without hosts: checks before writing, the file lock, the undo.
+"""kdeploy/flows/settings.py and fleet.apply_edit without hosts: checks before writing, the file lock, the undo.
 
 Rollouts are replaced by fakes that end hosts as a real rollout would (and edit the file meanwhile, as a
 person would), so what is tested is the inventory file and what is handed to the hosts' pushes.
@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from kdeploy import cli, fleet, inventory, settings
-from kdeploy.deploy import Options
-from kdeploy.inventory import Inventory
-from kdeploy.report import HostResult, Report
+from kdeploy.cli import app as cli
+from kdeploy.core import inventory
+from kdeploy.core.inventory import Inventory
+from kdeploy.core.report import HostResult, Report
+from kdeploy.flows import fleet, settings
+from kdeploy.flows.options import Options
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,8 +20,9 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from kdeploy import inventory, remote, sshconfig
-from kdeploy.errors import InvalidInput, Unreachable
+from kdeploy.core import inventory
+from kdeploy.core.errors import InvalidInput, Unreachable
+from kdeploy.ssh import remote, sshconfig
 
 CONFIG = """\
 Host gpu-*
@@ -552,7 +553,7 @@ def test_kdeploy_defaults_follow_HOME_where_no_file_sets_a_value(tmp_path: Path,
 @pytest.mark.parametrize("config", ["Host *\n  Bogus 1\n", "Include {dir}/config\n"])
 def test_a_config_ssh_refuses_is_exit_2_one_line_per_host_before_any_connection(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], config: str) -> None:
-    from kdeploy import cli
+    from kdeploy.cli import app as cli
     monkeypatch.setenv(sshconfig.RESOLVER_VAR, "openssh")
     path = tmp_path / "config"
     path.write_text(config.format(dir=tmp_path))

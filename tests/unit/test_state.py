@@ -1,4 +1,4 @@
-"""kdeploy/state.py and kdeploy/provisional.py: the state read's parser on captured real output, and the one
+"""kdeploy/core/state.py and kdeploy/core/provisional.py: the state read's parser on captured real output, and the one
 decision push, plan and status make from it."""
 
 from __future__ import annotations
@@ -14,10 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy import provisional
-from kdeploy.lock import split_sections
-from kdeploy.release import META, Payload, TarStream, release_id, release_meta, scan_payload, stage_script
-from kdeploy.state import Decision, HostState, ReleaseFiles, decide, files_script, parse_files, parse_gates, parse_state
+from kdeploy.core import provisional
+from kdeploy.core.release import META, Payload, TarStream, release_id, release_meta, scan_payload, stage_script
+from kdeploy.core.state import (
+    Decision,
+    HostState,
+    ReleaseFiles,
+    decide,
+    files_script,
+    parse_files,
+    parse_gates,
+    parse_state,
+)
+from kdeploy.core.step import split_sections
 from tests.unit.test_release import T0, UNIT, V1, make_tree, remote_identity, run_script, snapshot, stage
 
 CAPTURED = Path(__file__).resolve().parents[2] / "tests/data/captured"
@@ -135,16 +144,16 @@ def test_the_revert_is_stopped_only_when_systemd_holds_it(tmp_path, transient, l
 
 def test_what_moved_between_the_stage_pass_and_the_batch(pending_state):
     """HostPush's resume check: a host staged in the first pass, then changed by someone else meanwhile."""
-    from kdeploy.deploy import _moved
+    from kdeploy.flows.push import changed_since_staging as moved
 
     staged = "20991231T000000.000Z-abcdef12"
     before = dataclasses.replace(pending_state, releases=[*pending_state.releases, staged])
-    assert _moved(before, before, staged) == ""
-    assert _moved(before, dataclasses.replace(before, current="other"), staged).startswith("current moved from")
-    assert _moved(before, dataclasses.replace(before, pending=None), staged) == "the host's pending switch changed"
-    assert _moved(before, dataclasses.replace(before, unit_text="[Unit]\n"), staged).startswith("the installed unit")
-    assert _moved(before, pending_state, staged) == f"staged release {staged} was removed"  # pruned meanwhile
-    assert _moved(before, pending_state, None) == ""  # a restart alone stages nothing
+    assert moved(before, before, staged) == ""
+    assert moved(before, dataclasses.replace(before, current="other"), staged).startswith("current moved from")
+    assert moved(before, dataclasses.replace(before, pending=None), staged) == "the host's pending switch changed"
+    assert moved(before, dataclasses.replace(before, unit_text="[Unit]\n"), staged).startswith("the installed unit")
+    assert moved(before, pending_state, staged) == f"staged release {staged} was removed"  # pruned meanwhile
+    assert moved(before, pending_state, None) == ""  # a restart alone stages nothing
 
 
 # --- hand-made changes in the current release: read for real with sh, decided on, repaired by staging ----------

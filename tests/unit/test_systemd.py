@@ -1,4 +1,4 @@
-"""kdeploy/systemd.py: the parsers, run on REAL systemctl/journalctl output captured from a sandbox host by
+"""kdeploy/core/systemd.py: the parsers, run on REAL systemctl/journalctl output captured from a sandbox host by
 tests/data/captured/capture.py (systemd 252). No sandbox is needed here: the tests only read those files."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy.systemd import (
+from kdeploy.core.systemd import (
     SHOW_PROPERTIES,
     JournalLine,
     follow_command,

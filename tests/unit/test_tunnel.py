@@ -1,4 +1,4 @@
-"""kdeploy/tunnel.py: HTTP to the service goes through a direct-tcpip channel to the address the server binds."""
+"""kdeploy/ssh/tunnel.py: HTTP to the service goes through a direct-tcpip channel to the address the server binds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kdeploy.tunnel import ServiceHttp, dial_address
+from kdeploy.ssh.tunnel import ServiceHttp, dial_address
 
 
 @pytest.mark.parametrize(("bind", "dialed"), [

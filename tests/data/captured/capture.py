@@ -47,9 +47,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 
-from kdeploy import cli, deploy, fleet, inventory, provisional, state, systemd  # noqa: E402
-from kdeploy.render import quote_env_assignment, quote_exec_arg  # noqa: E402
-from kdeploy.report import HostResult  # noqa: E402
+from kdeploy.cli import app as cli  # noqa: E402
+from kdeploy.core import inventory, provisional, state, systemd  # noqa: E402
+from kdeploy.core.render import quote_env_assignment, quote_exec_arg  # noqa: E402
+from kdeploy.core.report import HostResult  # noqa: E402
+from kdeploy.flows import fleet, push, session, switch  # noqa: E402
+from kdeploy.flows.options import Options  # noqa: E402
 from kdeploy_lab.demo import demo_service, project_dir  # noqa: E402
 from kdeploy_lab.sandbox import Sandbox  # noqa: E402
 
@@ -57,7 +60,7 @@ DEFAULT_MARKERS = ("[kdtree] defrag Tier-0", "[kdtree] installed verify override
 
 INSTANCE = 7
 HOST = "h1"
-RANK_LINE = "Load weight end."  # kdeploy.gate.RANK_LINE (not imported: gate pulls in httpx/paramiko)
+RANK_LINE = "Load weight end."  # kdeploy.host.gate.RANK_LINE (not imported: gate pulls in httpx/paramiko)
 
 TRICKY_ENV = {
     "SPACES": "a b  c ",
@@ -147,13 +150,13 @@ def capture_state(box: Sandbox) -> None:
     (payload / "rev.txt").write_text("3")
     inv = inventory.load(path)
     host = inv.hosts[HOST]
-    step = deploy.HostPush(inv, host, fleet.prepare(inv, [HOST])[HOST], deploy.Options(), HostResult(HOST),
+    step = push.HostPush(inv, host, fleet.prepare(inv, [HOST])[HOST], Options(), HostResult(HOST),
                            threading.Event())
     step.prepare()
-    assert step.state is not None and step.staged
-    pending = provisional.new_pending(step.state.confirmed, step.staged, 3600)
-    with deploy.connect(inv, host, step.result, deploy.Options()) as remote:
-        deploy._activate(remote, host, step.result, step.staged, step.install_unit, pending)
+    assert step.state is not None and step.at.staged
+    pending = provisional.new_pending(step.state.confirmed, step.at.staged, 3600)
+    with session.connect(inv, host, step.result, Options().reach) as remote:
+        switch.switch(remote, host, step.result, step.at.staged, step.at.decision.install_unit, pending)
     out = box.exec(HOST, ["sh", "-c", state.state_script(host, with_history=True)]).stdout
     (HERE / "state_pending.txt").write_text(out)
     print(f"wrote state_pending.txt ({len(out)} chars)")

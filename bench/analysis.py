@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Canary analysis (issue 29): two ``--canary 1 --analysis`` rollouts over 4 sandbox hosts behind the real
+SGLang router, under steady load through the router, and what the analysis saw over its window.
+
+  slow  the canary's new config adds REFSERVER_LATENCY=0.07 s before the first token (+50% TTFT): the
+        analysis must roll it back, the 3 other hosts untouched
+  good  the same payload change without the fault: the analysis must promote it, the rollout goes on
+
+The load keeps CONCURRENCY clients sending TOKENS-token completions (REFSERVER_TOKEN_DELAY per token) to the
+router (round robin), so the canary gets about a quarter of it. The analysis scrapes every host's
+``/metrics`` every INTERVAL s over DURATION s; its ``analysis`` phase in the report carries the series.
+
+Results: bench/results/analysis.json (each run's report: the analysis phase's data, results, phase times,
+the client's request counts), bench/results/analysis.png (canary vs baseline over the window, per metric,
+each run a column). Uses sandbox instance 6; the hosts and the router are always torn down.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+from ruamel.yaml import YAML  # noqa: E402
+
+from kdeploy.core import inventory  # noqa: E402
+from kdeploy.core.policy import Policy  # noqa: E402
+from kdeploy.flows import fleet  # noqa: E402
+from kdeploy.flows.options import Options  # noqa: E402
+from kdeploy_lab import sandbox_router  # noqa: E402
+from kdeploy_lab.demo import demo_service, project_dir  # noqa: E402
+from kdeploy_lab.sandbox import Sandbox  # noqa: E402
+
+HOSTS = 4
+CONCURRENCY = 12
+TOKENS = 3
+TOKEN_DELAY = 0.14  # TTFT ~0.14 s, in SGLang's (0.1, 0.2] bucket; +50% lands in (0.2, 0.4]
+LATENCY = 0.07
+DURATION = 30.0
+INTERVAL = 2.0
+PORT = 30000
+RESULTS = ROOT / "bench" / "results"
+PANELS = (("error_rate", "error rate"), ("p99_ttft_seconds", "p99 TTFT (s)"), ("p99_itl_seconds", "p99 ITL (s)"),
+          ("tokens_per_second_per_request", "tokens/s per request"), ("requests", "requests in the window"))
+
+
+def _edit(path: Path, change) -> None:
+    yaml = YAML()
+    doc = yaml.load(path.read_text())
+    change(doc)
+    with path.open("w") as fh:
+        yaml.dump(doc, fh)
+
+
+class Load:
+    """CONCURRENCY clients through the router until stopped; counts answers by status."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.stop, self.codes = url, threading.Event(), {}
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(CONCURRENCY)]
+
+    def _client(self, index: int) -> None:
+        n = 0
+        with httpx.Client(timeout=60) as client:
+            while not self.stop.is_set():
+                n += 1
+                try:
+                    code: int | str = client.post(f"{self.url}/v1/completions", json={
+                        "model": "m", "prompt": f"client {index} request {n}", "max_tokens": TOKENS}).status_code
+                except httpx.HTTPError as exc:
+                    code = type(exc).__name__
+                with self.lock:
+                    self.codes[str(code)] = self.codes.get(str(code), 0) + 1
+
+    def __enter__(self) -> Load:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(60)
+
+
+def run(inv_path: Path, payload: Path, url: str, name: str) -> dict:
+    canary = inventory.load(inv_path).resolve("all")[0]
+    env = {"REFSERVER_TOKEN_DELAY": str(TOKEN_DELAY), **({"REFSERVER_LATENCY": str(LATENCY)} if name == "slow" else {})}
+    _edit(inv_path, lambda doc: doc["hosts"][canary].update(service={"env": env}))
+    (payload / "rev.txt").write_text(f"{name}-{time.time()}")
+    with Load(url) as load:
+        time.sleep(3)  # every host busy before the rollout starts
+        started = time.monotonic()
+        report = fleet.push(inventory.load(inv_path), "all", Options(policy=Policy(canary=1, batch="1",
+                                                                                   analysis=DURATION)))
+        seconds = time.monotonic() - started
+    doc = report.as_json()
+    phase = next(p for h in doc["hosts"] for p in h["phases"] if p["name"] == "analysis")
+    return {"run": name, "exit_code": report.exit_code, "seconds": round(seconds, 1),
+            "results": {h["host"]: h["result"] for h in doc["hosts"]}, "analysis": phase,
+            "client": dict(load.codes)}
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(PANELS), len(runs), figsize=(5.5 * len(runs), 2.2 * len(PANELS)), sharex=True,
+                             squeeze=False)
+    for col, res in enumerate(runs):
+        data = res["analysis"]["data"]
+        series = data["series"]
+        t = [p["t"] for p in series]
+        for row, (key, label) in enumerate(PANELS):
+            ax = axes[row][col]
+            for side, style in (("canary", "C3"), ("baseline", "C0")):
+                ax.plot(t, [p[side][key] for p in series], color=style, marker=".",
+                        label=f"{side} ({', '.join(data[side])})")
+            ax.set_ylabel(label, fontsize=8)
+            if row == 0:
+                failed = data["failed"]
+                verdict = (f"{data['decision']}: {failed['metric']} {failed['canary']:.3g} vs {failed['baseline']:.3g}"
+                           if failed else data["decision"])
+                ax.set_title(f"{res['run']}: {verdict}", fontsize=9)
+                ax.legend(fontsize=7)
+        axes[-1][col].set_xlabel("seconds into the analysis window")
+    fig.suptitle(f"canary vs baseline over a {DURATION:.0f} s window (each point: the window so far; TTFT "
+                 f"buckets 0.1/0.2/0.4 s)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main() -> int:
+    box = Sandbox(instance=6, sglang=False)
+    box.check_requirements()
+    if box.hosts():
+        print("sandbox instance 6 is in use: `kdeploy sandbox down --instance 6` first", file=sys.stderr)
+        return 2
+    tmp = Path(tempfile.mkdtemp(prefix="kdeploy-bench-analysis-"))
+    runs = []
+    try:
+        router_host = box.up(HOSTS + 1)[-1]
+        payload = tmp / "payload"
+        shutil.copytree(ROOT / "tests" / "data" / "testplugin", payload, ignore=shutil.ignore_patterns("__pycache__"))
+        service = demo_service(project_dir(), sglang=False, name="kdbench", payload=str(payload))
+        service["sglang"] = {**service["sglang"], "port": PORT, "tp": 1}
+        service["gate"] = {"workers": 1, "poll_interval": 0.25, "markers": ["[kdeploy-testplugin] loaded"],
+                           "timeout": 60, "analysis": {"interval": INTERVAL}}
+        service["env"] = {"REFSERVER_TOKEN_DELAY": str(TOKEN_DELAY)}
+        hosts = [h for h in box.hosts() if h.name != router_host.name]
+        inv_path = tmp / "inventory.yaml"
+        sandbox_router.write_inventory(box, inv_path, service, router_host, "http://0.0.0.0:1")
+        _edit(inv_path, lambda doc: doc["defaults"].pop("router"))  # the first deploy starts the servers
+        first = fleet.push(inventory.load(inv_path), "all", Options(verify=False))
+        if not first.ok:
+            raise RuntimeError(f"first deploy failed: {json.dumps(first.as_json())[:2000]}")
+        url = sandbox_router.install(box, router_host, workers=tuple(f"http://{h.address}:{PORT}" for h in hosts))
+        _edit(inv_path, lambda doc: doc["defaults"].update(router={"url": url, "drain_timeout": 60}))
+        deadline = time.monotonic() + 60
+        while not (len(w := httpx.get(f"{url}/workers").json()["workers"]) == HOSTS
+                   and all(x["is_healthy"] for x in w)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router never listed {HOSTS} healthy workers")
+            time.sleep(0.2)
+        for name in ("slow", "good"):
+            res = run(inv_path, payload, url, name)
+            runs.append(res)
+            print(json.dumps({k: res[k] for k in ("run", "exit_code", "seconds", "results", "client")}), flush=True)
+            print(f"  {res['analysis']['detail']}", flush=True)
+    finally:
+        box.down()
+        shutil.rmtree(tmp, ignore_errors=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "analysis.json").write_text(json.dumps(
+        {"config": {"hosts": HOSTS, "concurrency": CONCURRENCY, "tokens": TOKENS, "token_delay": TOKEN_DELAY,
+                    "latency": LATENCY, "duration": DURATION, "interval": INTERVAL}, "runs": runs}, indent=1))
+    plot(runs, RESULTS / "analysis.png")
+    ok = [r["exit_code"] for r in runs] == [4, 0]
+    print("as expected: slow rolled back (exit 4), good promoted (exit 0)" if ok else "UNEXPECTED exit codes")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

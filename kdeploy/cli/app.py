@@ -1,0 +1,901 @@
+"""The ``kdeploy`` command: a thin Typer layer over :mod:`kdeploy.flows.fleet` and friends.
+
+Every failure ends as one line on stderr and a documented exit code; ``--debug`` adds the traceback.
+With ``--json`` the only thing on stdout is one JSON document.
+"""
+
+import json
+import logging
+import os
+import re
+import shlex
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.console import Group as Stack
+from rich.live import Live
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+from typer import completion as typer_completion
+from typer.core import TyperCommand, TyperGroup
+from typer.models import CommandFunctionType
+
+from kdeploy import __version__
+from kdeploy.cli import junit, progress
+from kdeploy.core import ansible, patterns
+from kdeploy.core import inventory as inv
+from kdeploy.core.errors import ExitCode, InvalidInput, KdeployError
+from kdeploy.core.history import columns as history_columns
+from kdeploy.core.policy import Policy
+from kdeploy.core.probe import ProbeReport
+from kdeploy.core.render import render_unit
+from kdeploy.core.report import HostResult, Listener, Report
+from kdeploy.flows import canary as canary_analysis
+from kdeploy.flows import fleet, logs, settings
+from kdeploy.flows.options import Options
+from kdeploy.flows.views import History, LockView, Plan, StatusView
+
+
+@dataclass
+class Flags:
+    """The global options of this invocation, wherever they stood on the line (set while click parses)."""
+
+    debug: bool = False
+    quiet: bool = False
+    verbose: int = 0
+    ssh_config: str | None = None
+
+
+_flags = Flags()
+_ssh_log = logging.getLogger("kdeploy.ssh")
+_ssh_log.propagate = False  # the CLI prints its records itself (-v), once
+
+
+class _Stderr(logging.Handler):
+    """Writes to the ``sys.stderr`` of the moment (a test's capture, a CI log), one line per record."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stderr.write(self.format(record) + "\n")
+
+
+_ssh_log.addHandler(_stderr_handler := _Stderr())
+_stderr_handler.setFormatter(logging.Formatter("kdeploy: ssh %(message)s"))
+
+
+def _global(ctx: typer.Context, param: typer.CallbackParam, value: object) -> None:
+    """A global option's value, at the group's level or the command's: ``-v`` counts at both."""
+    if not value or ctx.resilient_parsing:
+        return
+    if param.name == "verbose":
+        _flags.verbose += int(value)  # type: ignore[call-overload]
+        _ssh_log.setLevel(logging.DEBUG if _flags.verbose > 1 else logging.INFO)
+    else:
+        setattr(_flags, str(param.name), value)
+
+
+def _global_options(
+        verbose: Annotated[int, typer.Option(
+            "--verbose", "-v", count=True, expose_value=False, callback=_global, show_default=False,
+            help="Show each SSH step: what it runs, how long it took, its exit status (-vv: the whole command).")]
+        = 0,
+        quiet: Annotated[bool, typer.Option("--quiet", "-q", expose_value=False, callback=_global,
+                                            help="Print only failures and the summary.")] = False,
+        ssh_config: Annotated[str | None, typer.Option(
+            "--ssh-config", metavar="FILE", expose_value=False, callback=_global, show_default=False,
+            help="OpenSSH client config to resolve hosts with (wins over KDEPLOY_SSH_CONFIG and the inventory's "
+                 "ssh_config).")] = None,
+        debug: Annotated[bool, typer.Option("--debug", expose_value=False, callback=_global,
+                                            help="Show tracebacks of internal errors.")] = False) -> None:
+    """Declares the global options once; every command and group takes them (:class:`Command`, :class:`Group`)."""
+
+
+_holder = typer.Typer(add_completion=False)
+_holder.command()(_global_options)
+# Accepted by every command and group, before or after the subcommand (`kdeploy push all -v`).
+GLOBAL_OPTIONS = tuple(typer.main.get_command(_holder).params)
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+class Command(TyperCommand):
+    """A kdeploy command: its own options, then the global ones."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params = [*self.params, *GLOBAL_OPTIONS]
+
+
+class Group(TyperGroup):
+    """A kdeploy command group: the global options before its subcommand too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params = [*self.params, *GLOBAL_OPTIONS]
+
+
+class App(typer.Typer):
+    """Typer whose commands are :class:`Command` and groups :class:`Group` (``-h``, the global options)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(cls=Group, no_args_is_help=True, context_settings=CONTEXT, **kwargs)
+
+    def command(self, name: str | None = None, *, cls: type[TyperCommand] | None = None,
+                context_settings: dict[str, Any] | None = None,
+                **kwargs: Any) -> Callable[[CommandFunctionType], CommandFunctionType]:
+        return super().command(name, cls=cls or Command, context_settings={**CONTEXT, **(context_settings or {})},
+                               **kwargs)
+
+
+# Command groups other distributions plug in: entry points of this group, each a typer.Typer named by the group's
+# word. The lab (lab/, distribution kdeploy-lab) adds `sandbox` this way, so no product module imports it.
+PLUGIN_GROUP = "kdeploy.plugins"
+# The plugins the docs promise, with how to get each; without it, its word says so (exit 2) instead of "No such
+# command".
+KNOWN_PLUGINS = {"sandbox": ("local test hosts (the lab)",
+                             "pip install 'kdeploy[lab]' (from a source tree: pip install . ./lab)")}
+
+
+def _add_plugins(parent: typer.Typer) -> None:
+    """Adds every installed plugin group with kdeploy's conventions (-h, the global options); a known one that is
+    not installed becomes a command that tells how to install it."""
+    found = {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
+    for name, ep in found.items():
+        plugin: typer.Typer = ep.load()
+        for info in plugin.registered_commands:
+            info.cls = Command if info.cls in (None, TyperCommand) else info.cls
+            info.context_settings = {**CONTEXT, **(info.context_settings or {})}
+        parent.add_typer(plugin, name=name, cls=Group, no_args_is_help=True, context_settings=CONTEXT)
+    for name, (what, how) in KNOWN_PLUGINS.items():
+        if name not in found:
+            _add_missing(parent, name, what, how)
+
+
+def _add_missing(parent: typer.Typer, name: str, what: str, how: str) -> None:
+    def missing() -> None:
+        raise InvalidInput(f"{name}: {what} is not installed: {how}")
+
+    parent.command(name, help=f"Not installed: {what}. {how}", add_help_option=False,
+                   context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(missing)
+
+
+app = App(pretty_exceptions_enable=False, add_completion=False,
+          help="Ship SGLang extensions and serving configs to GPU hosts; prove every deploy healthy.")
+lock_app = App(help="Inspect or clear the per-service deploy lock.")
+router_app = App(help="Hosts' membership in their SGLang router, by hand.")
+app.add_typer(lock_app, name="lock")
+app.add_typer(router_app, name="router")
+_add_plugins(app)
+schema_app = App(help="Print the JSON Schemas of kdeploy's contracts.")
+app.add_typer(schema_app, name="schema")
+
+
+def complete_target(ctx: typer.Context, incomplete: str) -> list[str]:
+    """Shell completion of TARGET and ``--limit``: ``all``, the inventory's groups and hosts that complete the
+    pattern's last part (after its last ``,`` or ``:``, keeping a ``!`` or ``&``)."""
+    path = ctx.params.get("inventory") or os.environ.get("KDEPLOY_INVENTORY") or inv.DEFAULT_INVENTORY
+    service = ctx.params.get("service") or os.environ.get("KDEPLOY_SERVICE")
+    try:
+        loaded = inv.load(Path(path), service)
+    except (KdeployError, OSError):
+        return []
+    return patterns.complete(incomplete, ["all", *sorted(loaded.groups), *sorted(loaded.hosts)])
+
+
+_PATTERN_HELP = "host pattern: host | group | all | a,b | 'gpu0*' | 'a:&b' | 'a:!b' | '~regex'"
+Target = Annotated[str, typer.Argument(help=_PATTERN_HELP, show_default=False, autocompletion=complete_target)]
+OptTarget = Annotated[str, typer.Argument(help=_PATTERN_HELP, autocompletion=complete_target)]
+LimitOpt = Annotated[str | None, typer.Option("--limit", "-l", autocompletion=complete_target,
+                                              help="Only the hosts of TARGET this pattern also names (as Ansible's "
+                                                   "--limit; @FILE: patterns from FILE).", show_default=False)]
+InventoryOpt = Annotated[Path, typer.Option("--inventory", "-i", envvar="KDEPLOY_INVENTORY",
+                                            help="Inventory: kdeploy's file, or any Ansible one (file, script, "
+                                                 "directory, plugin config).")]
+ServiceOpt = Annotated[Path | None, typer.Option("--service", envvar="KDEPLOY_SERVICE", dir_okay=False,
+                                                 help="kdeploy service file for an Ansible inventory.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout; human text on stderr.")]
+JunitOpt = Annotated[Path | None, typer.Option("--junit", help="Also write a JUnit XML report (one testcase per host).",
+                                               dir_okay=False)]
+AcceptOpt = Annotated[bool, typer.Option("--accept-new-host-keys", help="Trust and record unknown host keys.")]
+ParallelOpt = Annotated[int, typer.Option("--parallel", min=1, envvar="KDEPLOY_PARALLEL",
+                                          help="Hosts worked on at once.")]
+WorkersOpt = Annotated[int | None, typer.Option("--workers", min=1, help="TP workers that must show each marker.")]
+TimeoutOpt = Annotated[float | None, typer.Option("--timeout", min=0.1, max=inv.WEEK,
+                                                  help="Gate timeout in seconds.")]
+LockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, max=inv.WEEK,
+                                            envvar="KDEPLOY_LOCK_WAIT", help="Wait this long for a held lock.")]
+CanaryOpt = Annotated[int, typer.Option("--canary", min=0, help="Hosts that go first, alone, and must pass.")]
+BatchOpt = Annotated[str | None, typer.Option("--batch", help="N or N%: hosts restarting at once (default: "
+                                                              "--parallel; behind a router: 1).", show_default=False)]
+MaxFailOpt = Annotated[str | None, typer.Option("--max-fail", help="N or N%: failures tolerated before new batches "
+                                                                   "stop (default: no limit).", show_default=False)]
+AnalysisOpt = Annotated[str | None, typer.Option(
+    "--analysis", metavar="DURATION", show_default=False,
+    help="With --canary: compare the canary's SGLang metrics with the hosts not yet deployed for DURATION (90, 30s, "
+         "5m) before the rest go; the canary is rolled back (exit 4) when they do not hold up.")]
+def _version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"kdeploy {__version__}\n")
+        raise typer.Exit(0)
+
+
+SHELLS = ("bash", "zsh", "fish")
+
+
+def _completion(ctx: typer.Context, param: typer.CallbackParam, shell: str | None) -> None:
+    """``--show-completion SHELL`` prints the script SHELL sources; ``--install-completion SHELL`` installs it."""
+    if shell is None or ctx.resilient_parsing:
+        return
+    if shell not in SHELLS:
+        raise typer.BadParameter(f"{shell!r}: one of {', '.join(SHELLS)}", ctx, param)
+    if param.name == "show_completion":
+        sys.stdout.write(completion_script(shell))
+    else:
+        installed, path = typer_completion.install(shell=shell, prog_name="kdeploy",
+                                                   complete_var=COMPLETE_VAR)
+        sys.stderr.write(f"{installed} completion installed in {path}; it takes effect in a new shell\n")
+    raise typer.Exit(0)
+
+
+COMPLETE_VAR = "_KDEPLOY_COMPLETE"
+
+
+def completion_script(shell: str) -> str:
+    """The completion script of ``shell`` (bash, zsh or fish), ending in a newline."""
+    return typer_completion.get_completion_script(prog_name="kdeploy", complete_var=COMPLETE_VAR,
+                                                  shell=shell).rstrip("\n") + "\n"
+
+
+@app.callback()
+def root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                               help="Print kdeploy's version and exit.")] = False,
+         show_completion: Annotated[str | None, typer.Option(
+             "--show-completion", metavar="SHELL", callback=_completion, is_eager=True, expose_value=False,
+             help="Print the completion script of SHELL (bash, zsh, fish).")] = None,
+         install_completion: Annotated[str | None, typer.Option(
+             "--install-completion", metavar="SHELL", callback=_completion, is_eager=True, expose_value=False,
+             help="Install the completion script of SHELL (bash, zsh, fish).")] = None) -> None:
+    """Ship SGLang extensions and serving configs to GPU hosts; prove every deploy healthy.
+
+    Off a terminal (or with CI=true or NO_COLOR) the output is plain lines, one per host and phase.
+    The global options (-v, -q, --ssh-config, --debug, -h) go anywhere on the line.
+    """
+
+
+def _policy(canary: int, batch: str | None, max_fail: str | None, analysis: str | None = None) -> Policy:
+    """The rollout policy of push, set-env, set and rollback; its syntax checked before anything else is read (its
+    fit to the hosts selected is checked once they are known: ``Policy.check``)."""
+    policy = Policy(canary, batch, max_fail, None if analysis is None else canary_analysis.parse_duration(analysis))
+    policy.check(0)
+    return policy
+
+
+def _check_writable(path: Path, option: str) -> None:
+    """A report file is checked before any host is touched: after a deploy it would be too late to say so."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidInput(f"{option} {path}: cannot create its directory: {exc.strerror}") from None
+    if path.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InvalidInput(f"{option} {path}: not a writable file")
+
+
+class Ui:
+    """Human output on stderr (a live view when it is a TTY, plain lines in CI), JSON on stdout, JUnit to a file."""
+
+    def __init__(self, as_json: bool, junit: Path | None = None) -> None:
+        if junit is not None:
+            _check_writable(junit, "--junit")
+        self.as_json, self.junit, self.quiet = as_json, junit, _flags.quiet
+        self.started, self.clock = datetime.now(UTC), time.monotonic()
+        # -v writes lines of its own to stderr: a live view would draw over them
+        self.plain = _flags.verbose > 0 or progress.plain_wanted(os.environ, Console(stderr=True).is_terminal)
+        self.err = (Console(stderr=True, highlight=False, force_terminal=False, color_system=None, no_color=True,
+                            width=160, soft_wrap=True) if self.plain else Console(stderr=True, highlight=False))
+        self.live_state: dict[str, tuple[str, float]] = {}
+        self.lock = threading.Lock()
+
+    def listener(self, host: str, phase: str, status: str) -> None:
+        with self.lock:
+            if status == "start":
+                self.live_state[host] = (phase, time.monotonic())
+            elif phase == "done":
+                self.live_state[host] = (status, time.monotonic())
+
+    def _live_table(self) -> Table:
+        table = Table(box=None, show_header=False)
+        now = time.monotonic()
+        with self.lock:
+            for host, (phase, since) in self.live_state.items():
+                table.add_row(host, phase, f"{now - since:5.1f}s")
+        return table
+
+    def run(self, fn: Callable[[Listener], Report]) -> Report:
+        if self.plain or self.quiet:
+            return progress.PlainLog(self.err.file, quiet=self.quiet).run(fn)
+        view = canary_analysis.LiveView(self.listener)
+
+        def draw() -> Table | Stack:
+            window = view.render()
+            return self._live_table() if window is None else Stack(self._live_table(), window)
+
+        with Live(self._live_table(), console=self.err, refresh_per_second=8, transient=True, get_renderable=draw):
+            return fn(view)
+
+    def table(self, title: str, *columns: str) -> Table:
+        """A table in the TTY's box drawing, or in plain columns for a CI log."""
+        table = Table(title=title, title_justify="left", **({"box": None} if self.plain else {}))
+        for col in columns:
+            table.add_column(col, overflow="fold")
+        return table
+
+    def heading(self, text: str) -> None:
+        if self.plain:
+            self.err.print(f"== {text}", markup=False)
+        else:
+            self.err.rule(escape(text))
+
+    def report(self, report: Report, extra: Callable[[Report], None] | None = None, *, table: bool = True,
+               inventory: inv.Inventory | None = None) -> None:
+        """JSON and JUnit, the per-command ``extra`` view, the per-host results (always for a failed host), summary.
+
+        ``--quiet`` leaves out the extra view and every host that ended well.
+        """
+        if self.junit:  # before the JSON: a write that still fails must not follow a document that says ok
+            services = {name: h.service.name for name, h in inventory.hosts.items()} if inventory else {}
+            self.junit.write_text(junit.build(report, services, started=self.started,
+                                              seconds=time.monotonic() - self.clock))
+        if self.as_json:
+            sys.stdout.write(json.dumps(report.as_json(), indent=2, default=str) + "\n")
+        if extra and not self.quiet:
+            extra(report)
+        if self.plain or self.quiet:
+            for host in report.hosts:
+                if not (self.quiet and host.ok):
+                    self.err.print(progress.host_line(host), markup=False)
+                    self._log(host)
+        elif table or not report.ok:
+            self._table(report)
+        self.err.print(progress.summary_line(report), markup=False)
+
+    def _log(self, host: HostResult) -> None:
+        for line in host.log:
+            self.err.print(f"  {host.host} | {line}", markup=False)
+        if host.router == "out":
+            self.err.print(f"  {host.host} | OUT of its router: `kdeploy router admit {host.host}` puts it back",
+                           markup=False)
+
+    def _table(self, report: Report) -> None:
+        table = self.table(f"kdeploy {report.command}", "host", "result", "release", "phase", "seconds", "detail")
+        for host in report.hosts:
+            last = host.failed_phase() or (host.phases[-1] if host.phases else None)
+            seconds = sum(p.seconds for p in host.phases)
+            colour = "green" if host.ok else "red"
+            table.add_row(host.host, f"[{colour}]{host.result}[/]", host.release or "-",
+                          last.name if last else "-", f"{seconds:.1f}",
+                          escape(host.error or (last.detail if last else "")))
+        self.err.print(table)
+        for host in report.hosts:
+            self._log(host)
+
+
+def _phases_table(ui: Ui, report: Report) -> None:
+    for host in report.hosts:
+        table = ui.table(f"{host.host} ({host.result})", "phase", "ok", "seconds", "detail")
+        table.box = None
+        for p in host.phases:
+            table.add_row(p.name, "[green]ok[/]" if p.ok else "[red]FAIL[/]", f"{p.seconds:.2f}", escape(p.detail))
+        ui.err.print(table)
+
+
+def _exit(report: Report) -> None:
+    raise typer.Exit(report.exit_code)
+
+
+def _load(path: Path, service: Path | None, target: str | None = None, limit: str | None = None) -> inv.Inventory:
+    """The inventory narrowed to ``--limit``; TARGET is checked here, before anything else (exit 2), and a
+    selection of no host is said (the command then acts on none and exits 0, as for an empty group)."""
+    loaded = inv.load(path, service).subset(limit)
+    if target is not None and not loaded.resolve(target):
+        sys.stderr.write(f"kdeploy: no hosts matched {target!r}{f' with --limit {limit!r}' if limit else ''}\n")
+    return loaded
+
+
+@app.command()
+def render(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+           service: ServiceOpt = None, limit: LimitOpt = None) -> None:
+    """Print each host's rendered systemd unit."""
+    loaded = _load(inventory, service, target, limit)
+    for name in loaded.resolve(target):
+        sys.stdout.write(f"# ---- {name} ----\n{render_unit(loaded, loaded.hosts[name])}")
+
+
+def _options(**kw: object) -> Options:
+    return Options(**{k: v for k, v in kw.items() if v is not None}, ssh_config=_flags.ssh_config)
+
+
+_SECRET_NAME = re.compile(r"token|secret|passw|credential|key", re.IGNORECASE)
+
+
+def command_line(ctx: typer.Context) -> str:
+    """The command being run, as the lock and history record it on every host.
+
+    Built from kdeploy's own parsed arguments, never from ``sys.argv`` (a wrapper calling kdeploy may hold
+    secrets in its own argv): subcommand, arguments and the options not left at their default, with the
+    value of an option or a ``KEY=VALUE`` argument whose name looks secret shown as ``***``.
+    """
+    words = ctx.command_path.split()
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        values = [str(v) for v in (value if isinstance(value, list | tuple) else [value]) if v is not None]
+        if param.param_type_name == "argument":
+            for word in values:
+                key, sep, _ = word.partition("=")
+                words.append(f"{shlex.quote(key)}=***" if sep and _SECRET_NAME.search(key) else shlex.quote(word))
+        elif value not in (None, False, [], ()) and value != param.default:
+            flag = max(param.opts, key=len)
+            words += [flag] if value is True else [
+                w for v in values for w in (flag, "***" if _SECRET_NAME.search(param.name) else shlex.quote(v))]
+    return " ".join(words)
+
+
+@app.command()
+def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+         service: ServiceOpt = None,
+         as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
+         parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+         no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the health gate.")] = False,
+         force_restart: Annotated[bool, typer.Option("--force-restart", help="Restart even if unchanged.")] = False,
+         dry_run: Annotated[bool, typer.Option("--dry-run", help="Same as `kdeploy plan`.")] = False,
+         lock_wait: LockWaitOpt = 0, workers: WorkersOpt = None, timeout: TimeoutOpt = None,
+         skip_preflight: Annotated[bool, typer.Option("--skip-preflight", help="Skip the preflight checks.")] = False,
+         canary: CanaryOpt = 0, batch: BatchOpt = None, max_fail: MaxFailOpt = None, analysis: AnalysisOpt = None,
+         router_add_missing: Annotated[bool, typer.Option(
+             "--router-add-missing", help="Register hosts the router does not know after their deploy.")] = False,
+         accept_parity_change: Annotated[bool, typer.Option(
+             "--accept-parity-change",
+             help="The served model changes: take its answers as the new parity reference.")] = False,
+         limit: LimitOpt = None) -> None:
+    """Ship the payload and unit, restart, gate; roll back by itself when the gate fails."""
+    if dry_run:
+        _plan(target, inventory, service, as_json, accept_new_host_keys, parallel, limit)
+        return
+    ui = Ui(as_json, junit_path)
+    opts = _options(accept_new_host_keys=accept_new_host_keys, verify=not no_verify, force_restart=force_restart,
+                    lock_wait=lock_wait, workers=workers, timeout=timeout,
+                    policy=_policy(canary, batch, max_fail, analysis), skip_preflight=skip_preflight,
+                    router_add_missing=router_add_missing,
+                    accept_parity_change=accept_parity_change, command=command_line(ctx))
+    loaded = _load(inventory, service, target, limit)
+    report = ui.run(lambda listener: fleet.push(loaded, target, opts, parallel=parallel, listener=listener))
+    ui.report(report, inventory=loaded)
+    _exit(report)
+
+
+def _plan(target: str, inventory: Path, service: Path | None, as_json: bool, accept: bool, parallel: int,
+          limit: str | None) -> None:
+    ui = Ui(as_json)
+    loaded = _load(inventory, service, target, limit)
+    report = fleet.push(loaded, target, _options(accept_new_host_keys=accept), dry_run=True, parallel=parallel)
+
+    def show(rep: Report) -> None:
+        for host in rep.hosts:
+            plan = host.details
+            if not isinstance(plan, Plan):
+                continue
+            ui.heading(f"{host.host}: restart={'yes' if plan.restart else 'no'} "
+                       f"daemon-reload={'yes' if plan.daemon_reload else 'no'}")
+            for reason in plan.reasons:
+                ui.err.print(f"  because: {reason}", markup=False)
+            for paths, sign in ((plan.add, "+"), (plan.change, "~"), (plan.remove, "-")):
+                for path in paths:
+                    ui.err.print(f"  {sign} {path}", markup=False)
+            if plan.unit_diff:
+                ui.err.print(plan.unit_diff, markup=False, end="")
+
+    ui.report(report, show)
+    _exit(report)
+
+
+@app.command()
+def plan(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+         service: ServiceOpt = None, as_json: JsonOpt = False,
+         accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+         limit: LimitOpt = None) -> None:
+    """Show what a push would change (unit diff, files, reload/restart); changes nothing."""
+    _plan(target, inventory, service, as_json, accept_new_host_keys, parallel, limit)
+
+
+@app.command()
+def verify(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+           service: ServiceOpt = None, as_json: JsonOpt = False,
+           junit_path: JunitOpt = None, workers: WorkersOpt = None, timeout: TimeoutOpt = None,
+           accept_new_host_keys: AcceptOpt = False,
+           parity: Annotated[bool, typer.Option(
+               "--parity", help="Also compare the answers with the release's parity record.")] = False,
+           parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, limit: LimitOpt = None) -> None:
+    """Run the health gate against what runs now (exit 4 when unhealthy); changes nothing."""
+    ui = Ui(as_json, junit_path)
+    opts = _options(workers=workers, timeout=timeout, accept_new_host_keys=accept_new_host_keys, parity=parity)
+    loaded = _load(inventory, service, target, limit)
+    report = ui.run(lambda listener: fleet.verify(loaded, target, opts, parallel=parallel, listener=listener))
+    ui.report(report, lambda rep: _phases_table(ui, rep), table=False, inventory=loaded)
+    _exit(report)
+
+
+@app.command()
+def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+             service: ServiceOpt = None,
+             as_json: JsonOpt = False, junit_path: JunitOpt = None,
+             to: Annotated[str | None, typer.Option("--to", help="Release id (default: the previous one).")] = None,
+             lock_wait: LockWaitOpt = 0, accept_new_host_keys: AcceptOpt = False,
+             parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, canary: CanaryOpt = 0, batch: BatchOpt = None,
+             max_fail: MaxFailOpt = None, limit: LimitOpt = None) -> None:
+    """Re-activate an older release and its unit, restart and gate."""
+    ui = Ui(as_json, junit_path)
+    opts = _options(to_release=to, lock_wait=lock_wait, accept_new_host_keys=accept_new_host_keys,
+                    policy=_policy(canary, batch, max_fail), command=command_line(ctx))
+    loaded = _load(inventory, service, target, limit)
+    report = ui.run(lambda listener: fleet.rollback(loaded, target, opts, parallel=parallel, listener=listener))
+    ui.report(report, inventory=loaded)
+    _exit(report)
+
+
+@app.command()
+def probe(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+          service: ServiceOpt = None, as_json: JsonOpt = False,
+          accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+          limit: LimitOpt = None) -> None:
+    """What each host's service python offers the payload: SGLang version, plugin loader, hooks, registry."""
+    ui = Ui(as_json)
+    loaded = _load(inventory, service, target, limit)
+    report = fleet.probe(loaded, target, _options(accept_new_host_keys=accept_new_host_keys), parallel=parallel)
+
+    def show(rep: Report) -> None:
+        for host in rep.hosts:
+            if isinstance(host.details, ProbeReport):
+                ui.err.print(f"{host.host}: {host.details.summary()}", markup=False)
+
+    ui.report(report, show, table=False)
+    _exit(report)
+
+
+@app.command()
+def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+            service: ServiceOpt = None, as_json: JsonOpt = False,
+            last: Annotated[int, typer.Option("--last", "-n", min=1, help="Entries per host.")] = 20,
+            accept_new_host_keys: AcceptOpt = False, limit: LimitOpt = None) -> None:
+    """Show each host's deploy history."""
+    ui = Ui(as_json)
+    report = fleet.history(_load(inventory, service, target, limit), target,
+                           _options(history_limit=last, accept_new_host_keys=accept_new_host_keys))
+
+    def show(rep: Report) -> None:
+        table = ui.table("deploy history", "host", "time", "user", "controller", "release", "result", "seconds")
+        for host in rep.hosts:
+            for rec in host.details.records if isinstance(host.details, History) else []:
+                table.add_row(host.host, *map(Text, history_columns(rec)))  # Text: no markup from the host's file
+        ui.err.print(table)
+
+    ui.report(report, show, table=False)
+    _exit(report)
+
+
+def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[], settings.Edit], ui: Ui,
+          no_apply: bool, accept: bool, parallel: int, lock_wait: float, line: str, limit: str | None,
+          policy: Policy) -> None:
+    """Make, check, write and roll out an edit under the lock of the file it edits (the inventory, or the service
+    file of an Ansible inventory); a second kdeploy waits or exits 6. ``--limit``: the rollout goes to the changed
+    hosts it names only; the others keep their config until a push (``status`` shows their drift)."""
+    if service is None and ansible.is_source(inventory):  # a directory or a script: there is no file to lock
+        ansible.require_service(inventory, None)
+    with settings.locked(service or inventory, lock_wait, f"kdeploy {command}", service is not None):
+        edit = make()  # under the lock: from the file as the previous edit left it
+        if not edit.changed:
+            ui.err.print("inventory already says so: nothing to change")
+            ui.report(Report(command, []), table=False)
+            return
+        local = fleet.check_edit(edit)
+        outside: list[str] = []
+        if limit is not None:
+            allowed = set(edit.new.subset(limit).resolve("all"))
+            outside = [name for name in local if name not in allowed]
+            local = {name: step for name, step in local.items() if name in allowed}
+            if outside:
+                ui.err.print(f"outside --limit {limit!r}, not rolled out (they drift until `kdeploy push`): "
+                             f"{', '.join(outside)}", markup=False)
+        if not no_apply:
+            policy.check(len(local))  # before the diff: a refused rollout shows no change it will not make
+        ui.err.print(edit.diff(), markup=False, end="")
+        if no_apply:
+            settings.write(edit)
+            report = Report(command, [], {"inventory": {"path": str(edit.path), "level": edit.level,
+                                                        "diff": edit.diff(), "rolled_out_to": [], "reverted": False}})
+            ui.err.print(f"{edit.path} updated at {edit.level}; not rolled out (--no-apply): run `kdeploy push all`")
+        else:
+            opts = _options(accept_new_host_keys=accept, lock_wait=lock_wait, command=line, policy=policy)
+            report = ui.run(lambda listener: fleet.apply_edit(edit, local, command, opts, parallel=parallel,
+                                                              listener=listener))
+            facts = report.extra["inventory"]
+            if not facts["rolled_out_to"] and not outside:
+                ui.err.print("no host's unit changed: nothing to roll out")
+            elif facts["reverted"]:
+                ui.err.print(f"[red]rollout failed or interrupted: the edit of {edit.path} was REVERTED[/]; hosts "
+                             f"that took it were pushed the old config again: "
+                             f"{', '.join(f'{h} {r}' for h, r in facts.get('restored_hosts', {}).items()) or 'none'}")
+            for conflict in facts.get("conflicts", []):
+                ui.err.print(f"[red]not reverted:[/] {escape(conflict)}", soft_wrap=True)  # one line each
+    ui.report(report, table=bool(report.hosts), inventory=edit.new)
+    _exit(report)
+
+
+ScopeOpt = Annotated[str | None, typer.Option("--target", "-t", help="Host or group to write at (default: defaults).")]
+NoApplyOpt = Annotated[bool, typer.Option("--no-apply", help="Only edit the inventory; do not roll out.")]
+EditLockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, max=inv.WEEK, envvar="KDEPLOY_LOCK_WAIT",
+                                                help="Wait this long for the inventory's and the hosts' locks.")]
+
+
+@app.command("set-env")
+def set_env(ctx: typer.Context,
+            assignments: Annotated[list[str] | None, typer.Argument(help="KEY=VALUE ...", show_default=False)] = None,
+            unset: Annotated[list[str] | None, typer.Option("--unset", help="Remove KEY at the scope.")] = None,
+            target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+            service: ServiceOpt = None,
+            as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
+            parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0,
+            canary: CanaryOpt = 0, batch: BatchOpt = None, max_fail: MaxFailOpt = None,
+            analysis: AnalysisOpt = None, limit: LimitOpt = None) -> None:
+    """Set or unset service environment flags in the inventory and roll them out (gated, reverted on failure)."""
+    pairs = dict(settings.split_assignment(a) for a in assignments or [])
+    if not pairs and not unset:
+        raise InvalidInput("set-env: give KEY=VALUE or --unset KEY")
+    _edit("set-env", inventory, service, lambda: settings.set_env(inventory, pairs, list(unset or []), target, service),
+          Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx), limit,
+          _policy(canary, batch, max_fail, analysis))
+
+
+@app.command("set")
+def set_(ctx: typer.Context,
+         assignments: Annotated[list[str], typer.Argument(help="PATH=VALUE, e.g. hicache.ratio=4.0",
+                                                          show_default=False)],
+         target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+         service: ServiceOpt = None,
+         as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
+         parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0,
+         canary: CanaryOpt = 0, batch: BatchOpt = None, max_fail: MaxFailOpt = None,
+         analysis: AnalysisOpt = None, limit: LimitOpt = None) -> None:
+    """Change typed service settings (hicache.ratio=4.0, gate.workers=8, ...) and roll them out."""
+    pairs = dict(settings.split_assignment(a) for a in assignments)
+    _edit("set", inventory, service, lambda: settings.set_values(inventory, pairs, target, service),
+          Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx), limit,
+          _policy(canary, batch, max_fail, analysis))
+
+
+@app.command()
+def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+           service: ServiceOpt = None, as_json: JsonOpt = False,
+           accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+           limit: LimitOpt = None) -> None:
+    """One row per host: state, uptime, release, env flags in effect, last deploy, drift."""
+    ui = Ui(as_json)
+    loaded = _load(inventory, service, target, limit)
+    report = fleet.status(loaded, target, _options(accept_new_host_keys=accept_new_host_keys), parallel=parallel)
+
+    def show(rep: Report) -> None:
+        routed = any(host.router for host in rep.hosts)
+        columns = ("host", "state", "since", "release", "env", "last deploy", "drift", "router")
+        table = ui.table("kdeploy status", *columns[:8 if routed else 7])
+        for host in rep.hosts:
+            st = host.details
+            if not isinstance(st, StatusView):
+                continue
+            last = st.last_deploy
+            deployed = f"{last.get('time')} {last.get('result')} by {last.get('user')}" if last else "-"
+            drifted = "[red]" + escape("; ".join(st.drift)) + "[/]" if st.drift else "[green]none[/]"
+            router = [{"in": "[green]in[/]", "out": "[red]OUT[/]"}.get(host.router or "", "?")] if routed else []
+            table.add_row(host.host, f"{st.active}/{st.sub}", st.since or "-", host.release or "-",
+                          escape(" ".join(f"{k}={v}" for k, v in st.env.items())) or "-", deployed, drifted, *router)
+        ui.err.print(table)
+
+    ui.report(report, show, table=False)
+    _exit(report)
+
+
+def _lock(target: str, inventory: Path, service: Path | None, as_json: bool, release: bool, force: bool,
+          limit: str | None) -> None:
+    ui = Ui(as_json)
+    report = fleet.lock(_load(inventory, service, target, limit), target, _options(force=force), release=release)
+
+    def show(rep: Report) -> None:
+        for host in rep.hosts:
+            if isinstance(host.details, LockView):
+                who = host.details.holder.describe() if host.details.holder else ""
+                ui.err.print(f"{host.host}: {host.details.state} {who}", markup=False)
+
+    ui.report(report, show, table=False)
+    _exit(report)
+
+
+@lock_app.command("status")
+def lock_status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None,
+                as_json: JsonOpt = False, limit: LimitOpt = None) -> None:
+    """Who holds each host's deploy lock (free / held / stale)."""
+    _lock(target, inventory, service, as_json, False, False, limit)
+
+
+@lock_app.command("release")
+def lock_release(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+                 service: ServiceOpt = None, as_json: JsonOpt = False,
+                 force: Annotated[bool, typer.Option("--force", help="Also end a LIVE holder.")] = False,
+                 limit: LimitOpt = None) -> None:
+    """Clear a stale lock (with --force, end a live holder too)."""
+    _lock(target, inventory, service, as_json, True, force, limit)
+
+
+@app.command("logs")
+def logs_(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None,
+          lines: Annotated[int, typer.Option("--lines", "-n", min=0, help="Last N lines per host (0: all).")] = 50,
+          grep: Annotated[str | None, typer.Option("--grep", "-g", help="Only lines matching this extended "
+                                                                        "regular expression (grep -E).")] = None,
+          since: Annotated[str | None, typer.Option("--since", help="As journalctl --since: '1 hour ago', "
+                                                                    "'2026-12-01 02:00', 'today'.")] = None,
+          run: Annotated[logs.Run, typer.Option("--run", help="Only the current or the previous run of the "
+                                                              "service.")] = logs.Run.ALL,
+          follow: Annotated[bool, typer.Option("--follow", "-f", help="Follow every host at once (Ctrl-C ends).")]
+          = False,
+          accept_new_host_keys: AcceptOpt = False, limit: LimitOpt = None) -> None:
+    """The service's journal on each host, every line prefixed by its host."""
+    query = logs.LogQuery(lines=lines, grep=grep, since=since, run=run, follow=follow)
+    query.check()
+    loaded = _load(inventory, service, target, limit)
+    stop = threading.Event()
+
+    def emit(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    try:
+        results = logs.run(loaded, loaded.resolve(target), query, _options(accept_new_host_keys=accept_new_host_keys),
+                           emit, stop)
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) is how -f ends: the channels close, journalctl with them
+        stop.set()
+        sys.stderr.write("kdeploy: interrupted\n")
+        raise typer.Exit(130) from None
+    for host in results:
+        if not host.ok:
+            sys.stderr.write(f"kdeploy: {host.host}: {host.result}: {host.error}\n")
+    _exit(Report("logs", results))
+
+
+@app.command()
+def check(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None,
+          as_json: JsonOpt = False, limit: LimitOpt = None) -> None:
+    """Check everything a push needs that the controller can see, without SSH: units (and systemd-analyze
+    verify), payloads and their gate manifests, secrets set, hook scripts (docs/check.md)."""
+    from kdeploy.flows import check as checks
+
+    ui = Ui(as_json)
+    report = checks.run(_load(inventory, service, target, limit), target)
+
+    def show(rep: Report) -> None:
+        for finding, hosts in checks.findings(rep):
+            ui.err.print(f"{finding} [{' '.join(hosts)}]", markup=False)
+
+    ui.report(report, show, table=False)
+    _exit(report)
+
+
+@app.command("exec")
+def exec_(target: Target,
+          command: Annotated[list[str], typer.Argument(help="The command, after `--`: its words are joined by "
+                                                            "spaces and run by /bin/sh on each host (as ssh does).",
+                                                       show_default=False)],
+          inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None, as_json: JsonOpt = False,
+          accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+          timeout: Annotated[float | None, typer.Option("--timeout", min=0.1, max=inv.WEEK,
+                                                        help="Stop the command on a host that runs it longer "
+                                                             "than this (seconds; default: no limit).",
+                                                        show_default=False)] = None,
+          limit: LimitOpt = None) -> None:
+    """Run a command on each host (`kdeploy exec all -- nvidia-smi -L`): its output prefixed by host,
+    exit 0 only if it exited 0 everywhere (docs/exec.md)."""
+    from kdeploy.flows import execute
+
+    ui = Ui(as_json)
+    loaded = _load(inventory, service, target, limit)
+
+    def show(result: HostResult) -> None:
+        out, err = execute.lines(result)
+        if not as_json:
+            sys.stdout.write("".join(line + "\n" for line in out))
+            sys.stdout.flush()
+        sys.stderr.write("".join(line + "\n" for line in err) if not as_json else "")
+        sys.stderr.flush()
+
+    report = execute.run(loaded, target, command, _options(accept_new_host_keys=accept_new_host_keys),
+                         parallel=parallel, timeout=timeout, on_done=show)
+    ui.report(report, table=False)
+    _exit(report)
+
+
+@schema_app.command("report")
+def schema_report() -> None:
+    """The JSON Schema of the --json report."""
+    from kdeploy.cli import schema
+
+    sys.stdout.write(json.dumps(schema.report_schema(), indent=2) + "\n")
+
+
+@schema_app.command("inventory")
+def schema_inventory() -> None:
+    """The JSON Schema of the inventory file (for editors: see docs/inventory.md)."""
+    from kdeploy.cli import schema
+
+    sys.stdout.write(json.dumps(schema.inventory_schema(), indent=2) + "\n")
+
+
+def _router(action: str, target: str, inventory: Path, service: Path | None, as_json: bool, accept: bool,
+            limit: str | None) -> None:
+    ui = Ui(as_json)
+    loaded = _load(inventory, service, target, limit)
+    report = ui.run(lambda listener: fleet.router(loaded, target, action, _options(accept_new_host_keys=accept),
+                                                  listener=listener))
+    ui.report(report)
+    _exit(report)
+
+
+@router_app.command("admit")
+def router_admit(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+                 service: ServiceOpt = None, as_json: JsonOpt = False,
+                 accept_new_host_keys: AcceptOpt = False, limit: LimitOpt = None) -> None:
+    """Register hosts' servers in their router again and wait until it lists them healthy."""
+    _router("admit", target, inventory, service, as_json, accept_new_host_keys, limit)
+
+
+@router_app.command("drain")
+def router_drain(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+                 service: ServiceOpt = None, as_json: JsonOpt = False,
+                 accept_new_host_keys: AcceptOpt = False, limit: LimitOpt = None) -> None:
+    """Take hosts' servers out of their router (new requests go to the others)."""
+    _router("drain", target, inventory, service, as_json, accept_new_host_keys, limit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: maps every error to one line and the documented exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    _flags.__init__()  # type: ignore[misc]  # a fresh invocation (tests call main() many times)
+    _ssh_log.setLevel(logging.WARNING)
+    typer_completion.completion_init()  # Typer's bash/zsh/fish completion classes (add_completion=False above)
+    # A CI cancel or `kill` sends SIGTERM: stop the way Ctrl-C does (staging cleaned, batch finished, exit 130).
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # Usage errors and --help in a CI log: click's plain text, not rich's boxes.
+    app.rich_markup_mode = None if progress.plain_wanted(os.environ, Console(stderr=True).is_terminal) else "rich"
+    try:
+        app(args=args, prog_name="kdeploy", complete_var=COMPLETE_VAR)
+    except SystemExit as exc:  # usage errors exit 2 (INVALID) here, with click's one-line message
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except KdeployError as exc:
+        if _flags.debug:
+            traceback.print_exc()
+        sys.stderr.write(f"kdeploy: {exc}\n")
+        return int(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.stderr.write("kdeploy: interrupted\n")
+        return 130
+    except Exception as exc:
+        if _flags.debug:
+            traceback.print_exc()
+        sys.stderr.write(f"kdeploy: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the trace)\n")
+        return int(ExitCode.INTERNAL)
+    return 0

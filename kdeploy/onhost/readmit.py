@@ -1,0 +1,82 @@
+"""Runs ON THE HOST (python3, standard library only), from the re-admit timer a rollout arms at drain: once the
+service answers its health path and no switch is unconfirmed (no ``pending``: the release it runs is a
+confirmed one), register its worker with the router again, unless the router already lists it.
+
+argv: service dir, health URL, router URL (as the host reaches it), worker URL, seconds to keep trying. The
+router's API key, when it has one, is in ``<service dir>/.readmit.key`` (root only), removed when done.
+Prints one line of what it did; exits 0 once the worker is listed, 1 when it gave up (the host stays out).
+"""
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+POLL = 2.0
+PENDING = "pending"  # kdeploy.core.layout.PENDING
+KEY = ".readmit.key"  # kdeploy.core.layout.READMIT_KEY
+
+
+def call(url: str, key: str | None, body: dict | None = None) -> tuple[int, str]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST" if body else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except (OSError, ValueError) as exc:
+        return 0, str(exc)
+
+
+def listed(router: str, worker: str, key: str | None) -> bool:
+    status, body = call(f"{router}/workers", key)
+    if status != 200:
+        return False
+    try:
+        return any(str(w["url"]).rstrip("/") == worker.rstrip("/") for w in json.loads(body)["workers"])
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def ready(service_dir: str, health: str) -> bool:
+    return not os.path.exists(os.path.join(service_dir, PENDING)) and call(health, None)[0] == 200
+
+
+def main(service_dir: str, health: str, router: str, worker: str, seconds: str) -> int:
+    key_file = os.path.join(service_dir, KEY)
+    try:
+        with open(key_file) as fh:
+            key: str | None = fh.read().strip() or None
+    except OSError:
+        key = None
+    deadline = time.monotonic() + float(seconds)
+    try:
+        while not ready(service_dir, health):
+            if time.monotonic() > deadline:
+                print(f"kdeploy-readmit: {worker} not healthy on a confirmed release within {seconds}s: left out")
+                return 1
+            time.sleep(POLL)
+        posted = False
+        while not listed(router, worker, key):
+            if not posted:
+                status, body = call(f"{router}/workers", key, {"url": worker})
+                print(f"kdeploy-readmit: the controller did not admit {worker}: registering it with {router} "
+                      f"(HTTP {status or body})")
+                posted = True
+            if time.monotonic() > deadline:
+                print(f"kdeploy-readmit: {router} does not list {worker}: left out")
+                return 1
+            time.sleep(POLL)
+        print(f"kdeploy-readmit: {worker} is in the router {router}")
+        return 0
+    finally:
+        if os.path.exists(key_file):
+            os.remove(key_file)
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:6]))
