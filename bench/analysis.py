@@ -35,9 +35,9 @@ from kdeploy.core import inventory  # noqa: E402
 from kdeploy.core.policy import Policy  # noqa: E402
 from kdeploy.flows import fleet  # noqa: E402
 from kdeploy.flows.options import Options  # noqa: E402
-from kdeploy.lab import sandbox_router  # noqa: E402
-from kdeploy.lab.demo import demo_service, project_dir  # noqa: E402
-from kdeploy.lab.sandbox import Sandbox  # noqa: E402
+from kdeploy_lab import sandbox_router  # noqa: E402
+from kdeploy_lab.demo import demo_service, project_dir  # noqa: E402
+from kdeploy_lab.sandbox import Sandbox  # noqa: E402
 
 HOSTS = 4
 CONCURRENCY = 12

@@ -60,10 +60,10 @@ sys.path.insert(0, str(ROOT))
 from kdeploy.core import inventory  # noqa: E402
 from kdeploy.core.render import render_unit  # noqa: E402
 from kdeploy.flows import fleet  # noqa: E402
-from kdeploy.lab import floor  # noqa: E402
-from kdeploy.lab.demo import PLUGIN_LOADED, demo_service, project_dir  # noqa: E402
-from kdeploy.lab.procwatch import slope  # noqa: E402
-from kdeploy.lab.sandbox import HOST_VENV, Sandbox  # noqa: E402
+from kdeploy_lab import floor  # noqa: E402
+from kdeploy_lab.demo import PLUGIN_LOADED, demo_service, project_dir  # noqa: E402
+from kdeploy_lab.procwatch import slope  # noqa: E402
+from kdeploy_lab.sandbox import HOST_VENV, Sandbox  # noqa: E402
 
 SERVICE = "sglang-demo"           # kdeploy's service (the demo service, reference server + kdtree payload)
 ANS_SERVICE, ANS_PORT, ANS_ROOT = "sglang-ans", 30001, "/srv/kdeploy-ans"
@@ -366,7 +366,7 @@ def bench_kdeploy(f: Fleet, runs: int, out: dict) -> None:
 
 
 def restart_floor(f: Fleet, since: float, wall: float) -> dict:
-    """The floor of the push that just ran, from the hosts' journals (kdeploy.lab.floor): per host from
+    """The floor of the push that just ran, from the hosts' journals (kdeploy_lab.floor): per host from
     systemd's "Stopping" entry to the ready line; the slowest host; and the push's wall over it. Beside it,
     where the rest of the wall went: from the push's start to the hosts' stop requests (median host), and
     from the last ready line to the push's end."""

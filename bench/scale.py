@@ -14,7 +14,7 @@ at the default ``--parallel`` (16), and at the largest N every measurement again
 of ``--parallel-values``. Per run: wall; controller CPU = user+sys of the kdeploy process (os.wait4); host
 CPU = CPU used inside all sandbox hosts (their cgroup), which share the controller's cores;
 peak RSS, peak threads, peak open fds and peak sockets of the kdeploy process (/proc/PID sampled every
-20 ms, kdeploy.lab.procwatch). Per measurement: the least-squares slope per added host over the sizes.
+20 ms, kdeploy_lab.procwatch). Per measurement: the least-squares slope per added host over the sizes.
 Also the boot: seconds and machine memory (MemAvailable) per host, idle and with the service running.
 
 Results: a table on stdout with the issue's targets as pass/miss, bench/results/scale.json,
@@ -49,9 +49,9 @@ sys.path.insert(0, str(ROOT))
 
 from ruamel.yaml import YAML  # noqa: E402
 
-from kdeploy.lab import procwatch  # noqa: E402
-from kdeploy.lab.demo import light_service, project_dir  # noqa: E402
-from kdeploy.lab.sandbox import Sandbox  # noqa: E402
+from kdeploy_lab import procwatch  # noqa: E402
+from kdeploy_lab.demo import light_service, project_dir  # noqa: E402
+from kdeploy_lab.sandbox import Sandbox  # noqa: E402
 
 KINDS = ("full", "noop", "verify")
 # Issue item 6: N connections opened at once, one command each, all held until the last is done (as a

@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from ruamel.yaml import YAML  # noqa: E402
 
-from kdeploy.lab.demo import demo_service  # noqa: E402
-from kdeploy.lab.sandbox import Sandbox  # noqa: E402
+from kdeploy_lab.demo import demo_service  # noqa: E402
+from kdeploy_lab.sandbox import Sandbox  # noqa: E402
 
 HOSTS = 16
 PLUGIN = ROOT / "tests" / "data" / "testplugin"

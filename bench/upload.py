@@ -35,9 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kdeploy.core import inventory, release  # noqa: E402
-from kdeploy.lab.demo import demo_service, project_dir  # noqa: E402
-from kdeploy.lab.sandbox import Sandbox  # noqa: E402
 from kdeploy.ssh import remote, sshconfig  # noqa: E402
+from kdeploy_lab.demo import demo_service, project_dir  # noqa: E402
+from kdeploy_lab.sandbox import Sandbox  # noqa: E402
 
 HOSTS = 8
 DEST = "/tmp/bench-upload.bin"  # where scp and rsync write

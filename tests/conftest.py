@@ -20,9 +20,9 @@ from ruamel.yaml import YAML
 
 from kdeploy.cli import app as cli
 from kdeploy.core import inventory, layout
-from kdeploy.lab import sglang_env
-from kdeploy.lab.demo import demo_service, project_dir
-from kdeploy.lab.sandbox import Sandbox
+from kdeploy_lab import sglang_env
+from kdeploy_lab.demo import demo_service, project_dir
+from kdeploy_lab.sandbox import Sandbox
 
 FLEET_SIZE = 8
 TEST_PLUGIN = Path(__file__).parent / "data" / "testplugin"
@@ -49,6 +49,20 @@ def sglang_python() -> str:
     return str(sglang_env.venv_python(path))
 
 
+# The reference server drains on SIGTERM as SGLang does, looking whether requests remain every 5 s since its
+# start: each restart of a test's service would wait up to 5 s for that look. The tests' hosts give their services
+# a 0.5 s period (the drain's own tests set theirs), in systemd's environment and in system.conf.d for after a
+# reboot (/etc is kept).
+FAST_DRAIN = "REFSERVER_SHUTDOWN_POLL=0.5"
+
+
+def fast_drain(box: Sandbox) -> None:
+    script = (f"mkdir -p /etc/systemd/system.conf.d && printf '[Manager]\\nDefaultEnvironment={FAST_DRAIN}\\n' "
+              f"> /etc/systemd/system.conf.d/50-kdeploy-tests.conf && systemctl set-environment {FAST_DRAIN}")
+    for host in box.hosts():
+        box.exec(host.name, ["sh", "-c", script])
+
+
 @pytest.fixture(scope="session")
 def fleet() -> Iterator[Sandbox]:
     """The first free sandbox instance (0-6), so two test runs on one machine do not collide."""
@@ -62,6 +76,7 @@ def fleet() -> Iterator[Sandbox]:
     else:
         pytest.fail("no free sandbox instance (0-6): run `kdeploy sandbox down` or wait for other test runs")
     try:
+        fast_drain(box)
         yield box
     finally:
         box.down()
@@ -100,6 +115,30 @@ class Deployment:
     @property
     def service_dir(self) -> str:
         return layout.service_dir(self.load().hosts[self.hosts[0]].service)
+
+    # What a host has now, read straight from it (the one place tests spell these paths).
+    @property
+    def unit_path(self) -> str:
+        return f"/etc/systemd/system/{self.service}.service"
+
+    def link(self, host: str = "h1") -> str:
+        """Where ``current`` points, as written (``releases/ID``: relative)."""
+        return self.sh(host, f"readlink {self.service_dir}/current").strip()
+
+    def current(self, host: str = "h1") -> str:
+        """The release ``current`` points at."""
+        return self.link(host).removeprefix("releases/")
+
+    def history(self, host: str = "h1") -> list[dict]:
+        """The host's history records, oldest first ([] before the first deploy)."""
+        out = self.sh(host, f"cat {self.service_dir}/history.jsonl 2>/dev/null", check=False)
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def state(self, host: str = "h1") -> tuple[str, str, str]:
+        """(current, every entry of releases/ (staging ones too), the unit's InvocationID): what a host that a
+        push skips or refuses must keep."""
+        return self.link(host), self.sh(host, f"ls -a {self.service_dir}/releases").strip(), \
+            self.show(host, "InvocationID")
 
     def kdeploy(self, *args: str) -> int:
         return cli.main([*args, "--inventory", str(self.path)])

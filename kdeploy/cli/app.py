@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -136,14 +137,45 @@ class App(typer.Typer):
                                **kwargs)
 
 
+# Command groups other distributions plug in: entry points of this group, each a typer.Typer named by the group's
+# word. The lab (lab/, distribution kdeploy-lab) adds `sandbox` this way, so no product module imports it.
+PLUGIN_GROUP = "kdeploy.plugins"
+# The plugins the docs promise, with how to get each; without it, its word says so (exit 2) instead of "No such
+# command".
+KNOWN_PLUGINS = {"sandbox": ("local test hosts (the lab)",
+                             "pip install 'kdeploy[lab]' (from a source tree: pip install . ./lab)")}
+
+
+def _add_plugins(parent: typer.Typer) -> None:
+    """Adds every installed plugin group with kdeploy's conventions (-h, the global options); a known one that is
+    not installed becomes a command that tells how to install it."""
+    found = {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
+    for name, ep in found.items():
+        plugin: typer.Typer = ep.load()
+        for info in plugin.registered_commands:
+            info.cls = Command if info.cls in (None, TyperCommand) else info.cls
+            info.context_settings = {**CONTEXT, **(info.context_settings or {})}
+        parent.add_typer(plugin, name=name, cls=Group, no_args_is_help=True, context_settings=CONTEXT)
+    for name, (what, how) in KNOWN_PLUGINS.items():
+        if name not in found:
+            _add_missing(parent, name, what, how)
+
+
+def _add_missing(parent: typer.Typer, name: str, what: str, how: str) -> None:
+    def missing() -> None:
+        raise InvalidInput(f"{name}: {what} is not installed: {how}")
+
+    parent.command(name, help=f"Not installed: {what}. {how}", add_help_option=False,
+                   context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(missing)
+
+
 app = App(pretty_exceptions_enable=False, add_completion=False,
           help="Ship SGLang extensions and serving configs to GPU hosts; prove every deploy healthy.")
 lock_app = App(help="Inspect or clear the per-service deploy lock.")
-sandbox_app = App(help="Local test hosts with real systemd, sshd and journald.")
 router_app = App(help="Hosts' membership in their SGLang router, by hand.")
 app.add_typer(lock_app, name="lock")
 app.add_typer(router_app, name="router")
-app.add_typer(sandbox_app, name="sandbox")
+_add_plugins(app)
 schema_app = App(help="Print the JSON Schemas of kdeploy's contracts.")
 app.add_typer(schema_app, name="schema")
 
@@ -836,93 +868,6 @@ def router_drain(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY
                  accept_new_host_keys: AcceptOpt = False, limit: LimitOpt = None) -> None:
     """Take hosts' servers out of their router (new requests go to the others)."""
     _router("drain", target, inventory, service, as_json, accept_new_host_keys, limit)
-
-
-InstanceOpt = Annotated[int, typer.Option("--instance", min=0, max=9, help="Sandbox number (0-9), for several.")]
-
-
-@sandbox_app.command("up")
-def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, help="How many hosts.")] = 2,
-               inventory_out: Annotated[Path, typer.Option("--inventory-out", help="Where to write the inventory.")]
-               = Path(".sandbox/inventory.yaml"), instance: InstanceOpt = 0,
-               bastion: Annotated[bool, typer.Option("--bastion", help="Add a jump host; the others answer "
-                                                     "only through it.")] = False,
-               host_certs: Annotated[bool, typer.Option("--host-certs", help="Sign every host key with a "
-                                                        "sandbox CA; known_hosts trusts only the CA.")] = False,
-               router: Annotated[bool, typer.Option("--router", help="Also run the real SGLang router on one "
-                                                    "extra host (docs/router.md).")] = False,
-               light: Annotated[bool, typer.Option("--light", help="Scale runs: no SGLang venv in the hosts; the "
-                                                   "inventory's service is the reference server at tp=1.")]
-               = False,
-               become_user: Annotated[str | None, typer.Option(
-                   "--become-user", metavar="NAME", help="Root may not log in over SSH; NAME logs in and has "
-                   "passwordless sudo; the inventory gets `user: NAME` and `become: true`.")] = None) -> None:
-    """Boot local hosts (systemd-nspawn) and write an inventory for them."""
-    from kdeploy.lab import demo, sandbox, sandbox_router
-
-    box = sandbox.Sandbox(instance=instance, sglang=False if light else None)
-    service = demo.light_service() if light else demo.demo_service()
-    box.check_requirements()
-    started = time.monotonic()
-    if router and bastion:
-        raise InvalidInput("sandbox up: --router with --bastion is not supported (the router's API would sit "
-                           "behind the jump host)")
-    booted = box.up(hosts + 1 if router else hosts, bastion=bastion, host_certs=host_certs, become_user=become_user)
-    err = Console(stderr=True, soft_wrap=True, highlight=False)
-    if router:
-        try:
-            url = sandbox_router.install(box, booted[-1])
-            sandbox_router.write_inventory(box, inventory_out, service, booted[-1], url)
-        except BaseException:
-            box.down()
-            raise
-        err.print(f"router on {booted[-1].name}: {url} (first push: --router-add-missing)")
-    else:
-        box.write_inventory(inventory_out, service)
-    err.print(f"{len(booted)} hosts up in {time.monotonic() - started:.1f}s: "
-              + ", ".join(f"{h.name}={h.address}" for h in booted))
-    err.print(f"inventory: {inventory_out}   ssh: ssh -F {box.ssh_config_path} {booted[0].name}")
-
-
-@sandbox_app.command("status")
-def sandbox_status(as_json: JsonOpt = False, instance: InstanceOpt = 0) -> None:
-    """Show the sandbox hosts and whether each one's systemd is running."""
-    from kdeploy.lab import sandbox
-
-    rows = sandbox.Sandbox(instance=instance).status()
-    if as_json:
-        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
-        return
-    table = Table(title="sandbox", title_justify="left")
-    for col in ("name", "address", "running", "link", "system"):
-        table.add_column(col)
-    for row in rows:
-        table.add_row(*(str(row.get(c)) for c in ("name", "address", "running", "link", "system")))
-    Console(stderr=True).print(table if rows else "no sandbox running")
-
-
-@sandbox_app.command("reboot")
-def sandbox_reboot(host: Annotated[str, typer.Argument(help="The sandbox host to reset, e.g. h1.")],
-                   instance: InstanceOpt = 0) -> None:
-    """Hard-reset one host (its processes are killed, it boots again; /etc, /srv and /opt are kept)."""
-    from kdeploy.lab import sandbox
-
-    box = sandbox.Sandbox(instance=instance)
-    box.check_requirements()
-    started = time.monotonic()
-    box.reboot(host)
-    Console(stderr=True).print(f"{host} rebooted in {time.monotonic() - started:.1f}s")
-
-
-@sandbox_app.command("down")
-def sandbox_down(instance: InstanceOpt = 0) -> None:
-    """Stop every sandbox host and remove everything it created."""
-    from kdeploy.lab import sandbox
-
-    box = sandbox.Sandbox(instance=instance)
-    box.check_requirements()
-    box.down()
-    Console(stderr=True).print("sandbox down")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,9 +67,3 @@ class LockHeld(KdeployError):
 
 class PreflightRefused(KdeployError):
     exit_code = ExitCode.PREFLIGHT
-
-
-class SandboxError(KdeployError):
-    """The local sandbox cannot be built or torn down (missing root, packages, ...)."""
-
-    exit_code = ExitCode.INVALID

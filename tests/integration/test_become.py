@@ -24,12 +24,12 @@ import pytest
 
 from kdeploy.core.layout import service_dir
 from kdeploy.host import lock
-from kdeploy.lab import router_env
-from kdeploy.lab.demo import demo_service, project_dir
-from kdeploy.lab.sandbox import Sandbox
 from kdeploy.ssh import sshconfig
 from kdeploy.ssh.remote import Remote
-from tests.conftest import TEST_MARKER, TEST_PLUGIN, Deployment
+from kdeploy_lab import router_env
+from kdeploy_lab.demo import demo_service, project_dir
+from kdeploy_lab.sandbox import Sandbox
+from tests.conftest import TEST_MARKER, TEST_PLUGIN, Deployment, fast_drain
 from tests.integration import test_provisional as provisional_tests
 
 USER = "deploy"
@@ -58,6 +58,7 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         pytest.fail("no free sandbox instance: run `kdeploy sandbox down --instance N`")
     box.up(len(HOSTS), become_user=USER)
     try:
+        fast_drain(box)
         tmp = tmp_path_factory.mktemp("become")
         payload = tmp / "payload"
         shutil.copytree(TEST_PLUGIN, payload, ignore=shutil.ignore_patterns("__pycache__"))
@@ -109,7 +110,7 @@ def test_push_verify_status_logs_set_env_rollback_as_the_user(dep: Deployment, c
             _phase(host, "connect")["detail"]
     # what kdeploy wrote is root's, with the modes it has when root logs in; none of it is writable by others
     d = dep.service_dir
-    unit = f"/etc/systemd/system/{dep.service}.service"
+    unit = dep.unit_path
     assert dep.sh("h1", f"stat -c '%U:%G %a' {unit} {d} {d}/history.jsonl {d}/.lock {SECRETS_FILE}").split() == [
         "root:root", "644", "root:root", "755", "root:root", "600", "root:root", "600", "root:root", "600"]
     pid = dep.show("h1", "MainPID")
@@ -144,7 +145,7 @@ def test_push_verify_status_logs_set_env_rollback_as_the_user(dep: Deployment, c
     code, doc = dep.json(capsys, "rollback", "all")
     assert code == 0, doc
     for name in HOSTS:
-        assert provisional_tests._current(dep, name) == first[name]
+        assert dep.current(name) == first[name]
         assert "KDT_BECOME" not in dep.sh(name, f"systemctl show {dep.service} -p Environment --value")
 
 
@@ -204,7 +205,7 @@ def test_lock_is_held_by_a_root_shell_under_sudo_and_force_released(dep: Deploym
 
 def test_controller_killed_after_the_switch_host_reverts_by_itself(dep: Deployment, capsys) -> None:
     _deployed(dep)
-    old = provisional_tests._current(dep, "h1")
+    old = dep.current("h1")
     new = provisional_tests._killed_during_the_gate(dep, "h1")
     assert new != old
     record = provisional_tests._wait_reverted(dep, old, new)
@@ -242,7 +243,7 @@ def test_router_drain_and_admit_through_a_become_host(dep: Deployment, tmp_path:
 
 def test_sudo_that_wants_a_password_is_refused_at_connect_and_nothing_changes(dep: Deployment, capsys) -> None:
     _deployed(dep)
-    before = provisional_tests._current(dep, "h2")
+    before = dep.current("h2")
     invocation = dep.show("h2", "InvocationID")
     releases = dep.sh("h2", f"ls {dep.service_dir}/releases").split()
     dep.sh("h2", f"cp {SUDOERS} /root/sudoers.keep && echo '{USER} ALL=(ALL:ALL) ALL' > {SUDOERS}")
@@ -253,7 +254,7 @@ def test_sudo_that_wants_a_password_is_refused_at_connect_and_nothing_changes(de
         assert code == 3 and hosts["h1"]["result"] == "deployed", doc
         assert hosts["h2"]["result"] == "unreachable" and "sudo: a password is required" in hosts["h2"]["error"]
         assert [p["name"] for p in hosts["h2"]["phases"]] == ["connect"]
-        assert provisional_tests._current(dep, "h2") == before
+        assert dep.current("h2") == before
         assert dep.show("h2", "InvocationID") == invocation
         assert dep.sh("h2", f"ls {dep.service_dir}/releases").split() == releases
     finally:

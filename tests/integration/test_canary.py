@@ -59,10 +59,6 @@ def analysed(deployment: Deployment, tmp_path: Path) -> Iterator[Routed]:
         yield routed
 
 
-def _current(dep: Deployment, host: str) -> str:
-    return dep.sh(host, f"readlink {dep.service_dir}/current").strip()
-
-
 def _analysis(host: dict) -> dict:
     return next(p for p in host["phases"] if p["name"] == "analysis")
 
@@ -77,7 +73,7 @@ def _canary_fault(dep: Deployment, rev: str, env: dict[str, str]) -> None:
 def test_a_slower_canary_is_rolled_back_by_the_analysis_and_the_rest_keep_their_release(analysed: Routed,
                                                                                          capsys) -> None:
     dep = analysed.dep
-    before = {h: _current(dep, h) for h in dep.hosts}
+    before = {h: dep.link(h) for h in dep.hosts}
     _canary_fault(dep, "slow", {"REFSERVER_LATENCY": "0.07"})  # +50% time to first token
     dep.edit(lambda doc: doc["defaults"]["service"].update(gate={**doc["defaults"]["service"]["gate"],
                                                                  "analysis": {"interval": 1}}))
@@ -97,7 +93,7 @@ def test_a_slower_canary_is_rolled_back_by_the_analysis_and_the_rest_keep_their_
         < names.index("rollback admit"), names
     for name in ("h2", "h3"):
         assert hosts[name]["result"] == "skipped" and "the canary analysis failed" in hosts[name]["error"]
-    assert {h: _current(dep, h) for h in dep.hosts} == before  # the canary back, the others never moved
+    assert {h: dep.link(h) for h in dep.hosts} == before  # the canary back, the others never moved
     assert "REFSERVER_LATENCY" not in dep.show("h1", "Environment")
     assert analysed.workers() == {analysed.worker_url(h): True for h in dep.hosts}
 
@@ -110,7 +106,7 @@ def test_a_canary_failing_one_percent_of_its_requests_is_rolled_back_and_the_edi
     with at least 100 canary requests sees one (min_requests: 100 makes a shorter one undecided, which a
     required analysis also rolls back)."""
     dep = analysed.dep
-    before = {h: _current(dep, h) for h in dep.hosts}
+    before = {h: dep.link(h) for h in dep.hosts}
     dep.edit(lambda doc: doc["defaults"]["service"].update(gate={**doc["defaults"]["service"]["gate"],
                                                                  "analysis": {"interval": 1, "min_requests": 100}}))
     edited = dep.path.read_text()
@@ -123,7 +119,7 @@ def test_a_canary_failing_one_percent_of_its_requests_is_rolled_back_and_the_edi
     assert data["failed"]["metric"] == "error_rate", data
     assert 0.001 < data["failed"]["canary"] <= 0.01 and data["failed"]["baseline"] == 0
     assert hosts["h1"]["result"] == "rolled_back" and {hosts[h]["result"] for h in ("h2", "h3")} == {"skipped"}
-    assert {h: _current(dep, h) for h in dep.hosts} == before
+    assert {h: dep.link(h) for h in dep.hosts} == before
     assert doc["inventory"]["reverted"] and dep.path.read_text() == edited
     assert all("REFSERVER_ERROR_RATE" not in dep.show(h, "Environment") for h in dep.hosts)
     assert 500 not in traffic.codes  # the router retried the canary's failures on another worker
@@ -133,7 +129,7 @@ def test_a_canary_failing_one_percent_of_its_requests_is_rolled_back_and_the_edi
 def test_a_good_canary_is_promoted_and_the_rollout_goes_on(analysed: Routed, capsys) -> None:
     """Through set-env, which takes --analysis as push does: its rollout is push's."""
     dep = analysed.dep
-    before = {h: _current(dep, h) for h in dep.hosts}
+    before = {h: dep.link(h) for h in dep.hosts}
     dep.edit(lambda doc: doc["defaults"]["service"].update(gate={**doc["defaults"]["service"]["gate"],
                                                                  "analysis": {"interval": 1}}))
     with Traffic(analysed.url, threads=8, tokens=2):
@@ -145,7 +141,7 @@ def test_a_good_canary_is_promoted_and_the_rollout_goes_on(analysed: Routed, cap
     phase = _analysis(hosts["h1"])
     assert phase["ok"] and phase["data"]["decision"] == "promoted" and phase["data"]["required"], phase
     assert phase["data"]["checks"] and all(c["ok"] for c in phase["data"]["checks"])
-    assert all(_current(dep, h) != before[h] and "KDEPLOY_CANARY_OK=1" in dep.show(h, "Environment")
+    assert all(dep.link(h) != before[h] and "KDEPLOY_CANARY_OK=1" in dep.show(h, "Environment")
                for h in dep.hosts)
     assert not any(p["name"] == "analysis" for h in ("h2", "h3") for p in hosts[h]["phases"])
 
@@ -155,14 +151,14 @@ def test_without_a_router_a_required_analysis_is_refused_and_one_from_the_invent
         deployment: Deployment, capsys) -> None:
     dep = deployment
     assert dep.kdeploy("push", "test") == 0
-    before = {h: (_current(dep, h), dep.show(h, "InvocationID")) for h in dep.hosts}
+    before = {h: (dep.link(h), dep.show(h, "InvocationID")) for h in dep.hosts}
     (dep.payload / "rev.txt").write_text("unrouted")
     capsys.readouterr()
     assert dep.kdeploy("push", "test", "--canary", "1", "--analysis", "3s") == 7
     lines = capsys.readouterr().err.splitlines()
     assert lines[-1] == "hosts=2, preflight_refused=2; exit code 7", lines
     assert all("canary analysis impossible: h1: no router in the inventory (" in line for line in lines[:-1]), lines
-    assert {h: (_current(dep, h), dep.show(h, "InvocationID")) for h in dep.hosts} == before  # nothing touched
+    assert {h: (dep.link(h), dep.show(h, "InvocationID")) for h in dep.hosts} == before  # nothing touched
     dep.edit(lambda doc: doc["defaults"]["service"].update(gate={**doc["defaults"]["service"]["gate"],
                                                                  "analysis": {"duration": 3}}))
     code, doc = dep.json(capsys, "push", "test", "--canary", "1")

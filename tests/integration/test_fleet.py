@@ -20,13 +20,6 @@ from tests.conftest import Deployment
 ALL = [f"h{i}" for i in range(1, 9)]
 
 
-def _state(dep: Deployment, host: str) -> tuple[str, str, str]:
-    """(current release, release dirs, InvocationID): what a skipped host must keep."""
-    d = dep.service_dir
-    return (dep.sh(host, f"readlink {d}/current").strip(), dep.sh(host, f"ls -a {d}/releases").strip(),
-            dep.show(host, "InvocationID"))
-
-
 def _bump(dep: Deployment, value: str) -> None:
     (dep.payload / "rev.txt").write_text(value)
 
@@ -93,7 +86,7 @@ def test_max_fail_stops_the_rollout_and_leaves_the_rest_unchanged(deployment: De
     assert deployment.kdeploy("push", "test", "--no-verify") == 0
     _bad(deployment, "h1", "h2")
     _bump(deployment, "2")
-    before = {h: _state(deployment, h) for h in ALL[2:]}
+    before = {h: deployment.state(h) for h in ALL[2:]}
     code, doc = deployment.json(capsys, "push", "test", "--batch", "1", "--max-fail", "1")
     assert code == 4
     results = {h["host"]: h["result"] for h in doc["hosts"]}
@@ -101,7 +94,7 @@ def test_max_fail_stops_the_rollout_and_leaves_the_rest_unchanged(deployment: De
     assert {results[h] for h in ALL[2:]} == {"skipped"}
     assert all("max-fail" in h["error"] for h in doc["hosts"][2:])
     for host in ALL[2:]:
-        assert _state(deployment, host) == before[host]  # no restart, no new release left behind
+        assert deployment.state(host) == before[host]  # no restart, no new release left behind
 
 
 @pytest.mark.hosts(8)
@@ -109,14 +102,14 @@ def test_canary_failure_touches_no_other_host(deployment: Deployment, capsys: py
     assert deployment.kdeploy("push", "test", "--no-verify") == 0
     _bad(deployment, "h1")
     _bump(deployment, "2")
-    before = {h: _state(deployment, h) for h in ALL[1:]}
+    before = {h: deployment.state(h) for h in ALL[1:]}
     code, doc = deployment.json(capsys, "push", "test", "--canary", "1")
     assert code == 4
     results = {h["host"]: h["result"] for h in doc["hosts"]}
     assert results["h1"] == "rolled_back"
     assert {results[h] for h in ALL[1:]} == {"skipped"}
     for host in ALL[1:]:
-        assert _state(deployment, host) == before[host]
+        assert deployment.state(host) == before[host]
 
 
 @pytest.mark.hosts(8)
@@ -139,7 +132,7 @@ def test_an_unreachable_host_does_not_stop_the_others(deployment: Deployment) ->
 def test_a_host_cut_off_mid_rollout_ends_unreachable_on_its_old_release(deployment: Deployment) -> None:
     assert deployment.kdeploy("push", "test", "--no-verify") == 0
     _bump(deployment, "2")
-    before = _state(deployment, "h4")
+    before = deployment.state("h4")
 
     def cut_h4_once_staged(host: str, phase: str, status: str) -> None:
         if (host, phase, status) == ("h4", "stage", "ok"):
@@ -153,7 +146,7 @@ def test_a_host_cut_off_mid_rollout_ends_unreachable_on_its_old_release(deployme
     assert results.pop("h4") == "unreachable", report.hosts[3].error
     assert set(results.values()) == {"deployed"}
     assert report.exit_code == 3
-    current, _, invocation = _state(deployment, "h4")
+    current, _, invocation = deployment.state("h4")
     assert (current, invocation) == (before[0], before[2])  # never switched: still the old release and run
 
 
@@ -164,7 +157,7 @@ def test_ctrl_c_mid_rollout_finishes_the_running_batch_and_leaves_the_rest_uncha
     deployment.set_service(env={"REFSERVER_SLOW_START": "3"})  # h1's gate is still waiting when Ctrl-C comes
     _bump(deployment, "2")
     h1_before = deployment.show("h1", "InvocationID")
-    h2_before = _state(deployment, "h2")
+    h2_before = deployment.state("h2")
     # --parallel 1: h2 lets go of its connection and lock after staging, so removing its staged release
     # takes a connection of its own
     proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1", "--parallel", "1",
@@ -186,7 +179,7 @@ def test_ctrl_c_mid_rollout_finishes_the_running_batch_and_leaves_the_rest_uncha
     assert proc.returncode == doc["exit_code"] == 130, err
     assert results["h1"]["result"] == "deployed"          # the batch that was restarting finished, gated
     assert results["h2"]["result"] == "interrupted" and "interrupted" in results["h2"]["error"]
-    assert _state(deployment, "h2") == h2_before           # no restart, its staged release removed
+    assert deployment.state("h2") == h2_before           # no restart, its staged release removed
     assert deployment.sh("h2", f"ls {deployment.service_dir}/lock.json 2>&1", check=False).endswith(
         "No such file or directory\n")                      # and its lock let go
 

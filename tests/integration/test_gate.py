@@ -17,8 +17,8 @@ import pytest
 
 from kdeploy.flows import fleet
 from kdeploy.flows.options import Options
-from kdeploy.lab.demo import PLUGIN_LOADED
-from kdeploy.lab.refserver import READY_MESSAGE
+from kdeploy_lab.demo import PLUGIN_LOADED
+from kdeploy_lab.refserver import READY_MESSAGE
 from tests.conftest import TEST_MARKER, Deployment
 
 GATE_PHASES = ["unit", "ready", "completion", "workers"]
@@ -43,17 +43,13 @@ def failed_phase(host: dict) -> dict:
     return failed[0]
 
 
-def current(dep: Deployment, host: str = "h1") -> str:
-    return dep.sh(host, f"readlink {dep.service_dir}/current").strip().removeprefix("releases/")
-
-
 def sha(dep: Deployment, path: str, host: str = "h1") -> str:
     return dep.sh(host, f"sha256sum < {path}").split()[0]
 
 
 def assert_unit_of(dep: Deployment, release: str, host: str = "h1") -> None:
     """The installed unit is byte for byte the one recorded with ``release``."""
-    installed = sha(dep, f"/etc/systemd/system/{dep.service}.service", host)
+    installed = sha(dep, dep.unit_path, host)
     assert installed == sha(dep, f"{dep.service_dir}/releases/{release}/.kdeploy/unit.service", host)
 
 
@@ -72,7 +68,7 @@ def assert_rolled_back(dep: Deployment, code: int, doc: dict, previous: str) -> 
     assert host["release"] == previous
     rollback = phase(host, "rollback")
     assert rollback["ok"] and f"back on {previous}" in rollback["detail"], rollback
-    assert current(dep) == previous
+    assert dep.current() == previous
     assert_unit_of(dep, previous)
     assert dep.show("h1", "ActiveState") == "active"
     return host
@@ -202,7 +198,7 @@ def test_main_process_killed_while_loading_is_reported_at_once(deployment: Deplo
 
 
 def test_slow_start_passes_and_readiness_is_noticed_at_once(deployment: Deployment) -> None:
-    deployment.set_service(env={"REFSERVER_SLOW_START": "20"}, gate=gate(90))
+    deployment.set_service(env={"REFSERVER_SLOW_START": "6"}, gate=gate(90))
     marks: dict[str, float] = {}
 
     def listener(host: str, name: str, status: str) -> None:
@@ -214,7 +210,7 @@ def test_slow_start_passes_and_readiness_is_noticed_at_once(deployment: Deployme
     assert report.exit_code == 0, report.as_json()
     assert host.result == "deployed"
     ready = next(p for p in host.phases if p.name == "ready")
-    assert ready.seconds >= 15  # it really waited through the slow start, within the gate timeout
+    assert ready.seconds >= 5  # it really waited through the slow start, within the gate timeout
     invocation = deployment.show("h1", "InvocationID")
     out = deployment.sh("h1", f"journalctl --no-pager _SYSTEMD_INVOCATION_ID={invocation} -o json")
     stamps = [int(rec["__REALTIME_TIMESTAMP"]) / 1e6 for rec in map(json.loads, out.splitlines())
@@ -252,7 +248,7 @@ def test_nondeterministic_answer_fails_completion(deployment: Deployment,
 def test_worker_without_the_extension_fails_workers_phase(deployment: Deployment,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     previous = push_good(deployment, capsys)
-    deployment.set_service(env={"REFSERVER_NO_PLUGINS_RANK": "5"}, gate=gate(10))
+    deployment.set_service(env={"REFSERVER_NO_PLUGINS_RANK": "5"}, gate=gate(5))  # waited out
     code, doc = deployment.json(capsys, "push", "test")
     host = assert_rolled_back(deployment, code, doc, previous)
     failed = failed_phase(host)
@@ -263,7 +259,7 @@ def test_worker_without_the_extension_fails_workers_phase(deployment: Deployment
 def test_markers_of_an_earlier_invocation_are_not_counted(deployment: Deployment,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     push_good(deployment, capsys)
-    deployment.set_service(env={"REFSERVER_NO_PLUGINS_RANK": "3"}, gate=gate(10))
+    deployment.set_service(env={"REFSERVER_NO_PLUGINS_RANK": "3"}, gate=gate(5))  # waited out
     code, doc = deployment.json(capsys, "push", "test", "--no-verify")
     assert code == 0, [(h["error"], h["phases"]) for h in doc["hosts"]]
     assert doc["hosts"][0]["result"] == "deployed"
@@ -285,14 +281,14 @@ def test_rollback_command_restores_older_releases(deployment: Deployment,
     older = push_good(deployment, capsys)
     (deployment.payload / "bump.txt").write_text("2\n")
     newer = push_good(deployment, capsys)
-    assert newer != older and current(deployment) == newer
+    assert newer != older and deployment.current() == newer
 
     code, doc = deployment.json(capsys, "rollback", "test")
     assert code == 0, [(h["error"], h["phases"]) for h in doc["hosts"]]
     host = doc["hosts"][0]
     assert host["result"] == "restored" and host["release"] == older
     assert all(phase(host, name)["ok"] for name in GATE_PHASES)
-    assert current(deployment) == older
+    assert deployment.current() == older
     assert_unit_of(deployment, older)
     assert deployment.show("h1", "ActiveState") == "active"
 
@@ -302,7 +298,7 @@ def test_rollback_command_restores_older_releases(deployment: Deployment,
     assert report.exit_code == 0, [(h.error, h.phases) for h in report.hosts]
     assert report.hosts[0].result == "restored" and report.hosts[0].release == newer
     assert [e for e in events if e[1] == "done"] == [("h1", "done", "restored")]
-    assert current(deployment) == newer
+    assert deployment.current() == newer
     assert_unit_of(deployment, newer)
 
     invocation = deployment.show("h1", "InvocationID")
@@ -311,7 +307,7 @@ def test_rollback_command_restores_older_releases(deployment: Deployment,
     host = doc["hosts"][0]
     assert not host["ok"]
     assert "'nope'" in host["error"] and older in host["error"] and newer in host["error"], host["error"]
-    assert current(deployment) == newer
+    assert deployment.current() == newer
     assert deployment.show("h1", "InvocationID") == invocation
     assert deployment.show("h1", "ActiveState") == "active"
 
@@ -321,7 +317,7 @@ def test_verify_changes_nothing(deployment: Deployment, capsys: pytest.CaptureFi
 
     def snapshot() -> tuple[str, str, str]:
         files = deployment.sh("h1", f"find {deployment.service_dir} -printf '%p %i %s %T@\\n' | sort")
-        unit = sha(deployment, f"/etc/systemd/system/{deployment.service}.service")
+        unit = sha(deployment, deployment.unit_path)
         return files, unit, deployment.show("h1", "InvocationID")
 
     before = snapshot()
@@ -441,7 +437,7 @@ def test_parity_records_first_passes_within_tolerance_and_rolls_back_a_gross_log
     code, doc = deployment.json(capsys, "push", "test")
     assert code == 7, doc
     assert "served model changes from" in doc["hosts"][0]["error"]
-    assert "--accept-parity-change" in doc["hosts"][0]["error"] and current(deployment) == second
+    assert "--accept-parity-change" in doc["hosts"][0]["error"] and deployment.current() == second
     code, doc = deployment.json(capsys, "push", "test", "--accept-parity-change")
     assert code == 0, [(h["error"], h["phases"]) for h in doc["hosts"]]
     assert "model changed from" in phase(doc["hosts"][0], "parity-baseline")["detail"]

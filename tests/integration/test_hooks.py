@@ -21,23 +21,13 @@ POST_HOST = ('echo "$KDEPLOY_COMMAND $KDEPLOY_RESULT pre=$KDEPLOY_PRE_HOST relea
 POST_ROLLOUT = 'echo "$KDEPLOY_EXIT_CODE|$KDEPLOY_FAILED|$KDEPLOY_RESULTS" >> seen/rollout'
 
 
-def _state(dep: Deployment, host: str) -> tuple[str, str, str]:
-    d = dep.service_dir
-    return (dep.sh(host, f"readlink {d}/current").strip(), dep.sh(host, f"ls {d}/releases").strip(),
-            dep.show(host, "InvocationID"))
-
-
-def _release(dep: Deployment, host: str) -> str:
-    return Path(_state(dep, host)[0]).name
-
-
 @pytest.mark.hosts(3)
 def test_a_refusing_pre_host_skips_its_host_and_post_hooks_see_every_result(
         deployment: Deployment, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # `kdeploy` in hooks
     assert deployment.kdeploy("push", "test", "--no-verify") == 0
-    old = {h: _release(deployment, h) for h in deployment.hosts}  # release ids differ per host (their time)
-    before = {h: _state(deployment, h) for h in deployment.hosts}
+    old = {h: deployment.current(h) for h in deployment.hosts}  # release ids differ per host (their time)
+    before = {h: deployment.state(h) for h in deployment.hosts}
     h2_before = before["h2"]
     seen = deployment.path.parent / "seen"  # hooks run in the inventory's directory
     seen.mkdir()
@@ -52,7 +42,7 @@ def test_a_refusing_pre_host_skips_its_host_and_post_hooks_see_every_result(
         ("preflight_refused", [], "pre_deploy hook refused the run (exit 1: change freeze for h1 h2 h3); "
                                   "no host touched")] * 3
     assert [(r["name"], r["ok"]) for r in doc["pre_deploy"]] == [("pre_deploy", False)]
-    assert {h: _state(deployment, h) for h in deployment.hosts} == before  # nothing staged, nothing restarted
+    assert {h: deployment.state(h) for h in deployment.hosts} == before  # nothing staged, nothing restarted
 
     deployment.edit(lambda doc: doc["defaults"].update(
         hooks={"pre_deploy": "true", "pre_host": PRE_HOST, "post_host": POST_HOST, "post_rollout": POST_ROLLOUT,
@@ -75,7 +65,7 @@ def test_a_refusing_pre_host_skips_its_host_and_post_hooks_see_every_result(
     pre = next(p for p in refused["phases"] if p["name"] == "pre_host")
     assert (pre["ok"], pre["detail"]) == (False, "exit 3: h2 is in maintenance")
     assert not any(p["name"] in ("activate", "restart") for p in refused["phases"])
-    assert _state(deployment, "h2") == h2_before  # same release, staged one removed, same run
+    assert deployment.state("h2") == h2_before  # same release, staged one removed, same run
 
     names = [p["name"] for p in hosts["h1"]["phases"]]
     assert names.index("pre_host") < names.index("activate") < names.index("post_host")
@@ -94,7 +84,7 @@ def test_a_refusing_pre_host_skips_its_host_and_post_hooks_see_every_result(
     deployment.edit(lambda doc: doc["defaults"]["hooks"].update(
         post_rollout=f"{POST_ROLLOUT} && cd / && kdeploy status all --json > \"$OLDPWD/seen/status.json\""))
     assert deployment.kdeploy("rollback", "h1") == 0
-    assert _release(deployment, "h1") == old["h1"]
+    assert deployment.current("h1") == old["h1"]
     assert (seen / "h1").read_text() == f"rollback restored pre=ok release={old['h1']} previous={new['h1']}\n"
     assert (seen / "rollout").read_text().splitlines()[1] == "0||h1=restored"
     status = json.loads((seen / "status.json").read_text())
@@ -129,7 +119,7 @@ def test_a_staged_release_removed_before_its_turn_is_staged_again(
     assert resume == f"lock taken again; staged release {removed} was removed, decided again", resume
     restaged = hosts["h2"]["release"]
     assert restaged != removed
-    assert Path(deployment.sh("h2", f"readlink {d}/current").strip()).name == restaged
+    assert deployment.current("h2") == restaged
     assert removed not in deployment.sh("h2", f"ls {d}/releases").split()
     assert deployment.sh("h2", f"cat {d}/current/rev.txt") == "2"
     assert "resume" in [p["name"] for p in hosts["h1"]["phases"]]   # h1 let go after staging too

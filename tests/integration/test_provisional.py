@@ -8,7 +8,6 @@ later run sees the unconfirmed switch as a change, never as ``unchanged``.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -26,33 +25,23 @@ from tests.conftest import Deployment
 REVERT_AFTER = 12
 
 
-def _current(dep: Deployment, host: str = "h1") -> str:
-    return dep.sh(host, f"readlink {dep.service_dir}/current").strip().removeprefix("releases/")
-
-
-def _history(dep: Deployment, host: str = "h1") -> list[dict]:
-    out = dep.sh(host, f"cat {dep.service_dir}/history.jsonl 2>/dev/null", check=False)
-    return [json.loads(line) for line in out.splitlines() if line.strip()]
-
-
 def _wait_reverted(dep: Deployment, old: str, new: str, host: str = "h1", within: float = 150) -> dict:
     """Until the host's history says it reverted by itself; returns that record."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        records = [r for r in _history(dep, host) if r.get("result") == "reverted"]
+        records = [r for r in dep.history(host) if r.get("result") == "reverted"]
         if records:
             return records[-1]
         time.sleep(1)
-    raise AssertionError(f"{host} never reverted: current {_current(dep, host)}, history {_history(dep, host)[-3:]}")
+    raise AssertionError(f"{host} never reverted: current {dep.current(host)}, history {dep.history(host)[-3:]}")
 
 
 def _assert_back_on(dep: Deployment, old: str, new: str, record: dict, host: str = "h1") -> None:
     assert record["release"] == old and record["attempted"] == new, record
     assert "by itself" in record["error"]
-    assert _current(dep, host) == old
-    unit = f"/etc/systemd/system/{dep.service}.service"
-    assert dep.sh(host, f"cmp {unit} {dep.service_dir}/releases/{old}/.kdeploy/unit.service && echo same").strip() \
-        == "same"
+    assert dep.current(host) == old
+    assert dep.sh(host, f"cmp {dep.unit_path} {dep.service_dir}/releases/{old}/.kdeploy/unit.service && echo same") \
+        .strip() == "same"
     deadline = time.monotonic() + 30
     while dep.show(host, "ActiveState") != "active" and time.monotonic() < deadline:
         time.sleep(0.25)
@@ -85,7 +74,7 @@ def _killed_during_the_gate(dep: Deployment, target: str = "test") -> str:
         while dep.show("h1", "InvocationID") == before:
             assert proc.poll() is None and time.monotonic() < deadline, "h1 was never restarted"
             time.sleep(0.05)
-        return _current(dep)
+        return dep.current()
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -181,7 +170,7 @@ def test_switched_but_never_gated_is_a_change_and_reverts(quick: Deployment,
     with session.connect(inv, host, result, Options().reach) as remote:  # the controller then dies: no gate/confirm
         replaced = switch.switch(remote, host, result, staged.staged, staged.decision.install_unit, pending)
     new = step.at.staged
-    assert _current(quick) == new and replaced == invocation
+    assert quick.current() == new and replaced == invocation
     deadline = time.monotonic() + 30
     while (switched := quick.show("h1", "InvocationID")) == invocation:  # the restart queued behind the stop
         assert time.monotonic() < deadline, "the activation queued no start"
@@ -214,7 +203,7 @@ def test_gate_failure_rolls_back_with_the_old_release_config(quick: Deployment,
         "rollback parity", "rollback workers", "rollback confirm"], names
     workers = next(p for p in host["phases"] if p["name"] == "rollback workers")
     assert workers["ok"] and workers["detail"].startswith("1 markers x 8 workers"), workers
-    assert host["release"] == old == _current(quick)
+    assert host["release"] == old == quick.current()
     assert quick.sh("h1", f"ls {quick.service_dir}/pending 2>&1", check=False).endswith("No such file or directory\n")
 
 
@@ -225,26 +214,25 @@ def test_link_lost_after_the_switch_reconnects_relocks_and_rolls_back(quick: Dep
     rolls back; the host ends on its old release, healthy."""
     old = _deployed(quick, capsys)
     quick.set_service(env={"REFSERVER_SLOW_START": "60"}, gate=_gate(revert_after=90))
-    healed = threading.Event()
+    marks: dict[str, float] = {}
 
-    def heal_later() -> None:
-        time.sleep(35)  # past the 30 s TCP user timeout: the controller declares the link dead
-        quick.fleet.heal("h1")
-        healed.set()
-
-    def blackhole_once_restarted(host: str, phase: str, status: str) -> None:
-        if (phase, status) == ("restart", "ok") and not healed.is_set():
+    def blackhole_once_restarted_heal_at_the_reconnect(host: str, phase: str, status: str) -> None:
+        if (phase, status) == ("restart", "ok") and "cut" not in marks:
             quick.fleet.blackhole("h1")
-            threading.Thread(target=heal_later, daemon=True).start()
+            marks["cut"] = time.monotonic()
+        elif (phase, status) == ("connect", "start") and "cut" in marks and "healed" not in marks:
+            quick.fleet.heal("h1")  # the controller declared the link dead and reconnects
+            marks["healed"] = time.monotonic()
 
     try:
-        report = fleet.push(quick.load(), "test", Options(), listener=blackhole_once_restarted)
+        report = fleet.push(quick.load(), "test", Options(), listener=blackhole_once_restarted_heal_at_the_reconnect)
     finally:
-        healed.wait(60)
         quick.fleet.heal("h1")
+    # dead by the 30 s TCP user timeout (keepalive 10 s x 3), not by anything sooner
+    assert marks["healed"] - marks["cut"] >= 25, marks
     host = report.hosts[0]
     assert host.result == "rolled_back", (host.error, [(p.name, p.detail) for p in host.phases])
-    assert host.release == old == _current(quick)
+    assert host.release == old == quick.current()
     assert any(p.name == "relock" and p.ok for p in host.phases), host.phases
     assert any(p.name == "rollback" and p.ok for p in host.phases), host.phases
     deadline = time.monotonic() + 30

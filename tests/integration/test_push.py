@@ -22,7 +22,7 @@ def test_first_push_deploys_and_gates_eight_workers(deployment: Deployment, caps
     timer = f"kdeploy-revert-{deployment.service}"
     assert deployment.sh("h1", f"systemctl list-units --all --no-legend '{timer}*'").strip() == ""
     assert deployment.sh("h1", f"ls {d}/pending 2>&1", check=False).endswith("No such file or directory\n")
-    assert deployment.sh("h1", f"readlink {d}/current").strip() == f"releases/{release}"
+    assert deployment.link() == f"releases/{release}"
     assert deployment.show("h1", "ActiveState") == "active"
     assert deployment.show("h1", "UnitFileState") == "enabled"
     # the unit's PYTHONPATH points at `current`, and 8 distinct worker PIDs logged the plugin marker
@@ -33,7 +33,7 @@ def test_first_push_deploys_and_gates_eight_workers(deployment: Deployment, caps
                                f"grep -F '[kdeploy-testplugin] loaded' | sed 's/.*pid=//' | sort -u").split()
     main_pid = deployment.show("h1", "MainPID")
     assert len(pids) == 8 and main_pid not in pids
-    assert deployment.sh("h1", f"sha256sum < /etc/systemd/system/{deployment.service}.service").split()[0] == \
+    assert deployment.sh("h1", f"sha256sum < {deployment.unit_path}").split()[0] == \
         deployment.sh("h1", f"sha256sum < {d}/current/.kdeploy/unit.service").split()[0]
 
 
@@ -123,8 +123,7 @@ def test_release_pruning_keeps_k(deployment: Deployment) -> None:
         assert deployment.kdeploy("push", "test", "--no-verify") == 0
     releases = deployment.sh("h1", f"ls {deployment.service_dir}/releases").split()
     assert len(releases) == 2
-    current = deployment.sh("h1", f"readlink {deployment.service_dir}/current").strip()
-    assert current == f"releases/{max(releases)}"
+    assert deployment.link() == f"releases/{max(releases)}"
 
 
 def test_history_records_each_push(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:

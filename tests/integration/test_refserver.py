@@ -1,6 +1,6 @@
-"""The reference server (kdeploy/lab/refserver.py) run locally as subprocesses: workers, plugins, HTTP, faults.
+"""The reference server (lab/kdeploy_lab/refserver.py) run locally as subprocesses: workers, plugins, HTTP, faults.
 
-No containers: each test starts ``python -m kdeploy.lab.refserver`` on a free loopback port with the test
+No containers: each test starts ``python -m kdeploy_lab.refserver`` on a free loopback port with the test
 plugin (tests/data/testplugin) on PYTHONPATH, and kills whatever is left of it afterwards.
 """
 
@@ -63,7 +63,8 @@ def _wait_dead(pids, timeout: float) -> set[int]:
 
 class RefServer:
     def __init__(self, tp: int = 8, env: dict | None = None, args: tuple = (), python: str = sys.executable,
-                 module: str = "kdeploy.lab.refserver", cwd: Path = REPO, pythonpath: tuple = (REPO, PLUGIN_DIR)):
+                 module: str = "kdeploy_lab.refserver", cwd: Path = REPO,
+                 pythonpath: tuple = (REPO / "lab", PLUGIN_DIR)):
         self.port = _free_port()
         full_env = {k: v for k, v in os.environ.items()
                     if not k.startswith("REFSERVER_") and k != "SGLANG_PLUGINS"}
@@ -353,7 +354,7 @@ def test_standalone_copy_under_debian_python(start, tmp_path):
     python = DEBIAN_PYTHON if os.access(DEBIAN_PYTHON, os.X_OK) else sys.executable
     app = tmp_path / "app"
     app.mkdir()
-    shutil.copy(REPO / "kdeploy" / "lab" / "refserver.py", app / "kdeploy_refserver.py")
+    shutil.copy(REPO / "lab" / "kdeploy_lab" / "refserver.py", app / "kdeploy_refserver.py")
     (app / "sitecustomize.py").write_text(
         "import os, sys\nsys.stdout.write(f'[sitecustomize] pid={os.getpid()}\\n'); sys.stdout.flush()\n")
     srv = start(tp=2, python=python, module="kdeploy_refserver", cwd=tmp_path, pythonpath=(app, PLUGIN_DIR),

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from ruamel.yaml import YAML
 
-from kdeploy.lab import router_env
+from kdeploy_lab import router_env
 from tests.conftest import Deployment
 
 TOKEN_DELAY = 0.1
@@ -287,7 +287,7 @@ def test_sandbox_router_unit_and_first_push_registers_every_host(deployment: Dep
                                                                  capsys) -> None:
     """`sandbox up --router`'s pieces on the fleet's last host: the router as a unit there, an inventory
     without that host and with `router:`, and a first push that registers every host."""
-    from kdeploy.lab import sandbox_router
+    from kdeploy_lab import sandbox_router
 
     box = deployment.fleet
     router_host = box.hosts()[-1]

@@ -39,7 +39,7 @@ def _snapshot(dep: Deployment, host: str = "h1") -> str:
     d = dep.service_dir
     return dep.sh(host, f"find {d}/releases {d}/current {d}/history.jsonl -printf '%p %i %s %T@ %l\\n' "
                         f"2>/dev/null | sort; "
-                        f"sha256sum /etc/systemd/system/{dep.service}.service 2>/dev/null; "
+                        f"sha256sum {dep.unit_path} 2>/dev/null; "
                         f"systemctl show {dep.service} -p InvocationID,ActiveState,UnitFileState", check=False)
 
 
@@ -283,7 +283,7 @@ def test_interrupt_mid_upload_stops_within_a_second(deployment: Deployment, caps
 
     assert unchanged(_snapshot(deployment)) == unchanged(before)
     assert ".staging-" not in deployment.sh("h1", f"ls -a {deployment.service_dir}/releases")
-    last = json.loads(deployment.sh("h1", f"tail -n 1 {deployment.service_dir}/history.jsonl"))
+    last = deployment.history()[-1]
     assert last["result"] == "interrupted" and last["attempted"] == host["attempted"]
 
 
@@ -334,7 +334,7 @@ def test_other_staging_failures_refuse_the_host_unchanged(deployment: Deployment
     assert host["error"] == ("staging failed, host unchanged: 1 staged file(s) differ from the manifest (sha256): "
                              "./new.py")
     assert _after_failed_staging(deployment, _snapshot(deployment)) == _after_failed_staging(deployment, before)
-    assert deployment.sh("h1", f"wc -l < {deployment.service_dir}/history.jsonl").strip() == "1"  # refused: none
+    assert len(deployment.history()) == 1  # refused: none
 
 
 def test_full_disk_is_refused_and_leaves_the_host_unchanged(deployment: Deployment,
@@ -417,7 +417,7 @@ def test_a_controller_blackholed_while_staging_loses_the_lock_and_a_second_one_d
     host = json.loads(out)["hosts"][0]
     assert (first.returncode, host["result"]) == (3, "unreachable"), host
     assert "no longer holds the deploy lock" in host["error"], host["error"]
-    assert deployment.sh("h1", f"readlink {d}/current").strip() == f"releases/{second}"
+    assert deployment.link() == f"releases/{second}"
     assert deployment.kdeploy("verify", "test") == 0
 
 
@@ -477,11 +477,10 @@ def test_host_files_are_root_only_except_what_the_service_reads(deployment: Depl
     paths = [d, f"{d}/.lock", f"{d}/history.jsonl", f"{d}/releases", f"{d}/releases/{release}",
              f"{d}/releases/{release}/kdeploy_testplugin", f"{d}/releases/{release}/kdeploy_testplugin/__init__.py",
              f"{d}/releases/{release}/.kdeploy", f"{d}/releases/{release}/.kdeploy/manifest.sha256",
-             f"/etc/systemd/system/{deployment.service}.service"]
+             deployment.unit_path]
     modes = deployment.sh("h1", "stat -c %a " + " ".join(paths)).split()
     assert modes == ["755", "600", "600", "755", "755", "755", "644", "700", "600", "644"]
-    history = deployment.sh("h1", f"cat {d}/history.jsonl")
-    assert json.loads(history.splitlines()[-1])["command"] == f"kdeploy push test --inventory {deployment.path} --json"
+    assert deployment.history()[-1]["command"] == f"kdeploy push test --inventory {deployment.path} --json"
 
     host = deployment.load().hosts["h1"]
     with _connect(deployment) as remote:

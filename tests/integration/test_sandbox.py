@@ -1,4 +1,4 @@
-"""The local sandbox (kdeploy/lab/sandbox.py): real systemd-nspawn hosts with systemd, sshd and journald.
+"""The local sandbox (lab/kdeploy_lab/sandbox.py): real systemd-nspawn hosts with systemd, sshd and journald.
 
 Uses sandbox instances 8 and 9 only (the session fleet uses 0/1). Every fixture tears its sandbox
 down, whatever happens in the test, and the tests check that nothing is left on the machine.
@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from kdeploy.core.errors import SandboxError
-from kdeploy.lab.sandbox import HOST_VENV, Sandbox, SandboxHost
+from kdeploy_lab.sandbox import HOST_VENV, Sandbox, SandboxError, SandboxHost
 
 REPO = Path(__file__).resolve().parents[2]
 INOTIFY = Path("/proc/sys/fs/inotify/max_user_instances")
@@ -155,7 +154,7 @@ def test_up_ssh_journald_inventory_then_down(sb8: Sandbox, tmp_path: Path) -> No
     proc = ssh(sb8, hosts[1], f"{HOST_VENV}/bin/python -c 'import sys; print(sys.prefix)'; "
                               f"touch {HOST_VENV}/x 2>/dev/null || echo read-only")
     assert proc.stdout.split() == [HOST_VENV, "read-only"], (proc.stdout, proc.stderr)
-    if (REPO / "kdeploy" / "lab" / "refserver.py").exists():
+    if (REPO / "lab" / "kdeploy_lab" / "refserver.py").exists():
         proc = ssh(sb8, hosts[1], f"{HOST_VENV}/bin/python -c 'import kdeploy_refserver'")
         assert proc.returncode == 0, proc.stderr
 
@@ -194,7 +193,7 @@ def test_up_ssh_journald_inventory_then_down(sb8: Sandbox, tmp_path: Path) -> No
 def test_recovers_from_crashed_controller(sb8: Sandbox) -> None:
     inotify_before = INOTIFY.read_text()
     # a controller that brings a host up and then dies by SIGKILL: the host keeps running
-    code = ("import os, signal\nfrom kdeploy.lab.sandbox import Sandbox\n"
+    code = ("import os, signal\nfrom kdeploy_lab.sandbox import Sandbox\n"
             "Sandbox(instance=8).up(1)\nos.kill(os.getpid(), signal.SIGKILL)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120, check=False)

@@ -43,7 +43,7 @@ def test_secrets_are_shipped_rotated_and_rolled_back(deployment: Deployment, cap
         assert "tok-1" not in raw and "KDT_TOKEN = ***" in raw
         assert deployment.sh("h1", f"stat -c '%u %a %F' {path}").split() == ["0", "600", "regular", "file"]
         assert _service_env(deployment, "KDT_TOKEN") == TOKEN
-        assert "tok-1" not in deployment.sh("h1", f"cat /etc/systemd/system/{deployment.service}.service")
+        assert "tok-1" not in deployment.sh("h1", f"cat {deployment.unit_path}")
         assert "tok-1" not in deployment.sh("h1", f"grep -r tok-1 {deployment.service_dir} || true")
         code, host, _ = _push(deployment, capsys, "push")
         assert code == 0 and host["result"] == "unchanged"

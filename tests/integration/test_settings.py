@@ -71,14 +71,14 @@ def test_failed_rollout_reverts_the_inventory_and_the_host(deployment: Deploymen
     deployment.set_service(gate={"workers": 8, "poll_interval": 0.25, "markers": ["[kdeploy-testplugin] loaded"],
                                  "timeout": 20})
     assert deployment.kdeploy("push", "test") == 0
-    release = deployment.sh("h1", f"readlink {deployment.service_dir}/current")
+    release = deployment.link()
     before = deployment.path.read_bytes()
     code, doc = deployment.json(capsys, "set-env", "REFSERVER_WRONG_ANSWER=1")
     assert code == 4, doc
     assert doc["inventory"]["reverted"] is True
     assert doc["hosts"][0]["result"] == "rolled_back"
     assert deployment.path.read_bytes() == before  # inventory and host agree again
-    assert deployment.sh("h1", f"readlink {deployment.service_dir}/current") == release
+    assert deployment.link() == release
     assert "REFSERVER_WRONG_ANSWER" not in deployment.show("h1", "Environment")
     assert deployment.kdeploy("verify", "test") == 0
 
@@ -89,7 +89,7 @@ def test_ctrl_c_mid_rollout_puts_the_inventory_and_every_host_back_on_the_old_co
     deployment.set_service(env={"REFSERVER_SLOW_START": "3"})  # each gate waits: Ctrl-C lands in h2's batch
     assert deployment.kdeploy("push", "test") == 0
     before = deployment.path.read_bytes()
-    unit = f"/etc/systemd/system/{deployment.service}.service"
+    unit = deployment.unit_path
     units = {h: deployment.sh(h, f"cat {unit}") for h in deployment.hosts}
     h2_before = deployment.show("h2", "InvocationID")
     proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "set-env", "KDTREE_DEFRAG_SORT=1", "--parallel", "1",
@@ -124,7 +124,7 @@ def test_set_hicache_ratio_changes_exactly_the_execstart_flag(deployment: Deploy
     deployment.set_service(hicache={"enabled": True, "ratio": 2.0, "write_policy": "write_through",
                                     "device_kv_gb_per_rank": 0.1})  # so the host-RAM preflight check fits
     assert deployment.kdeploy("push", "test") == 0
-    unit = f"/etc/systemd/system/{deployment.service}.service"
+    unit = deployment.unit_path
     old = deployment.sh("h1", f"cat {unit}").splitlines()
     code, doc = deployment.json(capsys, "set", "hicache.ratio=4.0")
     assert code == 0, doc
@@ -147,7 +147,7 @@ def test_status_shows_env_last_deploy_and_hand_edits_as_drift_and_push_repairs_t
     assert st["env"] == {"KDTREE_NSPLIT": "64"}
     assert st["last_deploy"]["result"] == "deployed"
     # someone edits the unit and a payload file by hand on the host
-    unit = f"/etc/systemd/system/{deployment.service}.service"
+    unit = deployment.unit_path
     deployment.sh("h1", f"sed -i 's/KDTREE_NSPLIT=64/KDTREE_NSPLIT=32/' {unit} && systemctl daemon-reload && "
                         f"echo '# hotfix' >> {deployment.service_dir}/current/kdeploy_testplugin/__init__.py")
     code, doc = deployment.json(capsys, "status", "test")

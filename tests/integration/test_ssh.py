@@ -363,8 +363,8 @@ def test_sandbox_with_bastion_and_host_certs(tmp_path: Path, capsys: pytest.Capt
     """`sandbox up --bastion --host-certs`: an inventory of ssh_config aliases behind a jump host, with
     certified host keys, that kdeploy and OpenSSH both reach; the hosts are not reachable directly."""
     from kdeploy.cli import app as cli
-    from kdeploy.lab import demo
-    from kdeploy.lab.sandbox import Sandbox
+    from kdeploy_lab import demo
+    from kdeploy_lab.sandbox import Sandbox
 
     box = next((b for b in (Sandbox(instance=i, sglang=False) for i in range(6, -1, -1)) if not b.hosts()), None)
     if box is None:

@@ -1,6 +1,6 @@
 """The kdtree verify kernel's tests. CPU: scripts run under Triton's interpreter (``TRITON_INTERPRET=1``) with
 the cached CPU SGLang venv's python (torch + triton + the real sglang 0.5.23), built once by
-``kdeploy.lab.sglang_env`` (the ``sglang_python`` fixture of tests/conftest.py); ``KDEPLOY_SKIP_SGLANG=1``
+``kdeploy_lab.sglang_env`` (the ``sglang_python`` fixture of tests/conftest.py); ``KDEPLOY_SKIP_SGLANG=1``
 skips them. GPU: see test_mla_verify_gpu.py (skipped without CUDA).
 """
 

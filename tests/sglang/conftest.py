@@ -1,5 +1,5 @@
 """The real ``sglang==0.5.23`` package on CPU: a session fixture builds (once, then cached) the SGLang venv
-with ``kdeploy.lab.sglang_env.ensure_venv()``; tests run their checks as subprocesses of that venv's python.
+with ``kdeploy_lab.sglang_env.ensure_venv()``; tests run their checks as subprocesses of that venv's python.
 
 ``KDEPLOY_SKIP_SGLANG=1`` skips these tests (e.g. on a machine that cannot reach PyPI).
 """

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from kdeploy.cli import app as cli
-from kdeploy.core.errors import SandboxError
-from kdeploy.lab.demo import demo_service
-from kdeploy.lab.sandbox import SGLANG_HOST_VENV, Sandbox
+from kdeploy_lab.demo import demo_service
+from kdeploy_lab.sandbox import SGLANG_HOST_VENV, Sandbox, SandboxError
+from tests.conftest import fast_drain
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +28,7 @@ def sglang_box(sglang_python: str) -> Iterator[Sandbox]:
         pytest.fail("sandbox instance 7 is in use: another test run? (`kdeploy sandbox down --instance 7`)")
     box.up(1)
     try:
+        fast_drain(box)
         yield box
     finally:
         box.down()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kdeploy.core import analysis
 from kdeploy.host import parity
-from kdeploy.lab import refserver
+from kdeploy_lab import refserver
 from tests.sglang.conftest import DEBIAN_PYTHON, REPO, run_python
 
 READY = "The server is fired up and ready to roll!"
@@ -30,7 +30,7 @@ def _free_port() -> int:
 
 def serve_until_ready(python: str, env: dict[str, str], tp: int = 2, timeout: float = 240) -> list[str]:
     """Start the refserver, wait for readiness, SIGTERM it; its log lines."""
-    argv = [str(REPO / "kdeploy" / "lab" / "refserver.py"), "--model-path", "/models/m", "--tp-size", str(tp),
+    argv = [str(REPO / "lab" / "kdeploy_lab" / "refserver.py"), "--model-path", "/models/m", "--tp-size", str(tp),
             "--port", str(_free_port()), "--attention-backend", "kdtree"]
     script = ("import subprocess, sys, time, signal\n"
               f"p = subprocess.Popen([sys.executable, *{argv!r}], stdout=subprocess.PIPE, text=True)\n"
@@ -72,7 +72,7 @@ def test_refserver_without_sglang_skips_the_allocator():
 
 
 def test_refserver_stays_stdlib_only_at_import():
-    code = ("import sys; sys.path.insert(0, 'kdeploy/lab'); import refserver; "
+    code = ("import sys; sys.path.insert(0, 'lab/kdeploy_lab'); import refserver; "
             "heavy = [m for m in ('torch', 'sglang', 'numpy') if m in sys.modules]; print(heavy)")
     out = subprocess.run([DEBIAN_PYTHON, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert out.strip() == "[]"

@@ -1,4 +1,4 @@
-"""kdeploy/lab/sglang_env.py: the cached SGLang venv (built by the session fixture) and its error paths."""
+"""lab/kdeploy_lab/sglang_env.py: the cached SGLang venv (built by the session fixture) and its error paths."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy.lab import sglang_env
+from kdeploy_lab import sglang_env
 
 
 def test_the_cached_venv_records_what_it_was_built_from(sglang_python: str):

@@ -423,100 +423,65 @@ def test_bad_inventory_raises_invalid_input(tmp_path):
 
 # --- precedence of errors: the layer where the bad value was written -------------------------------------
 
-
-def test_error_names_group_layer_even_when_host_sets_the_same_section(tmp_path, capsys):
-    text = BASE.replace('        KDTREE_VERIFY: "on"', '        KDTREE_VERIFY: "on"\n        HF_TOKEN: "x"  # <-')
-    text = text.replace("      name: svc-a", "      name: svc-a\n      env: {OTHER: ok}")   # host has env too
-    rc, line = render_cli(write(tmp_path, text), capsys)
-    assert rc == 2
-    match = ERROR_LINE.match(line)
-    assert match and match["key"] == "groups.ddtree.service.env.HF_TOKEN", line
-    assert int(match["line"]) == marked_line(text)
-
-
-def test_error_names_group_layer_for_nested_value(tmp_path, capsys):
-    text = BASE.replace("    service:\n      env:", "    service:\n      hicache:\n        ratio: 0  # <-\n      env:")
-    text = text.replace("      name: svc-a", "      name: svc-a\n      hicache: {enabled: true}")
-    rc, line = render_cli(write(tmp_path, text), capsys)
-    assert rc == 2
-    match = ERROR_LINE.match(line)
-    assert match and match["key"] == "groups.ddtree.service.hicache.ratio", line
-    assert int(match["line"]) == marked_line(text)
+LAYERS = [
+    pytest.param(  # the host has env too
+        BASE.replace('        KDTREE_VERIFY: "on"', '        KDTREE_VERIFY: "on"\n        HF_TOKEN: "x"  # <-')
+        .replace("      name: svc-a", "      name: svc-a\n      env: {OTHER: ok}"),
+        "groups.ddtree.service.env.HF_TOKEN", "HF_TOKEN looks like a secret", id="group-even-when-host-sets-section"),
+    pytest.param(
+        BASE.replace("    service:\n      env:", "    service:\n      hicache:\n        ratio: 0  # <-\n      env:")
+        .replace("      name: svc-a", "      name: svc-a\n      hicache: {enabled: true}"),
+        "groups.ddtree.service.hicache.ratio", "Input should be greater than 0", id="group-nested-value"),
+    pytest.param(
+        BASE.replace("    service:\n      env:", "    service:\n      hicache: {ratio: 2}\n      env:")
+        .replace("      name: svc-a", "      name: svc-a\n      hicache: {ratio: 0}  # <-"),
+        "hosts.ct200.service.hicache.ratio", "Input should be greater than 0", id="host-overrides-with-bad-value"),
+    pytest.param(BASE.replace("      tp: 8", "      tp: 8\n      port: 70000  # <-"),
+                 "defaults.service.sglang.port", "Input should be less than 65536", id="defaults"),
+]
 
 
-def test_error_names_host_layer_when_host_overrides_with_bad_value(tmp_path, capsys):
-    text = BASE.replace("    service:\n      env:", "    service:\n      hicache: {ratio: 2}\n      env:")
-    text = text.replace("      name: svc-a", "      name: svc-a\n      hicache: {ratio: 0}  # <-")
-    rc, line = render_cli(write(tmp_path, text), capsys)
-    assert rc == 2
-    match = ERROR_LINE.match(line)
-    assert match and match["key"] == "hosts.ct200.service.hicache.ratio", line
-    assert int(match["line"]) == marked_line(text)
+@pytest.mark.parametrize(("text", "keypath", "reason"), LAYERS)
+def test_error_names_the_layer_where_the_bad_value_was_written(tmp_path, capsys, text, keypath, reason):
+    test_bad_inventory_one_line(tmp_path, capsys, text, keypath, reason)
 
 
-def test_error_in_defaults_reported_at_defaults(tmp_path, capsys):
-    text = BASE.replace("      tp: 8", "      tp: 8\n      port: 70000  # <-")
-    rc, line = render_cli(write(tmp_path, text), capsys)
-    assert rc == 2
-    match = ERROR_LINE.match(line)
-    assert match and match["key"] == "defaults.service.sglang.port", line
-    assert match["reason"] == "Input should be less than 65536"
+# --- files that are not inventories: one line each, exit 2 ({path}: the file; patterns are full matches) -----
 
 
-# --- files that are not inventories -----------------------------------------------------------------------
+def _bytes(data: bytes):
+    def make(tmp_path: Path) -> Path:
+        path = tmp_path / "inventory.yaml"
+        path.write_bytes(data)
+        return path
+
+    return make
 
 
-def test_invalid_yaml_names_the_line(tmp_path, capsys):
-    path = write(tmp_path, BASE.replace("    hosts: [ct200]", "    hosts: [ct200"))
-    rc, line = render_cli(path, capsys)
-    assert rc == 2
-    assert re.fullmatch(rf"kdeploy: {re.escape(str(path))}:\d+: invalid YAML: .+", line), line
+NOT_INVENTORIES = [
     # the scanner stops at the first line it cannot continue: the one after the unclosed bracket
-    assert int(line.split(":")[2]) == 9
+    pytest.param(_bytes(BASE.replace("    hosts: [ct200]", "    hosts: [ct200").encode()),
+                 r"{path}:9: invalid YAML: .+", id="invalid-yaml-names-the-line"),
+    pytest.param(_bytes(b"hosts:\n\tct200: {}\n"), r"{path}:2: invalid YAML: .+", id="tab-indentation"),
+    pytest.param(lambda tmp_path: tmp_path / "nope.yaml", r"{path}: inventory not found \(pass --inventory PATH\)",
+                 id="missing-file"),
+    pytest.param(_bytes("# fleet\n# caf\u00e9\nhosts: {}\n".encode("latin-1")),
+                 r"{path}:2: inventory is not UTF-8 text \(.+", id="not-utf8"),
+    pytest.param(lambda tmp_path: tmp_path, r"{path}: an Ansible inventory has no kdeploy service: .+",
+                 id="directory-is-an-ansible-inventory-directory"),
+    *(pytest.param(_bytes(text.encode()), r"{path}: the inventory must be a mapping with defaults/groups/hosts",
+                   id=f"non-mapping-{n}") for n, text in enumerate(["- a\n- b\n", "just a string\n", "42\n"])),
+    *(pytest.param(_bytes(text.encode()), r"{path}(:\d+)?: hosts: no hosts defined", id=f"no-hosts-{n}")
+      for n, text in enumerate(["", "# only a comment\n", "defaults: {}\n"])),
+]
 
 
-def test_tab_indentation_is_invalid_yaml(tmp_path, capsys):
-    path = write(tmp_path, "hosts:\n\tct200: {}\n")
+@pytest.mark.parametrize(("make", "pattern"), NOT_INVENTORIES)
+def test_not_an_inventory_one_line(tmp_path, capsys, make, pattern):
+    path = make(tmp_path)
     rc, line = render_cli(path, capsys)
     assert rc == 2
-    assert line.startswith(f"kdeploy: {path}:2: invalid YAML: "), line
-
-
-def test_missing_file(tmp_path, capsys):
-    path = tmp_path / "nope.yaml"
-    rc, line = render_cli(path, capsys)
-    assert rc == 2
-    assert line == f"kdeploy: {path}: inventory not found (pass --inventory PATH)"
-
-
-def test_inventory_that_is_not_utf8(tmp_path, capsys):
-    path = tmp_path / "inventory.yaml"
-    path.write_bytes("# fleet\n# caf\u00e9\nhosts: {}\n".encode("latin-1"))
-    rc, line = render_cli(path, capsys)
-    assert rc == 2
-    assert line.startswith(f"kdeploy: {path}:2: inventory is not UTF-8 text ("), line
-
-
-def test_directory_is_an_ansible_inventory_directory(tmp_path, capsys):
-    rc, line = render_cli(tmp_path, capsys)
-    assert rc == 2
-    assert line.startswith(f"kdeploy: {tmp_path}: an Ansible inventory has no kdeploy service: "), line
-
-
-@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])
-def test_non_mapping_document(tmp_path, capsys, text):
-    path = write(tmp_path, text)
-    rc, line = render_cli(path, capsys)
-    assert rc == 2
-    assert line == f"kdeploy: {path}: the inventory must be a mapping with defaults/groups/hosts"
-
-
-@pytest.mark.parametrize("text", ["", "# only a comment\n", "defaults: {}\n"])
-def test_no_hosts(tmp_path, capsys, text):
-    path = write(tmp_path, text)
-    rc, line = render_cli(path, capsys)
-    assert rc == 2
-    assert re.fullmatch(rf"kdeploy: {re.escape(str(path))}(:\d+)?: hosts: no hosts defined", line), line
+    assert re.fullmatch("kdeploy: " + pattern.replace("{path}", re.escape(str(path))), line), line
 
 
 def test_router_layers_and_worker_url(tmp_path):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from kdeploy.core.inventory import load
 from kdeploy.core.render import launch_argv
-from kdeploy.lab.demo import demo_service, light_service
-from kdeploy.lab.sandbox import HOST_VENV
+from kdeploy_lab.demo import demo_service, light_service
+from kdeploy_lab.sandbox import HOST_VENV
 
 
 def test_light_service_is_the_demo_service_at_tp1_gated_on_one_worker(tmp_path: Path) -> None:

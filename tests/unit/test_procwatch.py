@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from kdeploy.lab import floor, procwatch
+from kdeploy_lab import floor, procwatch
 
 STATUS = """Name:\tkdeploy
 State:\tS (sleeping)

@@ -13,13 +13,13 @@ from kdeploy.core.errors import (
     KdeployError,
     LockHeld,
     PreflightRefused,
-    SandboxError,
     Unreachable,
     most_severe,
 )
 from kdeploy.core.report import Cancelled, HostResult, Phase, PhaseFailed, Report, Result
 from kdeploy.flows.views import LockView, Plan
 from kdeploy.host.lock import LockInfo
+from kdeploy_lab.sandbox import SandboxError
 
 # most severe first; INVALID (2) is outside the order: it wins outright
 SEVERITY = [5, 4, 3, 8, 7, 6, 1, 0]

@@ -53,8 +53,8 @@ from kdeploy.core.render import quote_env_assignment, quote_exec_arg  # noqa: E4
 from kdeploy.core.report import HostResult  # noqa: E402
 from kdeploy.flows import fleet, push, session, switch  # noqa: E402
 from kdeploy.flows.options import Options  # noqa: E402
-from kdeploy.lab.demo import demo_service, project_dir  # noqa: E402
-from kdeploy.lab.sandbox import Sandbox  # noqa: E402
+from kdeploy_lab.demo import demo_service, project_dir  # noqa: E402
+from kdeploy_lab.sandbox import Sandbox  # noqa: E402
 
 DEFAULT_MARKERS = ("[kdtree] defrag Tier-0", "[kdtree] installed verify override")
 

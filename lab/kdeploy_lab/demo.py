@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kdeploy.lab import sglang_env
-from kdeploy.lab.sandbox import HOST_VENV, SGLANG_HOST_VENV
+from kdeploy_lab import sglang_env
+from kdeploy_lab.sandbox import HOST_VENV, SGLANG_HOST_VENV
 
 REFSERVER_MODULE = "kdeploy_refserver"
 # What each kdtree worker logs even where SGLang is missing (its other markers then read "skipped").

@@ -2,5 +2,6 @@
 
 Local sandbox hosts (systemd-nspawn with real systemd, sshd and journald), the reference server that
 stands in for SGLang on them, the cached CPU venv of the real SGLang package, and the demo service.
-``kdeploy sandbox`` and the tests import it; a push never does.
+A distribution of its own (kdeploy-lab, lab/pyproject.toml): it adds ``kdeploy sandbox`` through the
+``kdeploy.plugins`` entry point, and the tests import it; no kdeploy module does.
 """

@@ -4,7 +4,7 @@ Every host boots the machine's own OS (``-D / --volatile=yes``): ``/`` is a tmpf
 machine's (read-only), ``/etc`` is an overlay whose upper dir is per host, ``/srv`` and ``/opt`` are
 bound per host and survive a reboot of the host. A venv built from ``/usr/bin/python3`` is bound
 read-only at :data:`HOST_VENV` in every host. Optionally (``Sandbox(sglang=...)``) the cached CPU SGLang
-venv of :mod:`kdeploy.lab.sglang_env` (the real ``sglang==0.5.23``, also built from ``/usr/bin/python3``) is
+venv of :mod:`kdeploy_lab.sglang_env` (the real ``sglang==0.5.23``, also built from ``/usr/bin/python3``) is
 bound read-only at :data:`SGLANG_HOST_VENV`; both venvs carry the reference server as ``kdeploy_refserver``.
 
 Network: a bridge ``kdbr<i>`` with 10.213.<i>.1/24 on the machine, per host a network namespace and a
@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-from kdeploy.core.errors import SandboxError
+from kdeploy.core.errors import ExitCode, KdeployError
 
 DEFAULT_DIR = Path(os.environ.get("KDEPLOY_SANDBOX_DIR", "/var/lib/kdeploy-sandbox"))
 HOST_VENV = "/opt/kdeploy-sandbox/venv"
@@ -66,6 +66,12 @@ NSPAWN_RUN = Path("/run/systemd/nspawn")
 NSPAWN_DIRS = (NSPAWN_RUN / "propagate", NSPAWN_RUN / "unix-export")
 PATH_INSIDE = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STOP_GRACE = 30.0    # seconds an orderly poweroff may take before the host is killed
+
+
+class SandboxError(KdeployError):
+    """The local sandbox cannot be built or torn down (missing root, packages, ...)."""
+
+    exit_code = ExitCode.INVALID
 
 # Units masked in every host. Any failed unit turns `systemctl is-system-running` into "degraded", and a
 # wait-online unit would hold the boot for minutes. Masking a unit the machine does not have is harmless.
@@ -351,7 +357,7 @@ class Sandbox:
 
     def _resolve_sglang(self) -> Path | None:
         """The SGLang venv to bind on up(), per ``self.sglang`` (see ``__init__``)."""
-        from kdeploy.lab import sglang_env
+        from kdeploy_lab import sglang_env
 
         if self.sglang is False:
             return None

@@ -3,7 +3,7 @@
 It runs on test hosts under systemd as ``VENV/bin/python -m kdeploy_refserver <sglang flags>``: this file
 is copied as ``kdeploy_refserver.py`` next to the deployed payload. It is therefore STDLIB ONLY, Python
 3.11 compatible, self-contained, and must never import the ``kdeploy`` package. It also runs in place as
-``python -m kdeploy.lab.refserver`` (tests).
+``python -m kdeploy_lab.refserver`` (tests).
 
 What it reproduces from SGLang, as far as a deploy tool can observe it:
 

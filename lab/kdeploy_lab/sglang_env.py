@@ -19,7 +19,7 @@ it raises RuntimeError. Nothing the tests exercise uses torchvision.
 it was built from, and the venv is rebuilt only when that set changes. An exclusive ``flock`` next to
 the venv keeps two processes from building at once (the second waits, then finds the venv ready).
 
-Run ``python -m kdeploy.lab.sglang_env`` to build it ahead of time (prints the path and the build's numbers).
+Run ``python -m kdeploy_lab.sglang_env`` to build it ahead of time (prints the path and the build's numbers).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ CHECK_IMPORTS = ("sglang.srt.mem_cache.allocator", "sglang.srt.mem_cache.allocat
                  "sglang.srt.layers.attention.attention_registry")
 
 _TORCHVISION_SHIM = '''\
-"""Import shim for torchvision, written by kdeploy.lab.sglang_env into its CPU SGLang venv (not torchvision).
+"""Import shim for torchvision, written by kdeploy_lab.sglang_env into its CPU SGLang venv (not torchvision).
 
 PyPI's torchvision is built against CUDA torch and fails to import beside the CPU torch wheel; SGLang 0.5.23
 imports it at module level in multimodal helpers that its model-config registry (and so its attention
@@ -76,7 +76,7 @@ import sys
 import types
 
 __version__ = "0.0.0+kdeploy.shim"
-_WHY = "torchvision is an import shim in this CPU SGLang venv (kdeploy.lab.sglang_env): it cannot be used"
+_WHY = "torchvision is an import shim in this CPU SGLang venv (kdeploy_lab.sglang_env): it cannot be used"
 
 
 class _Meta(type):
@@ -304,7 +304,7 @@ def _build(path: Path, python: Path, log: Callable[[str], None]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kdeploy.lab.sglang_env", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kdeploy_lab.sglang_env", description=__doc__.splitlines()[0])
     parser.add_argument("--path", type=Path, default=None, help=f"venv path (default ${ENV_PATH} or {DEFAULT_PATH})")
     parser.add_argument("--check", action="store_true", help="only report whether it is built (exit 1 if not)")
     args = parser.parse_args(argv)

@@ -1,9 +1,9 @@
 """The real SGLang router (``sglang-router==0.3.2``, a Rust binary in a wheel) in a cached venv, and a way to
 run it for tests and benchmarks.
 
-Built once with Debian's ``/usr/bin/python3`` (as the SGLang venv, :mod:`kdeploy.lab.sglang_env`), rebuilt
+Built once with Debian's ``/usr/bin/python3`` (as the SGLang venv, :mod:`kdeploy_lab.sglang_env`), rebuilt
 only when the marker's package set changes; an exclusive ``flock`` next to it keeps two builds apart.
-``python -m kdeploy.lab.router_env`` builds it ahead of time and prints its path.
+``python -m kdeploy_lab.router_env`` builds it ahead of time and prints its path.
 """
 
 from __future__ import annotations

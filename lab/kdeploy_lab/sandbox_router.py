@@ -1,6 +1,6 @@
 """``kdeploy sandbox up --router``: the real SGLang router as a systemd unit on one extra sandbox host.
 
-The router venv (:mod:`kdeploy.lab.router_env`, cached) is copied into that host's ``/opt`` (a directory of
+The router venv (:mod:`kdeploy_lab.router_env`, cached) is copied into that host's ``/opt`` (a directory of
 this machine bound into the container) and started as ``sglang-router.service`` on ``0.0.0.0:30080``, so
 the controller reaches it at the host's sandbox address. The router host is left out of the written
 inventory's hosts (nothing is deployed to it); the inventory gets a ``router:`` section pointing at it. The
@@ -19,9 +19,8 @@ from typing import Any
 import httpx
 from ruamel.yaml import YAML
 
-from kdeploy.core.errors import SandboxError
-from kdeploy.lab import router_env
-from kdeploy.lab.sandbox import Sandbox, SandboxHost
+from kdeploy_lab import router_env
+from kdeploy_lab.sandbox import Sandbox, SandboxError, SandboxHost
 
 PORT = 30080
 PROMETHEUS_PORT = 29000
