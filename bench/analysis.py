@@ -21,7 +21,6 @@ import json
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from kdeploy.flows.options import Options  # noqa: E402
 from kdeploy_lab import sandbox_router  # noqa: E402
 from kdeploy_lab.demo import demo_service, project_dir  # noqa: E402
 from kdeploy_lab.sandbox import Sandbox  # noqa: E402
+from kdeploy_lab.traffic import Traffic  # noqa: E402
 
 HOSTS = 4
 CONCURRENCY = 12
@@ -60,44 +60,12 @@ def _edit(path: Path, change) -> None:
         yaml.dump(doc, fh)
 
 
-class Load:
-    """CONCURRENCY clients through the router until stopped; counts answers by status."""
-
-    def __init__(self, url: str) -> None:
-        self.url, self.stop, self.codes = url, threading.Event(), {}
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(CONCURRENCY)]
-
-    def _client(self, index: int) -> None:
-        n = 0
-        with httpx.Client(timeout=60) as client:
-            while not self.stop.is_set():
-                n += 1
-                try:
-                    code: int | str = client.post(f"{self.url}/v1/completions", json={
-                        "model": "m", "prompt": f"client {index} request {n}", "max_tokens": TOKENS}).status_code
-                except httpx.HTTPError as exc:
-                    code = type(exc).__name__
-                with self.lock:
-                    self.codes[str(code)] = self.codes.get(str(code), 0) + 1
-
-    def __enter__(self) -> Load:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(60)
-
-
 def run(inv_path: Path, payload: Path, url: str, name: str) -> dict:
     canary = inventory.load(inv_path).resolve("all")[0]
     env = {"REFSERVER_TOKEN_DELAY": str(TOKEN_DELAY), **({"REFSERVER_LATENCY": str(LATENCY)} if name == "slow" else {})}
     _edit(inv_path, lambda doc: doc["hosts"][canary].update(service={"env": env}))
     (payload / "rev.txt").write_text(f"{name}-{time.time()}")
-    with Load(url) as load:
+    with Traffic(url, CONCURRENCY, TOKENS, timeout=60) as load:
         time.sleep(3)  # every host busy before the rollout starts
         started = time.monotonic()
         report = fleet.push(inventory.load(inv_path), "all", Options(policy=Policy(canary=1, batch="1",
@@ -107,7 +75,7 @@ def run(inv_path: Path, payload: Path, url: str, name: str) -> dict:
     phase = next(p for h in doc["hosts"] for p in h["phases"] if p["name"] == "analysis")
     return {"run": name, "exit_code": report.exit_code, "seconds": round(seconds, 1),
             "results": {h["host"]: h["result"] for h in doc["hosts"]}, "analysis": phase,
-            "client": dict(load.codes)}
+            "client": {str(code): n for code, n in load.codes.items()}}
 
 
 def plot(runs: list[dict], path: Path) -> None:

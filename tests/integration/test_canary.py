@@ -9,48 +9,16 @@ estimated from buckets can see it (docs/health-gate.md, Canary analysis: a move 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
+from kdeploy_lab.traffic import Traffic
 from tests.conftest import Deployment
 from tests.integration.test_router import Routed, behind_router
 
 TOKEN_DELAY = 0.14
-
-
-class Traffic:
-    """``threads`` clients sending short completions through the router until stopped, as users would."""
-
-    def __init__(self, url: str, threads: int, tokens: int) -> None:
-        self.url, self.tokens = url, tokens
-        self.stop = threading.Event()
-        self.codes: list[int | str] = []
-        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(threads)]
-
-    def _client(self, index: int) -> None:
-        with httpx.Client(timeout=30) as client:
-            n = 0
-            while not self.stop.is_set():
-                n += 1
-                body = {"model": "m", "prompt": f"client {index} request {n}", "max_tokens": self.tokens}
-                try:
-                    self.codes.append(client.post(f"{self.url}/v1/completions", json=body).status_code)
-                except httpx.HTTPError as exc:
-                    self.codes.append(type(exc).__name__)
-
-    def __enter__(self) -> Traffic:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(30)
 
 
 @pytest.fixture
