@@ -40,7 +40,7 @@ class PhaseDoc(_Doc):
                                                           "on a mismatch prompt, position, token_before, "
                                                           "token_now, gap; analysis: decision, reason, required, "
                                                           "duration, interval, bounds, canary, baseline, failed, "
-                                                          "checks, series, docs/health-gate.md); absent otherwise.")
+                                                          "checks, series, docs/gate.md); absent otherwise.")
 
 
 class PlanDoc(_Doc):

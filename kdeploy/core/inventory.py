@@ -179,7 +179,7 @@ class GatePrompt(_Strict):
 
 
 class ParitySet(_Strict):
-    """The golden set of the gate's ``parity`` phase (docs/health-gate.md, output parity)."""
+    """The golden set of the gate's ``parity`` phase (docs/gate.md, output parity)."""
 
     prompts: list[str] | None = _doc("prompts answered greedily by the release before and after the switch", None,
                                      shown="the gate's `prompts`", min_length=1)
@@ -192,7 +192,7 @@ class ParitySet(_Strict):
 
 
 class AnalysisGate(_Strict):
-    """Canary analysis: bounds on the canary's SGLang metrics relative to the baseline hosts (docs/health-gate.md)."""
+    """Canary analysis: bounds on the canary's SGLang metrics relative to the baseline hosts (docs/gate.md)."""
 
     duration: float = _doc("seconds of the window over which canary and baseline metrics are compared", 60, gt=0,
                            le=WEEK)
@@ -205,7 +205,7 @@ class AnalysisGate(_Strict):
     interval: float = _doc("seconds between scrapes during the window (the live view and the JSON's series)", 5,
                            gt=0, le=3600)
     min_requests: int = _doc("requests each side must serve in the window for a verdict (fewer: no verdict; "
-                             "docs/health-gate.md, Canary analysis)", 20, gt=0)
+                             "docs/gate.md, Canary analysis)", 20, gt=0)
 
     def bounds(self) -> Bounds:
         """The limits as analysis.py takes them."""
@@ -239,7 +239,7 @@ class Gate(_Strict):
         "kdeploy confirmed it (docs/push.md, provisional activation); keep it above the restart and gate time",
         None, gt=0, le=WEEK, shown="`unit.timeout_stop_sec + 60 + gate timeout + 60`")
     analysis: AnalysisGate | None = _doc("canary analysis of a rollout with `--canary N`: the canary's metrics "
-                                         "against the baseline hosts' over a window (docs/health-gate.md)", None,
+                                         "against the baseline hosts' over a window (docs/gate.md)", None,
                                          shown="off")
 
 

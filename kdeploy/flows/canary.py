@@ -1,6 +1,6 @@
 """Canary analysis in a rollout: once the canary passed its gate and is back in its router, its SGLang
 metrics are watched against the baseline's (the hosts behind the same router not yet deployed) for a
-window, and the rollout goes on only if they hold up (docs/health-gate.md, Canary analysis).
+window, and the rollout goes on only if they hold up (docs/gate.md, Canary analysis).
 
 The statistics are ``analysis.py``'s; this module plans an analysis (canary, baseline, whether it can be
 done at all), scrapes ``/metrics`` over each host's SSH connection, makes the one decision (promote, roll

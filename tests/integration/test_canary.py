@@ -4,7 +4,7 @@ keep their release; a good canary (set-env) is promoted and the rollout goes on;
 
 Each generated token takes 0.14 s, so a request's time to first token is about 0.14 s, inside SGLang's TTFT
 bucket (0.1, 0.2]: +50% (REFSERVER_LATENCY=0.07, 0.21 s) lands in the next bucket, (0.2, 0.4], where a p99
-estimated from buckets can see it (docs/health-gate.md, Canary analysis: a move inside one bucket is not seen).
+estimated from buckets can see it (docs/gate.md, Canary analysis: a move inside one bucket is not seen).
 """
 
 from __future__ import annotations
