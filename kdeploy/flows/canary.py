@@ -25,7 +25,7 @@ from kdeploy.core.errors import InvalidInput, KdeployError, PreflightRefused
 from kdeploy.core.inventory import WEEK, Inventory
 from kdeploy.core.report import Cancelled, HostResult, Listener, PhaseFailed, Result
 
-if TYPE_CHECKING:  # deploy and tunnel import paramiko/httpx: only a rollout that analyses pays for them
+if TYPE_CHECKING:  # the router client imports httpx: only a rollout that analyses pays for it
     from kdeploy.flows.options import Options
     from kdeploy.host.router import RouterClient
 
