@@ -409,7 +409,7 @@ def _handshake(hop: Hop, open_sock: Callable[[], socket.socket | _Tunnel | _Prox
                     raise Unreachable(ended) from None
                 if isinstance(exc, paramiko.SSHException):
                     raise
-                raise _Transient(f"connection closed during the SSH handshake ({exc or type(exc).__name__})") \
+                raise _Transient(f"connection closed during the SSH handshake ({str(exc) or type(exc).__name__})") \
                     from None
             recorded = _check_host_key(transport, hop, entries, name, accept_new)
             _authenticate(transport, hop)
@@ -525,7 +525,7 @@ def _channel_opener(via: paramiko.Transport, hop: Hop) -> Callable[[], _Tunnel]:
         except paramiko.ChannelException as exc:  # refused or unresolvable, seen from the jump host
             raise _Transient(f"the jump host cannot connect: {exc.text}") from None
         except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise Unreachable(f"connection to the jump host lost: {exc or type(exc).__name__}") from None
+            raise Unreachable(f"connection to the jump host lost: {str(exc) or type(exc).__name__}") from None
     return open_channel
 
 
@@ -547,14 +547,14 @@ class Process:
         try:
             self.channel.sendall(data)
         except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise Unreachable(f"{self.host}: connection lost: {exc or type(exc).__name__}") from None
+            raise Unreachable(f"{self.host}: connection lost: {str(exc) or type(exc).__name__}") from None
 
     def shutdown_write(self) -> None:
         """Close its stdin (it sees EOF)."""
         try:
             self.channel.shutdown_write()
         except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise Unreachable(f"{self.host}: connection lost: {exc or type(exc).__name__}") from None
+            raise Unreachable(f"{self.host}: connection lost: {str(exc) or type(exc).__name__}") from None
 
     def read_until(self, marker: bytes) -> bytes:
         """stdout until a line ``marker`` arrived, or until it ended; what arrived."""
@@ -566,7 +566,7 @@ class Process:
                     break
                 buf += chunk
         except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise Unreachable(f"{self.host}: connection lost: {exc or type(exc).__name__}") from None
+            raise Unreachable(f"{self.host}: connection lost: {str(exc) or type(exc).__name__}") from None
         return bytes(buf)
 
     def read_some(self, timeout: float) -> bytes | None:
@@ -577,7 +577,7 @@ class Process:
         except TimeoutError:
             return None
         except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise Unreachable(f"{self.host}: connection lost: {exc or type(exc).__name__}") from None
+            raise Unreachable(f"{self.host}: connection lost: {str(exc) or type(exc).__name__}") from None
 
     def exit_status_ready(self) -> bool:
         return self.channel.exit_status_ready()
@@ -746,7 +746,7 @@ class Remote:
                 raise Unreachable(f"{self.host.name}: connection lost (no answer for {timeout:g}s)") from None
             raise RemoteTimeout(f"{self.host.name}: remote command did not finish within {timeout:g}s") from None
         except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise Unreachable(f"{self.host.name}: connection lost: {exc or type(exc).__name__}") from None
+            raise Unreachable(f"{self.host.name}: connection lost: {str(exc) or type(exc).__name__}") from None
         if rc == -1:
             raise Unreachable(f"{self.host.name}: connection lost while running a command")
         if rc == FENCE_RC and FENCE_MARK.encode() in stderr:
@@ -771,7 +771,7 @@ class Remote:
             channel.settimeout(timeout)
             channel.exec_command(posix(command, self._become_user, self.host.become_method))
         except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise Unreachable(f"{self.host.name}: connection lost: {exc or type(exc).__name__}") from None
+            raise Unreachable(f"{self.host.name}: connection lost: {str(exc) or type(exc).__name__}") from None
         return Process(self.host.name, channel)
 
     def close(self) -> None:
