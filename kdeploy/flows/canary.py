@@ -275,7 +275,8 @@ class Analysis:
             phases = [stack.enter_context(r.phase("analysis")) for r in results]
             try:
                 outcome = Outcome(None, impossible, []) if impossible else self.window(canary, baseline)
-            except Cancelled:
+            except (Cancelled, KeyboardInterrupt):  # the window runs in the main thread: Ctrl-C lands here
+                self.cancel.set()
                 for phase in phases:
                     phase.ok, phase.detail = False, "interrupted: the canary stays, not analysed"
                 return "not restarted: interrupted"

@@ -9,6 +9,11 @@ estimated from buckets can see it (docs/gate.md, Canary analysis: a move inside 
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,6 +117,50 @@ def test_a_good_canary_is_promoted_and_the_rollout_goes_on(analysed: Routed, cap
     assert all(dep.link(h) != before[h] and "KDEPLOY_CANARY_OK=1" in dep.show(h, "Environment")
                for h in dep.hosts)
     assert not any(p["name"] == "analysis" for h in ("h2", "h3") for p in hosts[h]["phases"])
+
+
+@pytest.mark.hosts(3)
+def test_ctrl_c_inside_the_window_leaves_the_canary_gated_and_the_rest_untouched(analysed: Routed,
+                                                                                 capsys) -> None:
+    """The canary was gated and admitted before its window opened: an interrupt there keeps it (not analysed,
+    said so), the hosts after it are never restarted and keep no staged release, every lock is let go, and the
+    next push finishes the rollout."""
+    dep = analysed.dep
+    before = {h: dep.state(h) for h in ("h2", "h3")}
+    h1_before = dep.link("h1")
+    (dep.payload / "rev.txt").write_text("interrupted-window")
+    with Traffic(analysed.url, threads=4, tokens=1):
+        proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--canary", "1", "--batch", "1",
+                                 "--analysis", "60s", "--json", "--inventory", str(dep.path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 90
+            while dep.link("h1") == h1_before or not analysed.workers().get(analysed.worker_url("h1")):
+                assert proc.poll() is None and time.monotonic() < deadline, "h1 was never switched and admitted"
+                time.sleep(0.2)
+            time.sleep(3)  # inside the 60 s window
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    doc = json.loads(out)
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    assert proc.returncode == doc["exit_code"] == 130, err
+    h1 = hosts["h1"]
+    assert h1["result"] == "deployed" and h1["router"] == "in", h1
+    phase = _analysis(h1)
+    assert not phase["ok"] and phase["detail"] == "interrupted: the canary stays, not analysed", phase
+    assert dep.link("h1") != h1_before and dep.history("h1")[-1]["result"] == "deployed"
+    for name in ("h2", "h3"):
+        assert hosts[name]["result"] == "interrupted", hosts[name]
+        assert dep.state(name) == before[name]  # never restarted, no staged release left
+    assert all(dep.sh(h, f"ls {dep.service_dir}/lock.json 2>&1", check=False).endswith(
+        "No such file or directory\n") for h in dep.hosts)
+    assert analysed.workers() == {analysed.worker_url(h): True for h in dep.hosts}
+    code, doc = dep.json(capsys, "push", "test", "--batch", "1")
+    assert code == 0 and {h["host"]: h["result"] for h in doc["hosts"]} == {
+        "h1": "unchanged", "h2": "deployed", "h3": "deployed"}, doc
 
 
 @pytest.mark.hosts(2)
