@@ -18,16 +18,13 @@ each run a column). Uses sandbox instance 6; the hosts and the router are always
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
 from ruamel.yaml import YAML  # noqa: E402
 
 from kdeploy.core import inventory  # noqa: E402
@@ -35,8 +32,7 @@ from kdeploy.core.policy import Policy  # noqa: E402
 from kdeploy.flows import fleet  # noqa: E402
 from kdeploy.flows.options import Options  # noqa: E402
 from kdeploy_lab import sandbox_router  # noqa: E402
-from kdeploy_lab.demo import demo_service, project_dir  # noqa: E402
-from kdeploy_lab.sandbox import Sandbox  # noqa: E402
+from kdeploy_lab.sandbox import SandboxError  # noqa: E402
 from kdeploy_lab.traffic import Traffic  # noqa: E402
 
 HOSTS = 4
@@ -110,45 +106,22 @@ def plot(runs: list[dict], path: Path) -> None:
 
 
 def main() -> int:
-    box = Sandbox(instance=6, sglang=False)
-    box.check_requirements()
-    if box.hosts():
-        print("sandbox instance 6 is in use: `kdeploy sandbox down --instance 6` first", file=sys.stderr)
-        return 2
-    tmp = Path(tempfile.mkdtemp(prefix="kdeploy-bench-analysis-"))
     runs = []
     try:
-        router_host = box.up(HOSTS + 1)[-1]
-        payload = tmp / "payload"
-        shutil.copytree(ROOT / "tests" / "data" / "testplugin", payload, ignore=shutil.ignore_patterns("__pycache__"))
-        service = demo_service(project_dir(), sglang=False, name="kdbench", payload=str(payload))
-        service["sglang"] = {**service["sglang"], "port": PORT, "tp": 1}
-        service["gate"] = {"workers": 1, "poll_interval": 0.25, "markers": ["[kdeploy-testplugin] loaded"],
-                           "timeout": 60, "analysis": {"interval": INTERVAL}}
-        service["env"] = {"REFSERVER_TOKEN_DELAY": str(TOKEN_DELAY)}
-        hosts = [h for h in box.hosts() if h.name != router_host.name]
-        inv_path = tmp / "inventory.yaml"
-        sandbox_router.write_inventory(box, inv_path, service, router_host, "http://0.0.0.0:1")
-        _edit(inv_path, lambda doc: doc["defaults"].pop("router"))  # the first deploy starts the servers
-        first = fleet.push(inventory.load(inv_path), "all", Options(verify=False))
-        if not first.ok:
-            raise RuntimeError(f"first deploy failed: {json.dumps(first.as_json())[:2000]}")
-        url = sandbox_router.install(box, router_host, workers=tuple(f"http://{h.address}:{PORT}" for h in hosts))
-        _edit(inv_path, lambda doc: doc["defaults"].update(router={"url": url, "drain_timeout": 60}))
-        deadline = time.monotonic() + 60
-        while not (len(w := httpx.get(f"{url}/workers").json()["workers"]) == HOSTS
-                   and all(x["is_healthy"] for x in w)):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"router never listed {HOSTS} healthy workers")
-            time.sleep(0.2)
-        for name in ("slow", "good"):
-            res = run(inv_path, payload, url, name)
-            runs.append(res)
-            print(json.dumps({k: res[k] for k in ("run", "exit_code", "seconds", "results", "client")}), flush=True)
-            print(f"  {res['analysis']['detail']}", flush=True)
-    finally:
-        box.down()
-        shutil.rmtree(tmp, ignore_errors=True)
+        with sandbox_router.bench_fleet(HOSTS, port=PORT, env={"REFSERVER_TOKEN_DELAY": str(TOKEN_DELAY)},
+                                        gate={"analysis": {"interval": INTERVAL}}) as bench:
+            url = sandbox_router.install(bench.box, bench.router_host, workers=bench.worker_urls(PORT))
+            sandbox_router.set_router(bench.inventory, {"url": url, "drain_timeout": 60})
+            sandbox_router.wait_healthy(url, HOSTS)
+            for name in ("slow", "good"):
+                res = run(bench.inventory, bench.payload, url, name)
+                runs.append(res)
+                print(json.dumps({k: res[k] for k in ("run", "exit_code", "seconds", "results", "client")}),
+                      flush=True)
+                print(f"  {res['analysis']['detail']}", flush=True)
+    except SandboxError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "analysis.json").write_text(json.dumps(
         {"config": {"hosts": HOSTS, "concurrency": CONCURRENCY, "tokens": TOKENS, "token_delay": TOKEN_DELAY,

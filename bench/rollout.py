@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,14 +36,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
-from ruamel.yaml import YAML  # noqa: E402
 
 from kdeploy.core import inventory  # noqa: E402
+from kdeploy.core.policy import Policy  # noqa: E402
 from kdeploy.flows import fleet  # noqa: E402
 from kdeploy.flows.options import Options  # noqa: E402
 from kdeploy_lab import sandbox_router  # noqa: E402
-from kdeploy_lab.demo import demo_service, project_dir  # noqa: E402
-from kdeploy_lab.sandbox import Sandbox, SandboxHost  # noqa: E402
+from kdeploy_lab.sandbox import SandboxError  # noqa: E402
 
 HOSTS = 4
 CONCURRENCY = 16
@@ -61,18 +58,6 @@ MAX_SECONDS = 400.0
 PORT = 30000
 RESULTS = ROOT / "bench" / "results"
 BIN_S = 2.0
-
-
-def _set_router(inv_path: Path, router: dict | None) -> None:
-    """The inventory's ``router:`` section set to ``router``, or removed."""
-    yaml = YAML()
-    doc = yaml.load(inv_path.read_text())
-    if router:
-        doc["defaults"]["router"] = router
-    else:
-        doc["defaults"].pop("router", None)
-    with inv_path.open("w") as fh:
-        yaml.dump(doc, fh)
 
 
 async def _one(client: httpx.AsyncClient, url: str, n: int, t0: float) -> dict:
@@ -120,17 +105,10 @@ def _summary(records: list[dict]) -> dict:
             "throughput": round(len(records) / span, 1) if span else 0}
 
 
-def run_way(box: Sandbox, router_host: SandboxHost, inv_path: Path, payload: Path, way: str) -> dict:
-    hosts = [h for h in box.hosts() if h.name != router_host.name]
-    workers = tuple(f"http://{h.address}:{PORT}" for h in hosts)
-    url = sandbox_router.install(box, router_host, workers=workers, retries=way != "a")
-    _set_router(inv_path, {"url": url, "drain_timeout": 60} if way in ("a", "b") else None)
-    deadline = time.monotonic() + 60
-    while not (len(w := httpx.get(f"{url}/workers").json()["workers"]) == HOSTS
-               and all(x["is_healthy"] for x in w)):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"router never listed {HOSTS} healthy workers")
-        time.sleep(0.2)
+def run_way(bench: sandbox_router.BenchFleet, way: str) -> dict:
+    url = sandbox_router.install(bench.box, bench.router_host, workers=bench.worker_urls(PORT), retries=way != "a")
+    sandbox_router.set_router(bench.inventory, {"url": url, "drain_timeout": 60} if way in ("a", "b") else None)
+    sandbox_router.wait_healthy(url, HOSTS)
     t0 = time.monotonic()
     records: list[dict] = []
     stop = threading.Event()
@@ -141,25 +119,32 @@ def run_way(box: Sandbox, router_host: SandboxHost, inv_path: Path, payload: Pat
         marks.append((host, phase, status, time.monotonic() - t0))
 
     def driver() -> None:
-        time.sleep(BASELINE_S)
-        rollout["start"] = time.monotonic() - t0
-        rollout["results"] = []
-        for n in range(ROUNDS[way]):
-            (payload / "rev.txt").write_text(f"{way}-{n}-{time.time()}")
-            report = fleet.push(inventory.load(inv_path), "all", Options(batch="1"), listener=listener)
-            rollout["results"].append({h.host: str(h.result) for h in report.hosts})
-        rollout["end"] = time.monotonic() - t0
-        time.sleep(2)
-        stop.set()
+        try:
+            time.sleep(BASELINE_S)
+            rollout["start"] = time.monotonic() - t0
+            rollout["results"] = []
+            for n in range(ROUNDS[way]):
+                (bench.payload / "rev.txt").write_text(f"{way}-{n}-{time.time()}")
+                report = fleet.push(inventory.load(bench.inventory), "all", Options(policy=Policy(batch="1")),
+                                    listener=listener)
+                rollout["results"].append({h.host: str(h.result) for h in report.hosts})
+            rollout["end"] = time.monotonic() - t0
+            time.sleep(2)
+        except BaseException as exc:  # the load stops with the driver, and main() says why
+            rollout["error"] = exc
+        finally:
+            stop.set()
 
     thread = threading.Thread(target=driver)
     thread.start()
     asyncio.run(load(url, t0, stop, records))
     stop.set()
     thread.join()
+    if "error" in rollout:
+        raise RuntimeError(f"way {way}: the rollout failed: {rollout['error']!r}") from rollout["error"]
     windows: dict[str, list[tuple[float, float]]] = {}
     restart_time = 0.0
-    for host in (h.name for h in hosts):
+    for host in (h.name for h in bench.hosts):
         begin: float | None = None
         restarted: float | None = None
         for h, phase, status, t in marks:
@@ -214,43 +199,24 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main() -> int:
-    box = Sandbox(instance=6, sglang=False)
-    box.check_requirements()
-    if box.hosts():
-        print("sandbox instance 6 is in use: `kdeploy sandbox down --instance 6` first", file=sys.stderr)
-        return 2
-    tmp = Path(tempfile.mkdtemp(prefix="kdeploy-bench-rollout-"))
     results = []
     try:
-        router_host = box.up(HOSTS + 1)[-1]
-        payload = tmp / "payload"
-        shutil.copytree(ROOT / "tests" / "data" / "testplugin", payload,
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        service = demo_service(project_dir(), sglang=False, name="kdbench", payload=str(payload))
-        service["sglang"] = {**service["sglang"], "port": PORT, "tp": 1}
-        service["gate"] = {"workers": 1, "poll_interval": 0.25, "markers": ["[kdeploy-testplugin] loaded"],
-                           "timeout": 60}
-        service["env"] = {"REFSERVER_TOKEN_DELAY": str(TOKEN_DELAY)}
-        inv_path = tmp / "inventory.yaml"
-        sandbox_router.write_inventory(box, inv_path, service, router_host,
-                                       f"http://{router_host.address}:{sandbox_router.PORT}")
-        _set_router(inv_path, None)  # the first deploy starts the servers; each way starts the router with them
-        first = fleet.push(inventory.load(inv_path), "all", Options(verify=False))
-        if not first.ok:
-            raise RuntimeError(f"first deploy failed: {first.as_json()}")
-        for way in ("a", "b", "c"):
-            res = run_way(box, router_host, inv_path, payload, way)
-            results.append(res)
-            print(json.dumps({k: res[k] for k in ("way", "baseline", "during", "rollout_seconds",
-                                                  "restart_seconds_sum")}), flush=True)
-    finally:
-        box.down()
-        shutil.rmtree(tmp, ignore_errors=True)
+        with sandbox_router.bench_fleet(HOSTS, port=PORT, env={"REFSERVER_TOKEN_DELAY": str(TOKEN_DELAY)},
+                                        gate={}) as bench:
+            for way in ("a", "b", "c"):  # each way (re)starts the router with that way's flags
+                res = run_way(bench, way)
+                results.append(res)
+                print(json.dumps({k: res[k] for k in ("way", "baseline", "during", "rollout_seconds",
+                                                      "restart_seconds_sum")}), flush=True)
+            stop_sec = bench.service["unit"]["timeout_stop_sec"]
+    except SandboxError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "rollout.json").write_text(json.dumps(
         {"config": {"hosts": HOSTS, "concurrency": CONCURRENCY, "tokens": TOKENS, "token_delay": TOKEN_DELAY,
                     "baseline_s": BASELINE_S, "rounds": ROUNDS,
-                    "timeout_stop_sec": service["unit"]["timeout_stop_sec"]},
+                    "timeout_stop_sec": stop_sec},
          "ways": results}, indent=1))
     plot(results, RESULTS / "rollout.png")
     for res in results:

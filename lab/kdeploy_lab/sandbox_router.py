@@ -11,8 +11,13 @@ in-flight gauges; the first push registers them (``--router-add-missing``).
 from __future__ import annotations
 
 import shlex
+import shutil
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +89,81 @@ def write_inventory(box: Sandbox, path: Path, service: dict[str, Any], router_ho
     doc["defaults"]["router"] = {"url": url, "drain_timeout": 120}
     with path.open("w") as fh:
         yaml.dump(doc, fh)
+
+
+def wait_healthy(url: str, count: int, timeout: float = 60.0) -> None:
+    """Until the router at ``url`` lists ``count`` workers, all healthy."""
+    deadline = time.monotonic() + timeout
+    while not (len(w := httpx.get(f"{url}/workers", timeout=5).json()["workers"]) == count
+               and all(x["is_healthy"] for x in w)):
+        if time.monotonic() > deadline:
+            raise SandboxError(f"the router at {url} never listed {count} healthy workers: {w}")
+        time.sleep(0.2)
+
+
+def set_router(path: Path, router: dict[str, Any] | None) -> None:
+    """The inventory's ``router:`` section set to ``router``, or removed."""
+    yaml = YAML()
+    doc = yaml.load(path.read_text())
+    if router:
+        doc["defaults"]["router"] = router
+    else:
+        doc["defaults"].pop("router", None)
+    with path.open("w") as fh:
+        yaml.dump(doc, fh)
+
+
+@dataclass
+class BenchFleet:
+    """What :func:`bench_fleet` brought up: ``hosts`` serve the deployed service, ``router_host`` is left for the
+    router; ``inventory`` has no ``router:`` section yet; a new ``payload/rev.txt`` makes the next push a real
+    change."""
+
+    box: Sandbox
+    router_host: SandboxHost
+    hosts: list[SandboxHost]
+    inventory: Path
+    payload: Path
+    service: dict[str, Any]
+
+    def worker_urls(self, port: int) -> tuple[str, ...]:
+        return tuple(f"http://{h.address}:{port}" for h in self.hosts)
+
+
+@contextmanager
+def bench_fleet(count: int, *, port: int, env: dict[str, str], gate: dict[str, Any],
+                instance: int = 6) -> Iterator[BenchFleet]:
+    """``count`` light sandbox hosts and one more for the router (sandbox ``instance``), the tests' plugin as the
+    payload, first deployed without a router (that push starts the servers the router is then given); always
+    torn down. For the benchmarks that roll changes behind the real router (bench/rollout.py, analysis.py)."""
+    from kdeploy.core import inventory
+    from kdeploy.flows import fleet
+    from kdeploy.flows.options import Options
+    from kdeploy_lab.demo import demo_service, project_dir
+
+    box = Sandbox(instance=instance, sglang=False)
+    box.check_requirements()
+    if box.hosts():
+        raise SandboxError(f"sandbox instance {instance} is in use: `kdeploy sandbox down --instance {instance}` first")
+    tmp = Path(tempfile.mkdtemp(prefix="kdeploy-bench-"))
+    try:
+        router_host = box.up(count + 1)[-1]
+        payload = tmp / "payload"
+        shutil.copytree(project_dir() / "tests" / "data" / "testplugin", payload,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        service = demo_service(project_dir(), sglang=False, name="kdbench", payload=str(payload))
+        service["sglang"] = {**service["sglang"], "port": port, "tp": 1}
+        service["gate"] = {"workers": 1, "poll_interval": 0.25, "markers": ["[kdeploy-testplugin] loaded"],
+                           "timeout": 60, **gate}
+        service["env"] = env
+        path = tmp / "inventory.yaml"
+        write_inventory(box, path, service, router_host, f"http://{router_host.address}:{PORT}")
+        set_router(path, None)
+        first = fleet.push(inventory.load(path), "all", Options(verify=False))
+        if not first.ok:
+            raise SandboxError(f"the first deploy failed: {first.as_json()}")
+        yield BenchFleet(box, router_host, [h for h in box.hosts() if h.name != router_host.name], path, payload,
+                         service)
+    finally:
+        box.down()
+        shutil.rmtree(tmp, ignore_errors=True)
