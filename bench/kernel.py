@@ -536,10 +536,12 @@ def _ours(name: str) -> dict:
 
 def load_kernel(name: str, path: str | None) -> Kernel:
     """``kdtree_ext`` from ``path`` (None: the one this process imported first) as a :class:`Kernel`."""
-    if path is None:
-        return Kernel(name, _ours("kdtree_ext"))
     import importlib
 
+    if path is None:
+        with contextlib.suppress(ImportError):
+            importlib.import_module("kdtree_ext.mla_verify_sm90")
+        return Kernel(name, _ours("kdtree_ext"))
     mine = _ours("kdtree_ext")
     for k in mine:
         del sys.modules[k]

@@ -89,8 +89,10 @@ class KernelConfig:
     tail_m: int = 0                 # Triton split kernel: a last row block of <= this many rows on a short tile
     sm90: bool = False              # on Hopper, the Gluon warp-specialised split kernel
     draft_kernel: bool = False      # the draft tree in _draft_kernel (tensor cores) between split and combine
-    draft_stream: int = 0           # EXPERIMENT 1: _draft_kernel on a side stream, split first; 2: draft first
-    draft_sms: int = 0              # EXPERIMENT with draft_stream: SMs the split grid leaves to the draft kernel
+    draft_sms: int = 0              # EXPERIMENT SMs the split grid leaves to the draft kernel
+    draft_block_d: int = 256        # EXPERIMENT draft kernel channels per program
+    draft_warps: int = 4            # EXPERIMENT draft kernel warps
+    draft_block_r: int = 16         # EXPERIMENT draft kernel rows per program
 
     def describe(self) -> str:
         return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in self.__dict__.items())
@@ -520,7 +522,7 @@ def plan(bs: int, rows: int, nsplit: int, config: KernelConfig, block_m: int, dr
     benchmark's bs=8 shapes: docs/benchmarks.md). Static sizes only: CUDA-graph safe."""
     blocks = _cdiv(rows, block_m)
     cap = _sms_now() if config.max_ctas < 0 else config.max_ctas
-    if draft and config.draft_stream and cap > config.draft_sms:
+    if draft and cap > config.draft_sms:
         cap -= config.draft_sms
     columns = max(1, nsplit * bs)
     if cap > 0:
@@ -551,12 +553,6 @@ def _cuda_ok() -> bool:
 def _sms_now() -> int:
     """The current CUDA device's multiprocessor count (0 without CUDA)."""
     return _device_sms(torch.cuda.current_device()) if _cuda_ok() else 0
-
-
-@functools.lru_cache(maxsize=8)
-def _side_stream(index: int) -> tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event]:
-    """One side stream per device for the draft kernel, with its fork and join events (created once)."""
-    return torch.cuda.Stream(device=index), torch.cuda.Event(), torch.cuda.Event()
 
 
 @functools.lru_cache(maxsize=8)
@@ -652,20 +648,8 @@ def mla_tree_verify(
     tail_m = launch_tail_m(rows, block_m, config) if sm90 is None else 0
     strides = (q.stride(0), q.stride(1), kbuf.stride(0))
     part_strides = (part_o.stride(0), part_o.stride(1), part_lse.stride(0))
-    side = None
-    if draft and config.draft_stream and q.is_cuda:
-        cur = torch.cuda.current_stream(q.device)
-        side, fork, join = _side_stream(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        fork.record(cur)
-        side.wait_event(fork)
     draft_args = (q, kext, vext, mask, mindptr, part_o, part_lse, qo_indptr, kv_indptr, qk_scale, pl.draft_slot0,
                   q.stride(0), q.stride(1), kext.stride(0), vext.stride(0), *part_strides)
-    draft_grid = (_cdiv(rows, 16), bs, 2)
-    draft_consts = dict(H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_R=16, BLOCK_D=256,
-                        BLOCK_J=max(16, triton.next_power_of_2(max_q_len)), HAS_MASK=has_mask, num_warps=4)
-    if side is not None and config.draft_stream == 2:
-        with torch.cuda.stream(side):
-            _draft_kernel[draft_grid](*draft_args, PDL=False, **draft_consts)
     if sm90 is not None:
         sm90[(pl.columns * pl.blocks,)](
             q, kbuf, qo_indptr, kv_indptr, kv_indices, part_o, part_lse, qk_scale, bs, pl.columns, min_chunk,
@@ -677,14 +661,11 @@ def mla_tree_verify(
             *strides, *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=block_m, BLOCK_N=block_n,
             BS=bs_block(bs), PDL=pdl, TAIL_M=tail_m, num_warps=config.num_warps, num_stages=config.num_stages)
     launch = {"launch_pdl": True} if pdl else {}
-    if side is not None:
-        if config.draft_stream == 1:
-            with torch.cuda.stream(side):
-                _draft_kernel[draft_grid](*draft_args, PDL=False, **draft_consts)
-        join.record(side)
-        cur.wait_event(join)
-    elif draft:
-        _draft_kernel[draft_grid](*draft_args, PDL=pdl, **draft_consts, **launch)
+    if draft:
+        _draft_kernel[(_cdiv(rows, config.draft_block_r), bs, D_LATENT // config.draft_block_d)](
+            *draft_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_R=config.draft_block_r, BLOCK_D=config.draft_block_d,
+            BLOCK_J=max(16, triton.next_power_of_2(max_q_len)), HAS_MASK=has_mask, PDL=pdl,
+            num_warps=config.draft_warps, **launch)
     combine_args = (q, kext, vext, mask, mindptr, part_o, part_lse, o3, qo_indptr, kv_indptr, qk_scale, bs,
                     pl.columns, min_chunk, pl.draft_slot0, q.stride(0), q.stride(1), kext.stride(0), vext.stride(0),
                     *part_strides, o3.stride(0), o3.stride(1))
