@@ -89,17 +89,17 @@ class KernelConfig:
     tail_m: int = 0                 # Triton split kernel: a last row block of <= this many rows on a short tile
     sm90: bool = False              # on Hopper, the Gluon warp-specialised split kernel
     draft_kernel: bool = False      # the draft tree in _draft_kernel (tensor cores) between split and combine
-    draft_sms: int = 0              # EXPERIMENT SMs the split grid leaves to the draft kernel
-    draft_block_d: int = 256        # EXPERIMENT draft kernel channels per program
-    draft_warps: int = 4            # EXPERIMENT draft kernel warps
-    draft_block_r: int = 16         # EXPERIMENT draft kernel rows per program
+    draft_sms: int = 0              # multiprocessors the split grid leaves free for the draft kernel's programs
+    draft_block_d: int = 512        # draft kernel: value channels per program (16 rows each)
+    draft_warps: int = 4            # draft kernel warps on launches the per-row combine merges
+    draft_warps_rows: int = 8       # draft kernel warps on launches the row-block combine merges
 
     def describe(self) -> str:
         return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in self.__dict__.items())
 
 
 GPU_CONFIG = KernelConfig(pdl=True, combine_wide_rows=256, tail_m=16, sm90=True, combine_rows=1024,
-                          combine_block_s=64, draft_kernel=True)
+                          combine_block_s=64, draft_kernel=True, draft_sms=3)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -518,8 +518,8 @@ class Plan:
 
 def plan(bs: int, rows: int, nsplit: int, config: KernelConfig, block_m: int, draft: bool) -> Plan:
     """Columns: at most ``nsplit`` per request on average, and one wave of split programs (``max_ctas``: columns
-    x row blocks); the draft kernel's programs run after them (leaving them columns was 0-14% slower on the
-    benchmark's bs=8 shapes: docs/benchmarks.md). Static sizes only: CUDA-graph safe."""
+    x row blocks) on all but ``draft_sms`` multiprocessors when the draft kernel runs (its programs start beside
+    the split kernel's there instead of after them). Static sizes only: CUDA-graph safe."""
     blocks = _cdiv(rows, block_m)
     cap = _sms_now() if config.max_ctas < 0 else config.max_ctas
     if draft and cap > config.draft_sms:
@@ -648,8 +648,6 @@ def mla_tree_verify(
     tail_m = launch_tail_m(rows, block_m, config) if sm90 is None else 0
     strides = (q.stride(0), q.stride(1), kbuf.stride(0))
     part_strides = (part_o.stride(0), part_o.stride(1), part_lse.stride(0))
-    draft_args = (q, kext, vext, mask, mindptr, part_o, part_lse, qo_indptr, kv_indptr, qk_scale, pl.draft_slot0,
-                  q.stride(0), q.stride(1), kext.stride(0), vext.stride(0), *part_strides)
     if sm90 is not None:
         sm90[(pl.columns * pl.blocks,)](
             q, kbuf, qo_indptr, kv_indptr, kv_indices, part_o, part_lse, qk_scale, bs, pl.columns, min_chunk,
@@ -661,15 +659,18 @@ def mla_tree_verify(
             *strides, *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=block_m, BLOCK_N=block_n,
             BS=bs_block(bs), PDL=pdl, TAIL_M=tail_m, num_warps=config.num_warps, num_stages=config.num_stages)
     launch = {"launch_pdl": True} if pdl else {}
+    row_block = 0 < config.combine_rows <= bs * rows   # the 16-row combine merges this launch
+    draft_warps = config.draft_warps_rows if row_block else config.draft_warps
     if draft:
-        _draft_kernel[(_cdiv(rows, config.draft_block_r), bs, D_LATENT // config.draft_block_d)](
-            *draft_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_R=config.draft_block_r, BLOCK_D=config.draft_block_d,
-            BLOCK_J=max(16, triton.next_power_of_2(max_q_len)), HAS_MASK=has_mask, PDL=pdl,
-            num_warps=config.draft_warps, **launch)
+        _draft_kernel[(_cdiv(rows, 16), bs, D_LATENT // config.draft_block_d)](
+            q, kext, vext, mask, mindptr, part_o, part_lse, qo_indptr, kv_indptr, qk_scale, pl.draft_slot0,
+            q.stride(0), q.stride(1), kext.stride(0), vext.stride(0), *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE,
+            BLOCK_R=16, BLOCK_D=config.draft_block_d, BLOCK_J=max(16, triton.next_power_of_2(max_q_len)),
+            HAS_MASK=has_mask, PDL=pdl, num_warps=draft_warps, **launch)
     combine_args = (q, kext, vext, mask, mindptr, part_o, part_lse, o3, qo_indptr, kv_indptr, qk_scale, bs,
                     pl.columns, min_chunk, pl.draft_slot0, q.stride(0), q.stride(1), kext.stride(0), vext.stride(0),
                     *part_strides, o3.stride(0), o3.stride(1))
-    if 0 < config.combine_rows <= bs * rows:
+    if row_block:
         _combine_rows_kernel[(_cdiv(rows, 16), bs, D_LATENT // 128)](
             *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=block_n, BLOCK_R=16, BLOCK_S=4,
             BLOCK_D=128, BLOCK_J=max(16, triton.next_power_of_2(max_q_len)), HAS_MASK=has_mask, PDL=pdl,
