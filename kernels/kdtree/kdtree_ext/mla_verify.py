@@ -93,6 +93,7 @@ class KernelConfig:
     draft_block_d: int = 512        # draft kernel: value channels per program (16 rows each)
     draft_warps: int = 4            # draft kernel warps on launches the per-row combine merges
     draft_warps_rows: int = 8       # draft kernel warps on launches the row-block combine merges
+    sm90_row_mask: bool = False     # EXPERIMENT
 
     def describe(self) -> str:
         return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in self.__dict__.items())
@@ -652,7 +653,7 @@ def mla_tree_verify(
         sm90[(pl.columns * pl.blocks,)](
             q, kbuf, qo_indptr, kv_indptr, kv_indices, part_o, part_lse, qk_scale, bs, pl.columns, min_chunk,
             pl.blocks, *strides, *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE, BS=bs_block(bs), PDL=pdl,
-            LOAD_WARPS=4, LOAD_REGS=40, num_warps=8)
+            LOAD_WARPS=4, LOAD_REGS=40, ROW_MASK=config.sm90_row_mask, num_warps=8)
     else:
         _split_kernel[(pl.blocks, pl.columns)](
             q, kbuf, qo_indptr, kv_indptr, kv_indices, part_o, part_lse, qk_scale, bs, pl.columns, min_chunk,
