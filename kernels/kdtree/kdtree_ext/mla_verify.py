@@ -93,7 +93,6 @@ class KernelConfig:
     draft_block_d: int = 512        # draft kernel: value channels per program (16 rows each)
     draft_warps: int = 4            # draft kernel warps on launches the per-row combine merges
     draft_warps_rows: int = 8       # draft kernel warps on launches the row-block combine merges
-    sm90_row_mask: bool = False     # EXPERIMENT
 
     def describe(self) -> str:
         return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in self.__dict__.items())
@@ -320,15 +319,24 @@ def _combine_kernel(
 
 
 @triton.jit
-def _draft_tile(Q, KExt, VExt, Mask, MaskIndptr, b, q_start, q_len, prefix, r_ok, tok, head, offs_d, qk_scale,
+def _mask_base(Mask, MaskIndptr, b, HAS_MASK: tl.constexpr):
+    """Request ``b``'s rows of the tree mask (``Mask`` itself without one)."""
+    if HAS_MASK:
+        return Mask + tl.load(MaskIndptr + b).to(tl.int64)
+    return Mask
+
+
+@triton.jit
+def _draft_tile(Q, KExt, VExt, MaskB, q_start, q_len, prefix, r_ok, tok, head, offs_d, qk_scale,
                 stride_qt, stride_qh, stride_ket, stride_vet, DL: tl.constexpr, DR: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, HAS_MASK: tl.constexpr):
-    """The draft tree of BLOCK_R (token, head) rows of request ``b``: scores against its draft keys as one
-    [BLOCK_R, BLOCK_J] tile, the tree mask (each row sees its token's ancestors), softmax, ``P V`` for channels
-    ``offs_d`` -> (row max, -inf where a row sees no draft key; the row sums; the unnormalised output). The tile
-    lies between the split kernel's end and the output: with up to 16 draft keys every load (query, keys,
-    values, mask) is issued before the first product, one round trip to memory instead of one per 64 channels
-    (larger trees keep the loop over channels: their keys would not fit in registers at once)."""
+    """The draft tree of BLOCK_R (token, head) rows of a request (``MaskB``: its rows of the tree mask): scores
+    against its draft keys as one [BLOCK_R, BLOCK_J] tile, the tree mask (each row sees its token's ancestors),
+    softmax, ``P V`` for channels ``offs_d`` -> (row max, -inf where a row sees no draft key; the row sums; the
+    unnormalised output). The tile lies between the split kernel's end and the output: with up to 16 draft keys
+    every load (query, keys, values, mask) is issued before the first product, one round trip to memory instead
+    of one per 64 channels (larger trees keep the loop over channels: their keys would not fit in registers at
+    once)."""
     offs_j = tl.arange(0, BLOCK_J)
     j_ok = offs_j < q_len
     q_row = Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
@@ -336,7 +344,7 @@ def _draft_tile(Q, KExt, VExt, Mask, MaskIndptr, b, q_start, q_len, prefix, r_ok
     v = tl.load(VExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_vet + offs_d[None, :], mask=j_ok[:, None],
                 other=0.0)
     if HAS_MASK:
-        mask_row = Mask + tl.load(MaskIndptr + b).to(tl.int64) + tok.to(tl.int64) * (prefix + q_len) + prefix
+        mask_row = MaskB + tok.to(tl.int64) * (prefix + q_len) + prefix
         seen = tl.load(mask_row[:, None] + offs_j[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0) != 0
     else:
         seen = offs_j[None, :] <= tok[:, None]
@@ -385,15 +393,16 @@ def _draft_kernel(
     d0 = tl.program_id(2) * BLOCK_D
     q_start = tl.load(QoIndptr + b)
     q_len = tl.load(QoIndptr + b + 1) - q_start
+    prefix = tl.load(KvIndptr + b + 1) - tl.load(KvIndptr + b)
+    mask_b = _mask_base(Mask, MaskIndptr, b, HAS_MASK)
     rows = q_len * H
     if rb * BLOCK_R < rows:
-        prefix = tl.load(KvIndptr + b + 1) - tl.load(KvIndptr + b)
         r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = r < rows
         tok = r // H
         head = r % H
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        m, w, acc = _draft_tile(Q, KExt, VExt, Mask, MaskIndptr, b, q_start, q_len, prefix, r_ok, tok, head,
+        m, w, acc = _draft_tile(Q, KExt, VExt, mask_b, q_start, q_len, prefix, r_ok, tok, head,
                                 offs_d, qk_scale, stride_qt, stride_qh, stride_ket, stride_vet,
                                 DL, DR, BLOCK_R, BLOCK_J, HAS_MASK)
         m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -452,9 +461,9 @@ def _combine_rows_kernel(
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     else:
         # ---- the draft tree
-        m_run, w_run, acc = _draft_tile(Q, KExt, VExt, Mask, MaskIndptr, b, q_start, q_len, prefix, r_ok, tok,
-                                        head, offs_d, qk_scale, stride_qt, stride_qh, stride_ket, stride_vet,
-                                        DL, DR, BLOCK_R, BLOCK_J, HAS_MASK)
+        m_run, w_run, acc = _draft_tile(Q, KExt, VExt, _mask_base(Mask, MaskIndptr, b, HAS_MASK), q_start, q_len,
+                                        prefix, r_ok, tok, head, offs_d, qk_scale, stride_qt, stride_qh, stride_ket,
+                                        stride_vet, DL, DR, BLOCK_R, BLOCK_J, HAS_MASK)
         if PDL:
             tl.extra.cuda.gdc_wait()
 
@@ -653,7 +662,7 @@ def mla_tree_verify(
         sm90[(pl.columns * pl.blocks,)](
             q, kbuf, qo_indptr, kv_indptr, kv_indices, part_o, part_lse, qk_scale, bs, pl.columns, min_chunk,
             pl.blocks, *strides, *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE, BS=bs_block(bs), PDL=pdl,
-            LOAD_WARPS=4, LOAD_REGS=40, ROW_MASK=config.sm90_row_mask, num_warps=8)
+            LOAD_WARPS=4, LOAD_REGS=40, num_warps=8)
     else:
         _split_kernel[(pl.blocks, pl.columns)](
             q, kbuf, qo_indptr, kv_indptr, kv_indices, part_o, part_lse, qk_scale, bs, pl.columns, min_chunk,

@@ -91,15 +91,6 @@ def _keys_below(n0, end, BN: gl.constexpr, S_L: gl.constexpr):
 
 
 @gluon.jit
-def _keep(n0, end, row0, rows, BM: gl.constexpr, BN: gl.constexpr, S_L: gl.constexpr, ROW_MASK: gl.constexpr):
-    """EXPERIMENT: the keys below end, and with ROW_MASK only the rows below rows."""
-    keep = _keys_below(n0, end, BN, S_L)
-    if ROW_MASK:
-        keep = keep & (row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L)) < rows)[:, None]
-    return keep
-
-
-@gluon.jit
 def _tile(q_lat, q_rope, kl, kr, vl, p_smem, q_free, last, acc, m_i, l_part, keep, qk_scale, S_L: gl.constexpr,
           O_L: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
     """One key tile already in shared memory (kl = its c_kv rows, kr = k_rope, vl = the values: kl itself for
@@ -182,7 +173,7 @@ def _ws_loader(Q, KBuf, KvIdx, QoIndptr, KvIndptr, q_lat, q_rope, k_lat, k_rope,
 @gluon.jit
 def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, QoIndptr, KvIndptr,
                 b_lo, b_hi, p, chunk, base0, row0, qk_scale, stride_ps, stride_pr, stride_ls, H: gl.constexpr,
-                DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, ROW_MASK: gl.constexpr):
+                DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
     """The 8 compute warps, per segment: its key tiles (wait on ``ready``, free the ring slot on ``empty`` once
     both warp groups' ``P V`` has read it; the query rows on ``q_free`` after the last tile's ``Q Kᵀ``), its
     partial into slot column + request."""
@@ -202,8 +193,7 @@ def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, Part
                 fence_async_shared()               # cp.async wrote through the generic proxy; wgmma reads async
                 n0 = start + i * BN
                 acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(buf), k_rope.index(buf), k_lat.index(buf), p_smem,
-                                         q_free, i == n_tiles - 1, acc, m_i, l_part,
-                                         _keep(n0, end, row0, rows, BM, BN, S_L, ROW_MASK),
+                                         q_free, i == n_tiles - 1, acc, m_i, l_part, _keys_below(n0, end, BN, S_L),
                                          qk_scale, S_L, O_L, BM, BN)
                 gl.thread_barrier()                # both warp groups are done with slot buf and with p
                 mbarrier.arrive(empty.index(buf), count=1)
@@ -218,7 +208,7 @@ def split_kernel_sm90(
     qk_scale, bs, columns, min_chunk, blocks,
     stride_qt, stride_qh, stride_kb, stride_ps, stride_pr, stride_ls,
     H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr, PDL: gl.constexpr,
-    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, ROW_MASK: gl.constexpr,
+    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
 ):
     """Grid (``columns`` x ``blocks``,): program ``lin`` is row block ``lin % blocks`` of column ``lin // blocks``
     (neighbouring programs share the column's keys in L2)."""
@@ -252,7 +242,7 @@ def split_kernel_sm90(
     gl.warp_specialize([
         (_ws_compute,
          (q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, QoIndptr, KvIndptr, b_lo, b_hi,
-          p, chunk, base0, row0, qk_scale, stride_ps, stride_pr, stride_ls, H, DL, BM, BN, ROW_MASK)),
+          p, chunk, base0, row0, qk_scale, stride_ps, stride_pr, stride_ls, H, DL, BM, BN)),
         (_ws_loader, (Q, KBuf, KvIdx, QoIndptr, KvIndptr, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, b_lo,
                       b_hi, p, chunk, base0, row0, stride_qt, stride_qh, stride_kb, H, DL, DR, BM, BN, LOAD_WARPS)),
     ], [LOAD_WARPS], [LOAD_REGS])
