@@ -29,7 +29,8 @@ Ragged batches (``--ragged``): the issue's four mixed batches and two decode-lik
 log-uniform 1k-128k), each timed beside one request holding the batch's total prefix (same H and Q, same run):
 ``ragged_over_single`` = the batch's graph-replay time over that request's (kernel-<tag>-ragged.json).
 ``--kernel-path DIR``: import ``kdtree_ext`` from DIR instead of this checkout's (e.g. another checkout's
-kernels/kdtree: before/after in one call).
+kernels/kdtree). ``--ab DIR --sweep CONFIGS``: DIR's kernel and ours under each config in one process, timed in
+interleaved rounds (kernel-<tag>-ab.json: per shape each variant's median and range, ours over DIR's per round).
 
 Phases: precompile (every kernel variant the run needs, on tiny problems, in parallel processes — Triton's
 on-disk cache then serves the timed process), --tune (tile configs and split rules of our kernel on a few

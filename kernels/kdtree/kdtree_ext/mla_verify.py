@@ -28,7 +28,8 @@ How (three launches, no host sync, no allocation, grid from static maxima — CU
    stream and the rows of a request are contiguous in ``q``. Portable kernel: ``_split_kernel`` (Triton). On a
    Hopper GPU: ``mla_verify_sm90.split_kernel_sm90`` (Gluon, warp-specialised).
 2. With ``KernelConfig.draft_kernel`` (the GPU default), ``_draft_kernel`` attends each request's draft tree
-   (the only place the mask is read; 16 rows per program, scores on the tensor cores) into a slot of its own.
+   (the only place the mask is read; 16 rows x 512 channels per program, scores on the tensor cores) into a slot
+   of its own, its programs beside the split kernel's on the ``draft_sms`` multiprocessors the split grid leaves.
 3. The combine, per (token, head) row: merges the row's request's partials (consecutive slots) by their LSE
    with the draft-tree partial (or attends the tree itself) and writes ``o`` (``[tokens, H, 512]``, the input
    dtype): ``_combine_kernel`` one row per program, or ``_combine_rows_kernel`` 16 rows x 128 channels per
@@ -383,9 +384,10 @@ def _draft_kernel(
     request's draft keys as one tensor-core tile, the tree mask, softmax, ``P V`` -> the normalised partial and
     log2-sum-exp in slot ``draft_slot0 + b`` (a row that sees no draft key: LSE -inf).
 
-    Launched right after the split kernel (PDL: it starts once every split program runs, on multiprocessors they
-    leave free, if any) and before the combine, which waits for it: program (0, 0, 0) waits for the split kernel
-    before it exits, so this kernel's end implies the split kernel's and the combine's one wait covers both."""
+    Launched right after the split kernel (PDL: it starts once every split program runs, on the ``draft_sms``
+    multiprocessors the split grid leaves free) and before the combine, which waits for it: program (0, 0, 0)
+    waits for the split kernel before it exits, so this kernel's end implies the split kernel's and the combine's
+    one wait covers both."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     rb = tl.program_id(0)
