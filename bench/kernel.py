@@ -29,7 +29,8 @@ Ragged batches (``--ragged``): the issue's four mixed batches and two decode-lik
 log-uniform 1k-128k), each timed beside one request holding the batch's total prefix (same H and Q, same run):
 ``ragged_over_single`` = the batch's graph-replay time over that request's (kernel-<tag>-ragged.json).
 ``--kernel-path DIR``: import ``kdtree_ext`` from DIR instead of this checkout's (e.g. another checkout's
-kernels/kdtree: before/after in one call).
+kernels/kdtree). ``--ab DIR --sweep CONFIGS``: DIR's kernel and ours under each config in one process, timed in
+interleaved rounds (kernel-<tag>-ab.json: per shape each variant's median and range, ours over DIR's per round).
 
 Phases: precompile (every kernel variant the run needs, on tiny problems, in parallel processes — Triton's
 on-disk cache then serves the timed process), --tune (tile configs and split rules of our kernel on a few
@@ -41,12 +42,14 @@ bench/results; keep what it prints as kernel-<tag>.txt).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -124,21 +127,25 @@ def out_for(prob):
                       device=prob["q"].device)
 
 
-def make_fn(method: str, prob, *, config=None, nsplit=NSPLIT):
-    """(callable, output tensor), or (None, reason) when the method cannot run this problem."""
+def make_fn(method: str, prob, *, config=None, nsplit=NSPLIT, kernel=None):
+    """(callable, output tensor), or (None, reason) when the method cannot run this problem (``kernel``: another
+    checkout's ``kdtree_ext``, from :func:`load_kernel`, for our kernel)."""
     o = out_for(prob)
     q, kext, vext = prob["q"], prob["k_ext"], prob["v_ext"].view(-1, 1, mv.D_LATENT)
     kbuf = prob["kv_buffer"]
     vbuf = kbuf[..., : mv.D_LATENT]
     qlen = prob["q_len"]
     if method.startswith("kdtree"):
-        config = config or mv.default_config(q.device)
+        mvm = kernel.mv if kernel else mv
+        config = config or mvm.default_config(q.device)
         ns = 1 if method == "kdtree_ns1" else nsplit
-        ws = mv.Workspace.for_batches(prob["bs"], qlen * prob["heads"], ns, config, q.device)
+        ws = mvm.Workspace.for_batches(prob["bs"], qlen * prob["heads"], ns, config, q.device)
 
         def fn():
-            mv.mla_tree_verify(q, kext, vext, o, kbuf, prob["qo_indptr"], prob["kv_indptr"], prob["kv_indices"],
-                               prob["custom_mask"], prob["mask_indptr"], qlen, SCALE, ns, ws, config=config)
+            if kernel:
+                kernel.activate()
+            mvm.mla_tree_verify(q, kext, vext, o, kbuf, prob["qo_indptr"], prob["kv_indptr"], prob["kv_indices"],
+                                prob["custom_mask"], prob["mask_indptr"], qlen, SCALE, ns, ws, config=config)
         return fn, o
     if method in ("extend", "verify_mla"):
         kernels = sglang_kernels()
@@ -362,6 +369,10 @@ def main() -> int:
     ap.add_argument("--ragged", action="store_true", help="only the ragged batches beside one request of their "
                     "total prefix (kernel-<tag>-ragged.json)")
     ap.add_argument("--kernel-path", default=None, help="import kdtree_ext from this directory")
+    ap.add_argument("--ab", default=None, help="with --sweep: another checkout's kernels/kdtree beside ours in "
+                    "this process, timed in interleaved rounds (kernel-<tag>-ab.json)")
+    ap.add_argument("--rounds", type=int, default=7, help="with --ab: timing rounds per shape")
+    ap.add_argument("--rep", type=float, default=20, help="with --ab: do_bench milliseconds per round")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
     if args.sglang:
@@ -388,6 +399,8 @@ def main() -> int:
     log("INFO " + json.dumps(info))
     if args.ragged:
         return ragged(info, args, device, dtype, cpu)
+    if args.sweep and args.ab:
+        return ab(json.loads(args.sweep), shapes, info, args, device, dtype)
     if args.sweep:
         return sweep(json.loads(args.sweep), shapes, info, args, device, dtype)
     methods = list(METHODS)
@@ -504,6 +517,143 @@ def sweep(configs: list[dict], shapes, info, args, device, dtype) -> int:
         else:
             log(f"config {i} {cfg}: failed on some shapes")
     return 0
+
+
+class Kernel:
+    """One checkout's ``kdtree_ext`` modules, importable beside another's in one process: ``activate`` puts them
+    in ``sys.modules`` (the kernels import their Hopper module lazily, by name, at the first launch)."""
+
+    def __init__(self, name: str, modules: dict):
+        self.name, self.modules = name, modules
+        self.mv = modules["kdtree_ext.mla_verify"]
+
+    def activate(self) -> None:
+        sys.modules.update(self.modules)
+
+
+def _ours(name: str) -> dict:
+    return {k: v for k, v in sys.modules.items() if k == name or k.startswith(name + ".")}
+
+
+def load_kernel(name: str, path: str | None) -> Kernel:
+    """``kdtree_ext`` from ``path`` (None: the one this process imported first) as a :class:`Kernel`."""
+    import importlib
+
+    if path is None:
+        with contextlib.suppress(ImportError):
+            importlib.import_module("kdtree_ext.mla_verify_sm90")
+        return Kernel(name, _ours("kdtree_ext"))
+    mine = _ours("kdtree_ext")
+    for k in mine:
+        del sys.modules[k]
+    sys.path.insert(0, os.path.abspath(path))
+    try:
+        importlib.import_module("kdtree_ext.mla_verify")
+        with contextlib.suppress(ImportError):
+            importlib.import_module("kdtree_ext.mla_verify_sm90")
+        theirs = _ours("kdtree_ext")
+    finally:
+        sys.path.pop(0)
+        for k in _ours("kdtree_ext"):
+            del sys.modules[k]
+        sys.modules.update(mine)
+    return Kernel(name, theirs)
+
+
+def ab(configs: list[dict], shapes, info, args, device, dtype) -> int:
+    """Another checkout's kernel (``--ab DIR``, its default config) and ours under each of ``configs``, all in
+    this process: per shape, every variant checked against the fp32 reference (eager, and its CUDA graph's
+    replay on a poisoned output), then ``--rounds`` rounds of timing each variant's graph replay
+    (``do_bench`` median, L2 flushed), the variants' order rotated each round. Reports each variant's median
+    over the rounds and its range, and each of ours over the other's paired by round (median, min, max):
+    run-to-run drift moves both sides of a pair alike."""
+    import triton.testing
+
+    if not args.no_precompile:
+        t0 = time.time()
+        results = precompile(tasks_for(shapes, ["kdtree"], configs, (NSPLIT,)), args.workers)
+        log(f"precompile: {len(results)} variants in {time.time() - t0:.0f}s, "
+            f"{sum(r.startswith('FAILED') for r in results)} failed")
+    base = load_kernel("base", args.ab)
+    ours = load_kernel("ours", None)
+    variants = [("base", base, None)] + [(f"ours{i}", ours, ours.mv.with_config(ours.mv.default_config(device), **c))
+                                         for i, c in enumerate(configs)]
+    rows = []
+    for bs, h, q, ctx in shapes:
+        prob = problem(bs, h, q, ctx, device=device, dtype=dtype, seed=ctx + 31 * bs + h + q)
+        ref = run_reference(prob, SCALE)
+        graphs, errs = [], []
+        for _name, kernel, config in variants:
+            fn, o = make_fn("kdtree", prob, config=config, kernel=kernel)
+            fn()
+            torch.cuda.synchronize()
+            e = errors(o, ref)
+            g = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            with torch.cuda.graph(g):
+                fn()
+            o.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            eg = errors(o, ref)
+            errs.append({"eager": e, "graph": eg})
+            if not (ok(e) and ok(eg)):
+                raise SystemExit(f"WRONG {bs} {h} {q} {ctx} {_name}: {e} {eg}")
+            graphs.append((g, fn, o))
+        times = [[] for _ in variants]
+        for rnd in range(args.rounds):
+            n = len(variants)
+            for k in range(n):
+                i = (k + rnd) % n
+                times[i].append(triton.testing.do_bench(graphs[i][0].replay, warmup=5, rep=args.rep,
+                                                        return_mode="median") * 1e3)
+        row = {"shape": [bs, h, q, ctx], "variants": []}
+        for i, (name, _k, _c) in enumerate(variants):
+            t = sorted(times[i])
+            v = {"name": name, "graph_us": round(statistics.median(t), 2), "min_us": round(t[0], 2),
+                 "max_us": round(t[-1], 2), "rounds_us": [round(x, 2) for x in times[i]], "errors": errs[i]}
+            if i:
+                r = sorted(a / b for a, b in zip(times[i], times[0], strict=True))
+                v.update(over_base=round(statistics.median(r), 4), over_base_min=round(r[0], 4),
+                         over_base_max=round(r[-1], 4))
+            row["variants"].append(v)
+        rows.append(row)
+        log(f"AB {bs} {h} {q} {ctx // 1024}k: " + " | ".join(_ab_cell(v) for v in row["variants"]))
+        del graphs, prob, ref
+        torch.cuda.empty_cache()
+    summary = []
+    for i, (name, _k, _c) in enumerate(variants):
+        ts = [r["variants"][i]["graph_us"] for r in rows]
+        s_ = {"name": name, "config": configs[i - 1] if i else "base", "geomean_us": round(geomean(ts), 2)}
+        if i:
+            ratios = [r["variants"][i]["over_base"] for r in rows]
+            s_["over_3pct"] = [r["shape"] for r in rows if r["variants"][i]["over_base"] > 1.03]
+            s_["over_3pct_every_round"] = [r["shape"] for r in rows if r["variants"][i]["over_base_min"] > 1.03]
+            s_["geomean_over_base"] = round(geomean(ratios), 4)
+        summary.append(s_)
+        log(f"AB-SUMMARY {json.dumps(s_)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"kernel-{args.tag}-ab.json").write_text(json.dumps(
+        {"info": info, "base": os.path.abspath(args.ab), "configs": configs, "rounds": args.rounds,
+         "rep_ms": args.rep, "summary": summary, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+def _ab_cell(v: dict) -> str:
+    cell = f"{v['name']} {v['graph_us']:.1f} [{v['min_us']:.1f}-{v['max_us']:.1f}]"
+    if "over_base" in v:
+        cell += (f" {100 * (v['over_base'] - 1):+.1f}% [{100 * (v['over_base_min'] - 1):+.1f}.."
+                 f"{100 * (v['over_base_max'] - 1):+.1f}]")
+    return cell
+
+
+def geomean(xs) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 def loguniform(n: int, lo: int, hi: int, seed: int, total: int | None = None) -> list[int]:

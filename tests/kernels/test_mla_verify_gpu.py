@@ -148,11 +148,13 @@ def test_more_requests_than_multiprocessors():
                         seed=160, mask_dtype=torch.uint8)
     plan = mv.plan(len(prefixes), 32, 64, mv.GPU_CONFIG, 64, True)
     assert plan.columns < len(prefixes)
+    assert plan.columns * plan.blocks <= mv._sms_now() - mv.GPU_CONFIG.draft_sms   # SMs left to the draft kernel
     outs = [run_kernel(prob, SCALE, 64, config=c, out=poisoned(prob)) for c in both_kernels(prob)]
     check_with_sglang(prob, outs)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"pdl": False}, {"combine_rows": 1}, {"sm90": False}])
+@pytest.mark.parametrize("overrides", [{}, {"pdl": False}, {"combine_rows": 1}, {"sm90": False},
+                                       {"draft_block_d": 256, "draft_sms": 0}])
 def test_draft_kernel_writes_its_slot(overrides):
     """The default config attends the draft tree in _draft_kernel (slot draft_slot0 + b; the workspace is poisoned
     first); the combine then only merges partials."""

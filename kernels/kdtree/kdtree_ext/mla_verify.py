@@ -28,7 +28,8 @@ How (three launches, no host sync, no allocation, grid from static maxima — CU
    stream and the rows of a request are contiguous in ``q``. Portable kernel: ``_split_kernel`` (Triton). On a
    Hopper GPU: ``mla_verify_sm90.split_kernel_sm90`` (Gluon, warp-specialised).
 2. With ``KernelConfig.draft_kernel`` (the GPU default), ``_draft_kernel`` attends each request's draft tree
-   (the only place the mask is read; 16 rows per program, scores on the tensor cores) into a slot of its own.
+   (the only place the mask is read; 16 rows x 512 channels per program, scores on the tensor cores) into a slot
+   of its own, its programs beside the split kernel's on the ``draft_sms`` multiprocessors the split grid leaves.
 3. The combine, per (token, head) row: merges the row's request's partials (consecutive slots) by their LSE
    with the draft-tree partial (or attends the tree itself) and writes ``o`` (``[tokens, H, 512]``, the input
    dtype): ``_combine_kernel`` one row per program, or ``_combine_rows_kernel`` 16 rows x 128 channels per
@@ -89,13 +90,17 @@ class KernelConfig:
     tail_m: int = 0                 # Triton split kernel: a last row block of <= this many rows on a short tile
     sm90: bool = False              # on Hopper, the Gluon warp-specialised split kernel
     draft_kernel: bool = False      # the draft tree in _draft_kernel (tensor cores) between split and combine
+    draft_sms: int = 0              # multiprocessors the split grid leaves free for the draft kernel's programs
+    draft_block_d: int = 512        # draft kernel: value channels per program (16 rows each)
+    draft_warps: int = 4            # draft kernel warps on launches the per-row combine merges
+    draft_warps_rows: int = 8       # draft kernel warps on launches the row-block combine merges
 
     def describe(self) -> str:
         return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in self.__dict__.items())
 
 
 GPU_CONFIG = KernelConfig(pdl=True, combine_wide_rows=256, tail_m=16, sm90=True, combine_rows=1024,
-                          combine_block_s=64, draft_kernel=True)
+                          combine_block_s=64, draft_kernel=True, draft_sms=3)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -315,15 +320,24 @@ def _combine_kernel(
 
 
 @triton.jit
-def _draft_tile(Q, KExt, VExt, Mask, MaskIndptr, b, q_start, q_len, prefix, r_ok, tok, head, offs_d, qk_scale,
+def _mask_base(Mask, MaskIndptr, b, HAS_MASK: tl.constexpr):
+    """Request ``b``'s rows of the tree mask (``Mask`` itself without one)."""
+    if HAS_MASK:
+        return Mask + tl.load(MaskIndptr + b).to(tl.int64)
+    return Mask
+
+
+@triton.jit
+def _draft_tile(Q, KExt, VExt, MaskB, q_start, q_len, prefix, r_ok, tok, head, offs_d, qk_scale,
                 stride_qt, stride_qh, stride_ket, stride_vet, DL: tl.constexpr, DR: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, HAS_MASK: tl.constexpr):
-    """The draft tree of BLOCK_R (token, head) rows of request ``b``: scores against its draft keys as one
-    [BLOCK_R, BLOCK_J] tile, the tree mask (each row sees its token's ancestors), softmax, ``P V`` for channels
-    ``offs_d`` -> (row max, -inf where a row sees no draft key; the row sums; the unnormalised output). The tile
-    lies between the split kernel's end and the output: with up to 16 draft keys every load (query, keys,
-    values, mask) is issued before the first product, one round trip to memory instead of one per 64 channels
-    (larger trees keep the loop over channels: their keys would not fit in registers at once)."""
+    """The draft tree of BLOCK_R (token, head) rows of a request (``MaskB``: its rows of the tree mask): scores
+    against its draft keys as one [BLOCK_R, BLOCK_J] tile, the tree mask (each row sees its token's ancestors),
+    softmax, ``P V`` for channels ``offs_d`` -> (row max, -inf where a row sees no draft key; the row sums; the
+    unnormalised output). The tile lies between the split kernel's end and the output: with up to 16 draft keys
+    every load (query, keys, values, mask) is issued before the first product, one round trip to memory instead
+    of one per 64 channels (larger trees keep the loop over channels: their keys would not fit in registers at
+    once)."""
     offs_j = tl.arange(0, BLOCK_J)
     j_ok = offs_j < q_len
     q_row = Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
@@ -331,7 +345,7 @@ def _draft_tile(Q, KExt, VExt, Mask, MaskIndptr, b, q_start, q_len, prefix, r_ok
     v = tl.load(VExt + (q_start + offs_j).to(tl.int64)[:, None] * stride_vet + offs_d[None, :], mask=j_ok[:, None],
                 other=0.0)
     if HAS_MASK:
-        mask_row = Mask + tl.load(MaskIndptr + b).to(tl.int64) + tok.to(tl.int64) * (prefix + q_len) + prefix
+        mask_row = MaskB + tok.to(tl.int64) * (prefix + q_len) + prefix
         seen = tl.load(mask_row[:, None] + offs_j[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0) != 0
     else:
         seen = offs_j[None, :] <= tok[:, None]
@@ -370,9 +384,10 @@ def _draft_kernel(
     request's draft keys as one tensor-core tile, the tree mask, softmax, ``P V`` -> the normalised partial and
     log2-sum-exp in slot ``draft_slot0 + b`` (a row that sees no draft key: LSE -inf).
 
-    Launched right after the split kernel (PDL: it starts once every split program runs, on multiprocessors they
-    leave free, if any) and before the combine, which waits for it: program (0, 0, 0) waits for the split kernel
-    before it exits, so this kernel's end implies the split kernel's and the combine's one wait covers both."""
+    Launched right after the split kernel (PDL: it starts once every split program runs, on the ``draft_sms``
+    multiprocessors the split grid leaves free) and before the combine, which waits for it: program (0, 0, 0)
+    waits for the split kernel before it exits, so this kernel's end implies the split kernel's and the combine's
+    one wait covers both."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     rb = tl.program_id(0)
@@ -380,15 +395,16 @@ def _draft_kernel(
     d0 = tl.program_id(2) * BLOCK_D
     q_start = tl.load(QoIndptr + b)
     q_len = tl.load(QoIndptr + b + 1) - q_start
+    prefix = tl.load(KvIndptr + b + 1) - tl.load(KvIndptr + b)
+    mask_b = _mask_base(Mask, MaskIndptr, b, HAS_MASK)
     rows = q_len * H
     if rb * BLOCK_R < rows:
-        prefix = tl.load(KvIndptr + b + 1) - tl.load(KvIndptr + b)
         r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = r < rows
         tok = r // H
         head = r % H
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        m, w, acc = _draft_tile(Q, KExt, VExt, Mask, MaskIndptr, b, q_start, q_len, prefix, r_ok, tok, head,
+        m, w, acc = _draft_tile(Q, KExt, VExt, mask_b, q_start, q_len, prefix, r_ok, tok, head,
                                 offs_d, qk_scale, stride_qt, stride_qh, stride_ket, stride_vet,
                                 DL, DR, BLOCK_R, BLOCK_J, HAS_MASK)
         m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -447,9 +463,9 @@ def _combine_rows_kernel(
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     else:
         # ---- the draft tree
-        m_run, w_run, acc = _draft_tile(Q, KExt, VExt, Mask, MaskIndptr, b, q_start, q_len, prefix, r_ok, tok,
-                                        head, offs_d, qk_scale, stride_qt, stride_qh, stride_ket, stride_vet,
-                                        DL, DR, BLOCK_R, BLOCK_J, HAS_MASK)
+        m_run, w_run, acc = _draft_tile(Q, KExt, VExt, _mask_base(Mask, MaskIndptr, b, HAS_MASK), q_start, q_len,
+                                        prefix, r_ok, tok, head, offs_d, qk_scale, stride_qt, stride_qh, stride_ket,
+                                        stride_vet, DL, DR, BLOCK_R, BLOCK_J, HAS_MASK)
         if PDL:
             tl.extra.cuda.gdc_wait()
 
@@ -514,10 +530,12 @@ class Plan:
 
 def plan(bs: int, rows: int, nsplit: int, config: KernelConfig, block_m: int, draft: bool) -> Plan:
     """Columns: at most ``nsplit`` per request on average, and one wave of split programs (``max_ctas``: columns
-    x row blocks); the draft kernel's programs run after them (leaving them columns was 0-14% slower on the
-    benchmark's bs=8 shapes: docs/benchmarks.md). Static sizes only: CUDA-graph safe."""
+    x row blocks) on all but ``draft_sms`` multiprocessors when the draft kernel runs (its programs start beside
+    the split kernel's there instead of after them). Static sizes only: CUDA-graph safe."""
     blocks = _cdiv(rows, block_m)
     cap = _sms_now() if config.max_ctas < 0 else config.max_ctas
+    if draft and cap > config.draft_sms:
+        cap -= config.draft_sms
     columns = max(1, nsplit * bs)
     if cap > 0:
         columns = max(1, min(columns, cap // blocks))
@@ -653,16 +671,18 @@ def mla_tree_verify(
             *strides, *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=block_m, BLOCK_N=block_n,
             BS=bs_block(bs), PDL=pdl, TAIL_M=tail_m, num_warps=config.num_warps, num_stages=config.num_stages)
     launch = {"launch_pdl": True} if pdl else {}
+    row_block = 0 < config.combine_rows <= bs * rows   # the 16-row combine merges this launch
+    draft_warps = config.draft_warps_rows if row_block else config.draft_warps
     if draft:
-        _draft_kernel[(_cdiv(rows, 16), bs, 2)](
+        _draft_kernel[(_cdiv(rows, 16), bs, D_LATENT // config.draft_block_d)](
             q, kext, vext, mask, mindptr, part_o, part_lse, qo_indptr, kv_indptr, qk_scale, pl.draft_slot0,
             q.stride(0), q.stride(1), kext.stride(0), vext.stride(0), *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE,
-            BLOCK_R=16, BLOCK_D=256, BLOCK_J=max(16, triton.next_power_of_2(max_q_len)), HAS_MASK=has_mask, PDL=pdl,
-            num_warps=4, **launch)
+            BLOCK_R=16, BLOCK_D=config.draft_block_d, BLOCK_J=max(16, triton.next_power_of_2(max_q_len)),
+            HAS_MASK=has_mask, PDL=pdl, num_warps=draft_warps, **launch)
     combine_args = (q, kext, vext, mask, mindptr, part_o, part_lse, o3, qo_indptr, kv_indptr, qk_scale, bs,
                     pl.columns, min_chunk, pl.draft_slot0, q.stride(0), q.stride(1), kext.stride(0), vext.stride(0),
                     *part_strides, o3.stride(0), o3.stride(1))
-    if 0 < config.combine_rows <= bs * rows:
+    if row_block:
         _combine_rows_kernel[(_cdiv(rows, 16), bs, D_LATENT // 128)](
             *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=block_n, BLOCK_R=16, BLOCK_S=4,
             BLOCK_D=128, BLOCK_J=max(16, triton.next_power_of_2(max_q_len)), HAS_MASK=has_mask, PDL=pdl,
