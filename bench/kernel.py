@@ -440,9 +440,7 @@ def main() -> int:
         ref = run_reference(prob, SCALE)
         row = {"bs": bs, "h": h, "q": q, "ctx": ctx, "kind": "tree" if q == 16 else "chain",
                "kv_MB": round(kv_bytes(bs, ctx) / 1e6, 2)}
-        block_m = 64 if config.sm90 else config.block_m
-        row["columns"] = mv.plan(bs, q * h, NSPLIT, config, block_m, True,
-                                 mv.tail_launch(q * h, block_m, config, config.pdl)).columns
+        row["columns"] = mv.plan(bs, q * h, NSPLIT, config, 64 if config.sm90 else config.block_m, True).columns
         ref_chain = ref if q != 16 else None
         for m in methods:
             if m == "verify_mla" and ref_chain is None:    # it runs the chain: check it against the chain

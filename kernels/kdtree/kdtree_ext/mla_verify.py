@@ -88,8 +88,6 @@ class KernelConfig:
     combine_wide_rows: int = 0      # launches of >= this many rows: one 512-channel per-row program (0: never)
     combine_rows: int = 0           # launches of >= this many rows: the 16-row x 128-channel combine (0: never)
     tail_m: int = 0                 # Triton split kernel: a last row block of <= this many rows on a short tile
-    tail_cols: int = 0              # with pdl: a short last row block in _tail_kernel, this many columns a program
-    tail_warps: int = 4             # _tail_kernel warps
     sm90: bool = False              # on Hopper, the Gluon warp-specialised split kernel
     draft_kernel: bool = False      # the draft tree in _draft_kernel (tensor cores) between split and combine
     draft_sms: int = 0              # multiprocessors the split grid leaves free for the draft kernel's programs
@@ -102,7 +100,7 @@ class KernelConfig:
 
 
 GPU_CONFIG = KernelConfig(pdl=True, combine_wide_rows=256, tail_m=16, sm90=True, combine_rows=1024,
-                          combine_block_s=64, draft_kernel=True, draft_sms=3, tail_cols=2)
+                          combine_block_s=64, draft_kernel=True, draft_sms=3)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -214,40 +212,6 @@ def _split_kernel(
                 _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, p + b, kv_base, start, end,
                            qk_scale, stride_qt, stride_qh, stride_kb, stride_ps, stride_pr, stride_ls, H, DL, DR,
                            BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def _tail_kernel(
-    Q, KBuf, QoIndptr, KvIndptr, KvIdx, PartO, PartLse,
-    qk_scale, bs, columns, min_chunk, row0,
-    stride_qt, stride_qh, stride_kb, stride_ps, stride_pr, stride_ls,
-    H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BS: tl.constexpr, PDL: tl.constexpr,
-):
-    """The launch's short last row block (rows [row0, row0 + TAIL_M)) of columns ``program_id(0)``,
-    ``program_id(0) + num_programs(0)``, ... on a TAIL_M-row tile: the same segments and slots as the split
-    kernel's (``mla_common``), whose grid then holds only the full row blocks. Launched right after the split
-    kernel (PDL: its programs run on the multiprocessors the split grid leaves free, ``plan``); program 0 waits for
-    the split kernel before it exits, so this kernel's end implies the split kernel's."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    chunk, base0 = batch_chunk(KvIndptr, bs, columns, min_chunk, BLOCK_N)
-    t = tl.program_id(0)
-    n = tl.num_programs(0)
-    for i in range(0, tl.cdiv(columns - t, n)):
-        p = t + i * n
-        b_lo, b_hi = column_requests(KvIndptr, bs, p, chunk, base0, BS)
-        for b in range(b_lo, b_hi):
-            q_start = tl.load(QoIndptr + b)
-            rows = (tl.load(QoIndptr + b + 1) - q_start) * H
-            kv_base, start, end = segment(KvIndptr, b, p, chunk, base0)
-            if (row0 < rows) & (start < end):
-                _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, p + b, kv_base, start, end,
-                           qk_scale, stride_qt, stride_qh, stride_kb, stride_ps, stride_pr, stride_ls, H, DL, DR,
-                           TAIL_M, BLOCK_N)
-    if PDL:  # noqa: SIM102 (a constexpr branch)
-        if tl.program_id(0) == 0:
-            tl.extra.cuda.gdc_wait()               # the split kernel has finished: so has this kernel at its end
 
 
 @triton.jit
@@ -548,14 +512,12 @@ class Workspace:
 @dataclass(frozen=True)
 class Plan:
     """A launch's static shape: ``columns`` equal partitions of the batch's prefix keys, ``blocks`` row blocks
-    per request in the split kernel; ``tail_programs`` > 0: ``_tail_kernel``'s programs do the short last row
-    block; ``draft``: ``_draft_kernel`` writes request b's draft-tree partial into slot ``draft_slot0 + b``."""
+    per request; ``draft``: ``_draft_kernel`` writes request b's draft-tree partial into slot ``draft_slot0 + b``."""
 
     bs: int
     columns: int
     blocks: int
     draft: bool
-    tail_programs: int = 0
 
     @property
     def draft_slot0(self) -> int:
@@ -566,38 +528,23 @@ class Plan:
         return self.draft_slot0 + (self.bs if self.draft else 0)
 
 
-def plan(bs: int, rows: int, nsplit: int, config: KernelConfig, block_m: int, draft: bool,
-         tail: bool = False) -> Plan:
+def plan(bs: int, rows: int, nsplit: int, config: KernelConfig, block_m: int, draft: bool) -> Plan:
     """Columns: at most ``nsplit`` per request on average, and one wave of split programs (``max_ctas``: columns
     x row blocks) on all but ``draft_sms`` multiprocessors when the draft kernel runs (its programs start beside
-    the split kernel's there instead of after them). With ``tail`` (``tail_launch``) the split grid holds the full
-    row blocks and ``_tail_kernel`` one program per ``tail_cols`` columns, on the multiprocessors left to it: the
-    most columns for which both fit in the wave. Static sizes only: CUDA-graph safe."""
-    blocks = rows // block_m if tail else _cdiv(rows, block_m)
+    the split kernel's there instead of after them). Static sizes only: CUDA-graph safe."""
+    blocks = _cdiv(rows, block_m)
     cap = _sms_now() if config.max_ctas < 0 else config.max_ctas
     if draft and cap > config.draft_sms:
         cap -= config.draft_sms
     columns = max(1, nsplit * bs)
-    k = config.tail_cols
     if cap > 0:
-        fit = cap * k // (blocks * k + 1) if tail else cap // blocks
-        while tail and fit > 1 and blocks * fit + _cdiv(fit, k) > cap:
-            fit -= 1
-        columns = max(1, min(columns, fit))
-    return Plan(bs, columns, blocks, draft, _cdiv(columns, k) if tail else 0)
-
-
-def tail_launch(rows: int, block_m: int, config: KernelConfig, concurrent: bool) -> bool:
-    """Whether a launch of ``rows`` (static) rows per request runs its short last row block (<= ``tail_m`` rows
-    over whole blocks: 144 = 128 + 16, 72 = 64 + 8) in ``_tail_kernel``: with ``tail_cols``, and only where it
-    runs beside the split kernel (``concurrent``: PDL; the CPU interpreter runs it too, for the tests)."""
-    return config.tail_cols > 0 and concurrent and rows > block_m and 0 < rows % block_m <= config.tail_m
+        columns = max(1, min(columns, cap // blocks))
+    return Plan(bs, columns, blocks, draft)
 
 
 def workspace_slots(bs: int, rows: int, nsplit: int, config: KernelConfig) -> int:
     """Partition slots a launch of ``bs`` requests of up to ``rows`` rows may use, whichever split kernel runs."""
-    return max(plan(bs, rows, nsplit, config, block_m, True, tail_launch(rows, block_m, config, True)).slots
-               for block_m in {config.block_m, 64})
+    return max(plan(bs, rows, nsplit, config, block_m, True).slots for block_m in {config.block_m, 64})
 
 
 @functools.lru_cache(maxsize=8)
@@ -696,10 +643,7 @@ def mla_tree_verify(
     sm90 = _sm90_kernel(config, q, kbuf)
     block_m, block_n = (64, 64) if sm90 is not None else (config.block_m, config.block_n)
     draft = config.draft_kernel and max_q_len <= 64   # the draft tree in a kernel of its own, the combine merges
-    pdl = config.pdl and q.is_cuda and _pdl_ok(torch.cuda.current_device() if q.device.index is None
-                                               else q.device.index)
-    tail = tail_launch(rows, block_m, config, pdl or not q.is_cuda)
-    pl = plan(bs, rows, nsplit, config, block_m, draft, tail)
+    pl = plan(bs, rows, nsplit, config, block_m, draft)
     if workspace is None:
         workspace = Workspace(pl.slots, rows, q.device)
     assert workspace.fits(pl.slots, rows), "workspace too small for this batch"
@@ -711,7 +655,9 @@ def mla_tree_verify(
     mask = custom_mask if has_mask else qo_indptr      # any pointer: never read without HAS_MASK
     mindptr = mask_indptr if has_mask else qo_indptr
     qk_scale = sm_scale * LOG2E
-    tail_m = launch_tail_m(rows, block_m, config) if sm90 is None and not tail else 0
+    pdl = config.pdl and q.is_cuda and _pdl_ok(torch.cuda.current_device() if q.device.index is None
+                                               else q.device.index)
+    tail_m = launch_tail_m(rows, block_m, config) if sm90 is None else 0
     strides = (q.stride(0), q.stride(1), kbuf.stride(0))
     part_strides = (part_o.stride(0), part_o.stride(1), part_lse.stride(0))
     if sm90 is not None:
@@ -725,12 +671,6 @@ def mla_tree_verify(
             *strides, *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=block_m, BLOCK_N=block_n,
             BS=bs_block(bs), PDL=pdl, TAIL_M=tail_m, num_warps=config.num_warps, num_stages=config.num_stages)
     launch = {"launch_pdl": True} if pdl else {}
-    if tail:
-        _tail_kernel[(pl.tail_programs,)](
-            q, kbuf, qo_indptr, kv_indptr, kv_indices, part_o, part_lse, qk_scale, bs, pl.columns, min_chunk,
-            pl.blocks * block_m, *strides, *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE,
-            TAIL_M=triton.next_power_of_2(max(16, config.tail_m)), BLOCK_N=block_n, BS=bs_block(bs), PDL=pdl,
-            num_warps=config.tail_warps, num_stages=config.num_stages, **launch)
     row_block = 0 < config.combine_rows <= bs * rows   # the 16-row combine merges this launch
     draft_warps = config.draft_warps_rows if row_block else config.draft_warps
     if draft:
