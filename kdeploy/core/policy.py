@@ -6,7 +6,7 @@ One type, one check against the hosts selected, one batch plan: the four command
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kdeploy.core.errors import InvalidInput
 
@@ -34,9 +34,9 @@ def count(spec: str | None, total: int, default: int, option: str = "") -> int:
 @dataclass(frozen=True)
 class Policy:
     """``canary`` hosts go first, alone, and must pass; then batches of ``batch`` hosts (N or N%; default:
-    ``--parallel``); more than ``max_fail`` failures (N or N%; default: no limit) stop new batches.
-    ``analysis``: seconds the canary's metrics are watched against the rest's before they go (``--analysis``;
-    kdeploy/flows/canary.py)."""
+    ``--parallel``, behind a router 1: :meth:`routed`); more than ``max_fail`` failures (N or N%; default: no
+    limit) stop new batches. ``analysis``: seconds the canary's metrics are watched against the rest's before
+    they go (``--analysis``; kdeploy/flows/canary.py)."""
 
     canary: int = 0
     batch: str | None = None
@@ -58,6 +58,11 @@ class Policy:
             raise InvalidInput(f"--canary {self.canary}: only {selected} host{'s' * (selected != 1)} selected")
         if selected and self.batch is not None and batch > selected:
             raise InvalidInput(f"--batch {self.batch}: only {selected} host{'s' * (selected != 1)} selected")
+
+    def routed(self) -> Policy:
+        """The policy for hosts behind a router: without ``--batch``, one host at a time, since a batch of
+        ``--parallel`` hosts would take every worker of a small fleet out of its router at once."""
+        return self if self.batch is not None else replace(self, batch="1")
 
     def batch_size(self, total: int, parallel: int) -> int:
         return count(self.batch, total, parallel, "--batch")

@@ -81,7 +81,8 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Wanted], op
             command: str = "push", pre_deploy: bool = True) -> Report:
     """Stage on every host in parallel, then restart canary and batches in turn, each gated before the next.
 
-    A failing canary stops the rollout; more than ``max_fail`` failures stop new batches. Hosts that are
+    Behind a router, without ``--batch``, one host at a time (``Policy.routed``). A failing canary stops the
+    rollout; more than ``max_fail`` failures stop new batches. Hosts that are
     not started end ``skipped`` with their staged release removed, so they are left as they were. A host
     holds its connection and lock only while one of its passes runs (``HostPush``), so at most
     ``parallel`` hosts are connected at once, however many there are (when all fit in ``parallel``, they
@@ -90,6 +91,8 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Wanted], op
     outcome is known.
     """
     cancel = cancel or threading.Event()
+    if any(inventory.hosts[n].router for n in names):
+        opts = replace(opts, policy=opts.policy.routed())
     results = {name: HostResult(name, listener=listener) for name in names}
     refused = _pre_deploy(inventory, command, names, results, cancel) if pre_deploy else None
     if refused is not None:
@@ -301,8 +304,8 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
         hooks.post_rollout(inventory, refused)
         return refused
     routers = open_routers(inventory, names, opts, max(opts.policy.canary, opts.policy.batch_size(len(names), 1)))
-    if routers and opts.policy.batch is None:
-        opts = replace(opts, policy=replace(opts.policy, batch="1"))
+    if routers:
+        opts = replace(opts, policy=opts.policy.routed())
     runner = hooks.Runner(inventory, "rollback", cancel)
     results = {name: HostResult(name, listener=listener) for name in names}
 
@@ -426,8 +429,6 @@ def apply_edit(edit: settings.Edit, local: dict[str, Wanted], command: str, opts
     settings.write(edit)
     if not names:
         return Report(command, [], facts)
-    if opts.policy.batch is None and any(edit.new.hosts[n].router for n in names):  # behind a router: one at a time
-        opts = replace(opts, policy=replace(opts.policy, batch="1"))
     report = rollout(edit.new, names, local, opts, parallel=parallel, listener=listener,
                      cancel=cancel or threading.Event(), command=command)
     facts.update(report.extra)  # the pre_deploy runs

@@ -267,12 +267,13 @@ def test_a_controller_killed_after_the_drain_leaves_the_host_to_re_admit_itself(
 
 
 @pytest.mark.hosts(2)
-def test_rollback_goes_one_host_at_a_time_through_the_router(routed: Routed, capsys) -> None:
+def test_push_and_rollback_go_one_host_at_a_time_through_the_router(routed: Routed, capsys) -> None:
     dep = routed.dep
     (dep.payload / "rev.txt").write_text("6")
-    code, doc = dep.json(capsys, "push", "test")  # every host in one batch would leave none serving
+    code, doc = dep.json(capsys, "push", "test", "--batch", "2")  # both hosts at once would leave none serving
     assert code == 7 and "a batch of 2 would leave none serving" in doc["hosts"][0]["error"]
-    assert dep.kdeploy("push", "test", "--batch", "1") == 0
+    code, doc = dep.json(capsys, "push", "test")  # without --batch, behind a router: one host at a time
+    assert code == 0 and all(_phases(h)[-1] == "admit" for h in doc["hosts"]), doc
     code, doc = dep.json(capsys, "rollback", "test")
     assert code == 0, doc
     hosts = {h["host"]: h for h in doc["hosts"]}

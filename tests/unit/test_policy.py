@@ -25,6 +25,8 @@ def test_batch_and_canary_plans() -> None:
     assert Policy(canary=1, batch="1").batches(names[:3], 16) == [["h1"], ["h2"], ["h3"]]
     assert Policy(batch="50%").batches(names[:3], 16) == [names[:2], names[2:3]]
     assert Policy().batches(names, 4) == [names[:4], names[4:8], names[8:]]  # default: --parallel
+    assert Policy(canary=1).routed().batches(names[:3], 16) == [["h1"], ["h2"], ["h3"]]  # behind a router: 1
+    assert Policy(batch="50%").routed() == Policy(batch="50%")  # a --batch given is kept
     assert count("25%", 10, 3) == 3 and count("1%", 10, 3) == 1 and count(None, 10, 3) == 3
     assert count("2", 10, 3) == 2
     assert Policy(max_fail="0").failures_allowed(10) == 0 and Policy().failures_allowed(10) == 10
