@@ -405,7 +405,7 @@ def _put(doc: CommentedMap, change: Change, shared: set[int]) -> None:
         node.ca.items[key] = change.comment
 
 
-def set_env(path: Path, assignments: dict[str, str], unset: list[str], scope: str | None = None,
+def set_env(path: str | Path, assignments: dict[str, str], unset: list[str], scope: str | None = None,
             service: Path | None = None) -> Edit:
     inventory.check_env(assignments)  # as given: the check of the written file could pass another value
 
@@ -420,10 +420,10 @@ def set_env(path: Path, assignments: dict[str, str], unset: list[str], scope: st
         _prune(level.child("service"), "env")
         _prune(level.node, "service")
 
-    return _apply(path, scope, change, service)
+    return _apply(Path(path), scope, change, service)
 
 
-def set_values(path: Path, assignments: dict[str, str], scope: str | None = None,
+def set_values(path: str | Path, assignments: dict[str, str], scope: str | None = None,
                service: Path | None = None) -> Edit:
     """``hicache.ratio=4.0``-style settings, relative to ``service`` (a leading ``service.`` is allowed)."""
     def change(level: Level) -> None:
@@ -433,7 +433,7 @@ def set_values(path: Path, assignments: dict[str, str], scope: str | None = None
                 raise InvalidInput(f"{dotted!r}: expected a dotted setting path like hicache.ratio")
             level.child("service", *parts[:-1])[parts[-1]] = _scalar(raw)
 
-    return _apply(path, scope, change, service)
+    return _apply(Path(path), scope, change, service)
 
 
 def write(edit: Edit) -> None:
@@ -473,10 +473,11 @@ def _replace(path: Path, text: str, *, expect: str) -> None:
 
 
 @contextmanager
-def locked(path: Path, wait: float, command: str, service: bool = False) -> Iterator[None]:
+def locked(path: str | Path, wait: float, command: str, service: bool = False) -> Iterator[None]:
     """Hold the edit lock of the inventory (or of an Ansible inventory's ``service`` file): an flock on
     ``.<name>.lock`` beside it (the file itself is replaced by every write, so it cannot carry the lock), which
     names its holder. Waits up to ``wait`` seconds."""
+    path = Path(path)
     inventory.read_text(path, *(ansible.SERVICE_FILE if service else ()))  # a missing file fails as a load
     # would, without leaving a lock file behind
     lock_path = path.with_name(f".{path.name}.lock")

@@ -536,3 +536,11 @@ def test_an_edit_inside_a_mapping_indented_otherwise_than_the_first_writes_a_fil
     assert code == 0
     assert path.read_text() == INVENTORY.replace(
         "    address: 192.0.2.1\n", "    address: 192.0.2.1\n    service:\n      sglang:\n        port: 31000\n")
+
+
+def test_the_library_takes_the_inventory_path_as_a_string(path: Path) -> None:
+    """As ``inventory.load`` does (docs/library-api.md's example passes a str)."""
+    with settings.locked(str(path), 0, "library"):
+        edit = settings.set_env(str(path), {"A": "1"}, [])
+        assert edit.changed and edit.path == path
+        assert settings.set_values(str(path), {"hicache.ratio": "4.0"}).changed
