@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kdeploy.core.errors import InvalidInput
 from kdeploy_lab import sglang_env
 from kdeploy_lab.sandbox import HOST_VENV, SGLANG_HOST_VENV
 
@@ -13,9 +14,13 @@ PLUGIN_LOADED = "[kdtree] plugin loaded"
 
 
 def project_dir() -> Path:
-    """Where ``templates/`` and ``kernels/`` live: the source tree kdeploy runs from, else the cwd."""
-    here = Path(__file__).resolve().parents[2]
-    return here if (here / "templates").is_dir() else Path.cwd()
+    """Where ``templates/`` and ``kernels/`` live: the source tree the lab runs from (an editable install),
+    else the cwd. Neither (an installed lab run elsewhere) is an error, not an inventory pointing nowhere."""
+    for place in (Path(__file__).resolve().parents[2], Path.cwd()):
+        if (place / "templates").is_dir() and (place / "kernels").is_dir():
+            return place
+    raise InvalidInput(f"no kdeploy source tree here ({Path.cwd()} has no templates/ and kernels/): run the lab "
+                       "from a kdeploy checkout, whose unit template and kdtree payload the sandbox deploys")
 
 
 def demo_service(project: Path | None = None, *, sglang: bool | None = None, **overrides: object) -> dict:

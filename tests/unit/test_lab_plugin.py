@@ -83,3 +83,15 @@ def test_without_the_lab_sandbox_says_how_to_install_it(argv: list[str], monkeyp
     assert captured.out == ""
     assert captured.err == ("kdeploy: sandbox: local test hosts (the lab) is not installed: "
                             "pip install 'kdeploy[lab]' (from a source tree: pip install . ./lab)\n")
+
+
+def test_an_installed_lab_outside_a_source_tree_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-editable lab run elsewhere would write an inventory whose template and payload are not there."""
+    from kdeploy.core.errors import InvalidInput
+    from kdeploy_lab import demo
+
+    assert (demo.project_dir() / "templates" / "sglang.service.j2").is_file()  # this checkout (editable)
+    monkeypatch.setattr(demo, "__file__", str(tmp_path / "site-packages" / "kdeploy_lab" / "demo.py"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidInput, match="no kdeploy source tree here .* run the lab from a kdeploy checkout"):
+        demo.demo_service()
