@@ -222,7 +222,7 @@ MaxFailOpt = Annotated[str | None, typer.Option("--max-fail", help="N or N%: fai
 AnalysisOpt = Annotated[str | None, typer.Option(
     "--analysis", metavar="DURATION", show_default=False,
     help="With --canary: compare the canary's SGLang metrics with the hosts not yet deployed for DURATION (90, 30s, "
-         "5m) before the rest go; the canary is rolled back (exit 4) when they do not hold up.")]
+         "5m, 1h) before the rest go; the canary is rolled back (exit 4) when they do not hold up.")]
 def _version(value: bool) -> None:
     if value:
         sys.stdout.write(f"kdeploy {__version__}\n")
@@ -574,11 +574,12 @@ def probe(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVEN
 def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
             service: ServiceOpt = None, as_json: JsonOpt = False,
             last: Annotated[int, typer.Option("--last", "-n", min=1, help="Entries per host.")] = 20,
-            accept_new_host_keys: AcceptOpt = False, limit: LimitOpt = None) -> None:
+            accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+            limit: LimitOpt = None) -> None:
     """Show each host's deploy history."""
     ui = Ui(as_json)
     report = fleet.history(_load(inventory, service, target, limit), target,
-                           _options(history_limit=last, accept_new_host_keys=accept_new_host_keys))
+                           _options(history_limit=last, accept_new_host_keys=accept_new_host_keys), parallel=parallel)
 
     def show(rep: Report) -> None:
         table = ui.table("deploy history", "host", "time", "user", "controller", "release", "result", "seconds")
@@ -712,9 +713,10 @@ def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
 
 
 def _lock(target: str, inventory: Path, service: Path | None, as_json: bool, release: bool, force: bool,
-          limit: str | None) -> None:
+          parallel: int, limit: str | None) -> None:
     ui = Ui(as_json)
-    report = fleet.lock(_load(inventory, service, target, limit), target, _options(force=force), release=release)
+    report = fleet.lock(_load(inventory, service, target, limit), target, _options(force=force), release=release,
+                        parallel=parallel)
 
     def show(rep: Report) -> None:
         for host in rep.hosts:
@@ -728,18 +730,19 @@ def _lock(target: str, inventory: Path, service: Path | None, as_json: bool, rel
 
 @lock_app.command("status")
 def lock_status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None,
-                as_json: JsonOpt = False, limit: LimitOpt = None) -> None:
+                as_json: JsonOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+                limit: LimitOpt = None) -> None:
     """Who holds each host's deploy lock (free / held / stale)."""
-    _lock(target, inventory, service, as_json, False, False, limit)
+    _lock(target, inventory, service, as_json, False, False, parallel, limit)
 
 
 @lock_app.command("release")
 def lock_release(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
                  service: ServiceOpt = None, as_json: JsonOpt = False,
                  force: Annotated[bool, typer.Option("--force", help="Also end a LIVE holder.")] = False,
-                 limit: LimitOpt = None) -> None:
+                 parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, limit: LimitOpt = None) -> None:
     """Clear a stale lock (with --force, end a live holder too)."""
-    _lock(target, inventory, service, as_json, True, force, limit)
+    _lock(target, inventory, service, as_json, True, force, parallel, limit)
 
 
 @app.command("logs")

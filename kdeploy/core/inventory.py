@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -106,8 +107,22 @@ IoBackend = Literal["direct", "kernel", "kernel_ascend"]
 MemLayout = Literal["layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head"]
 
 
+def _numeric(annotation: Any) -> bool:
+    """A field typed int or float (optional or not)."""
+    kinds = set(typing.get_args(annotation)) or {annotation}
+    return bool(kinds & {int, float}) and kinds <= {int, float, type(None)}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML's true/false is not a count or a number of seconds (pydantic would read true as 1)."""
+        if isinstance(value, bool) and info.field_name and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, not {str(value).lower()}")
+        return value
 
 
 

@@ -277,11 +277,13 @@ class Analysis:
                 outcome = Outcome(None, impossible, []) if impossible else self.window(canary, baseline)
             except (Cancelled, KeyboardInterrupt):  # the window runs in the main thread: Ctrl-C lands here
                 self.cancel.set()
+                why = "interrupted during the window"
                 for phase in phases:
-                    phase.ok, phase.detail = False, "interrupted: the canary stays, not analysed"
+                    phase.ok, phase.detail = False, f"{why}: not analysed"
+                    phase.data = self._data(canary, baseline, Outcome(None, why, []), "interrupted", why)
                 return "not restarted: interrupted"
             action, why = decide(outcome.verdict, outcome.impossible, self.settings.required)
-            data = self._data(canary, baseline, outcome, action, why)
+            data = self._data(canary, baseline, outcome, str(action), why)
             for phase in phases:
                 phase.data = data
                 phase.ok = action != Action.ROLL_BACK
@@ -336,11 +338,11 @@ class Analysis:
                 self.watcher.window(None)
             scraper.close()
 
-    def _data(self, canary: list[str], baseline: list[str], outcome: Outcome, action: Action, why: str) -> dict:
+    def _data(self, canary: list[str], baseline: list[str], outcome: Outcome, decision: str, why: str) -> dict:
         s = self.settings
         verdict = outcome.verdict
         failed = next((c for c in verdict.checks if not c.ok), None) if verdict else None
-        return {"decision": str(action), "reason": why, "required": s.required, "duration": s.duration,
+        return {"decision": decision, "reason": why, "required": s.required, "duration": s.duration,
                 "interval": s.interval, "bounds": asdict(s.bounds), "canary": canary, "baseline": baseline,
                 "failed": asdict(failed) if failed else None,
                 "checks": [asdict(c) for c in verdict.checks] if verdict else [],
@@ -389,7 +391,7 @@ def view_rows(snapshot: Snapshot) -> list[tuple[str, str, str, str]]:
         canary, baseline = snapshot.canary.get(key), snapshot.baseline.get(key)
         if key == "spec_accept_length" and canary is None and baseline is None:
             continue
-        limit = "-" if bound is None else (f"<= {bounds[bound]:g}" if bound == "max_error_rate"
+        limit = "-" if bound is None else (f"<= {bounds[bound]:.3%}" if bound == "max_error_rate"
                                           else f"canary/baseline {'<=' if bound.startswith('max') else '>='} "
                                                f"{bounds[bound]:g}")
         rows.append((label, "-" if canary is None else fmt.format(canary),

@@ -76,6 +76,11 @@ def fan_out(inventory: Inventory, names: list[str], command: str, fn: HostFn, *,
     return Report(command, results)
 
 
+def rollout_policy(inventory: Inventory, names: list[str], policy: Policy) -> Policy:
+    """The policy a rollout of ``names`` runs with: behind a router, one host at a time unless ``--batch``."""
+    return policy.routed() if any(inventory.hosts[n].router for n in names) else policy
+
+
 def rollout(inventory: Inventory, names: list[str], local: dict[str, Wanted], opts: Options, *, parallel: int,
             listener: Listener | None = None, cancel: threading.Event | None = None,
             command: str = "push", pre_deploy: bool = True) -> Report:
@@ -91,8 +96,7 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Wanted], op
     outcome is known.
     """
     cancel = cancel or threading.Event()
-    if any(inventory.hosts[n].router for n in names):
-        opts = replace(opts, policy=opts.policy.routed())
+    opts = replace(opts, policy=rollout_policy(inventory, names, opts.policy))
     results = {name: HostResult(name, listener=listener) for name in names}
     refused = _pre_deploy(inventory, command, names, results, cancel) if pre_deploy else None
     if refused is not None:
@@ -303,9 +307,8 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
     if refused is not None:
         hooks.post_rollout(inventory, refused)
         return refused
+    opts = replace(opts, policy=rollout_policy(inventory, names, opts.policy))
     routers = open_routers(inventory, names, opts, max(opts.policy.canary, opts.policy.batch_size(len(names), 1)))
-    if routers:
-        opts = replace(opts, policy=opts.policy.routed())
     runner = hooks.Runner(inventory, "rollback", cancel)
     results = {name: HostResult(name, listener=listener) for name in names}
 

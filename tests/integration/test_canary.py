@@ -150,7 +150,8 @@ def test_ctrl_c_inside_the_window_leaves_the_canary_gated_and_the_rest_untouched
     h1 = hosts["h1"]
     assert h1["result"] == "deployed" and h1["router"] == "in", h1
     phase = _analysis(h1)
-    assert not phase["ok"] and phase["detail"] == "interrupted: the canary stays, not analysed", phase
+    assert not phase["ok"] and phase["detail"] == "interrupted during the window: not analysed", phase
+    assert phase["data"]["decision"] == "interrupted" and phase["data"]["canary"] == ["h1"], phase
     assert dep.link("h1") != h1_before and dep.history("h1")[-1]["result"] == "deployed"
     for name in ("h2", "h3"):
         assert hosts[name]["result"] == "interrupted", hosts[name]

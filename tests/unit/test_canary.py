@@ -135,7 +135,7 @@ def test_live_view_rows_show_each_metric_against_its_bound() -> None:
                             "tokens_per_second_per_request": 7.0, "spec_accept_length": None},
                            analysis.Bounds(), (("h1",), ("h2", "h3")))
     assert canary.view_rows(snap) == [
-        ("requests", "40", "80", "-"), ("error rate", "2.500%", "0.000%", "<= 0.001"),
+        ("requests", "40", "80", "-"), ("error rate", "2.500%", "0.000%", "<= 0.100%"),
         ("p99 TTFT", "0.398s", "0.199s", "canary/baseline <= 1.2"), ("p99 ITL", "-", "-", "canary/baseline <= 1.2"),
         ("tokens/s per request", "5.50", "7.00", "canary/baseline >= 0.8")]
     assert snap.point() == {"t": 3.0, "canary": snap.canary, "baseline": snap.baseline}

@@ -217,3 +217,12 @@ def test_every_option_of_every_command_is_in_the_docs() -> None:
     missing = {(" ".join(path), opt) for path in _commands() for param in _params(path) for opt in param.opts
                if opt.startswith("--") and not re.search(re.escape(opt) + r"(?![\w-])", docs)}
     assert not missing
+
+
+def test_every_command_that_fans_out_over_hosts_takes_parallel() -> None:
+    """Only these select hosts without a bounded fan-out: render and check contact none, logs follows every host
+    at once, router drain/admit ask the router one host after another."""
+    without = {" ".join(path) for path in _commands()
+               if {"--limit"} <= {o for p in _params(path) for o in p.opts}
+               and "--parallel" not in {o for p in _params(path) for o in p.opts}}
+    assert without == {"render", "check", "logs", "router admit", "router drain"}

@@ -249,6 +249,11 @@ def test_sglang_host_accepts_ip_literals_and_localhost(tmp_path, bind):
 # --- bad files: one line `<file>:<line>: <key.path>: <reason>`, exit code 2 --------------------------------
 
 BAD = [
+    pytest.param(BASE.replace("      tp: 8", "      tp: true  # <-"), "defaults.service.sglang.tp",
+                 "expected a number, not true", id="bool-for-a-count"),
+    pytest.param(BASE.replace("      tp: 8", "      tp: 8\n    gate: {analysis: {min_requests: true}}  # <-"),
+                 "defaults.service.gate.analysis.min_requests", "expected a number, not true",
+                 id="bool-for-min-requests"),
     pytest.param(
         BASE.replace("model_path: /models/a", "model_path: /models/a\n        tpp: 3  # <-"),
         "hosts.ct200.service.sglang.tpp", "unknown key (did you mean 'tp'?)", id="unknown-key-host-sglang"),

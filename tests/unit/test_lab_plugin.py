@@ -93,5 +93,5 @@ def test_an_installed_lab_outside_a_source_tree_says_so(tmp_path: Path, monkeypa
     assert (demo.project_dir() / "templates" / "sglang.service.j2").is_file()  # this checkout (editable)
     monkeypatch.setattr(demo, "__file__", str(tmp_path / "site-packages" / "kdeploy_lab" / "demo.py"))
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(InvalidInput, match="no kdeploy source tree here .* run the lab from a kdeploy checkout"):
+    with pytest.raises(InvalidInput, match=r"no kdeploy source tree here .* run the lab from a kdeploy checkout"):
         demo.demo_service()

@@ -343,14 +343,14 @@ def test_a_revert_keeps_crlf_line_ends(path: Path, capsys: pytest.CaptureFixture
 @pytest.mark.parametrize("routed", [True, False], ids=["router", "no-router"])
 def test_behind_a_router_the_rollout_and_the_way_back_take_one_host_at_a_time(
         path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, routed: bool) -> None:
-    """set-env/set have no --batch; their default (--parallel hosts at once) would take every worker out of
-    the router, which its preflight refuses."""
+    """Without --batch, the default (--parallel hosts at once) would take every worker out of the router, which
+    its preflight refuses: the rollout and the push back of the old config decide alike."""
     if routed:
         path.write_text(INVENTORY.replace("groups:", "  router:\n    url: http://192.0.2.9:30080\ngroups:"))
     batches: list[str | None] = []
 
     def rollout(inv: Inventory, names: list[str], local: dict, opts: Options, **_: object) -> Report:
-        batches.append(opts.policy.batch)
+        batches.append(fleet.rollout_policy(inv, names, opts.policy).batch)
         ends = {"h1": "deployed", "h2": "rolled_back"} if len(batches) == 1 else {}
         return Report("push", [HostResult(n).finish(ends.get(n, "deployed")) for n in names])
 
@@ -358,6 +358,8 @@ def test_behind_a_router_the_rollout_and_the_way_back_take_one_host_at_a_time(
     code, facts = edit_json(path, capsys, "set-env", "A=1")
     assert code == 4 and facts["restored_hosts"] == {"h1": "deployed"}
     assert batches == (["1", "1"] if routed else [None, None])
+    code, _ = edit_json(path, capsys, "set-env", "B=1", "--batch", "2")
+    assert batches[2:] == ["2"]  # a --batch given is kept
 
 
 # --- an edit changes its own level only, even through YAML anchors, aliases and merge keys ------------------
