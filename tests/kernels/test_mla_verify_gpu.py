@@ -181,8 +181,6 @@ GRAPH = [
     ({"sm90": False}, 16, 16, [65536, 1000, 0, 30000], [7, 131072, 20000, 1]),
     ({"combine_rows": 1}, 8, 9, [65536, 1000, 0, 30000], [3000, 0, 131072, 17]),
     ({"combine_rows": 0, "combine_wide_rows": 0}, 8, 9, [4096] * 4, [131072, 1, 1, 1]),
-    ({"tail_cost": 0.5}, 16, 9, [65536, 100, 0, 30000], [7, 131072, 20000, 1]),     # the tail kernel: 144 rows
-    ({"tail_cost": 0.5}, 8, 9, [1, 1, 1, 1], [131072, 512, 0, 65536]),               # 72 rows
 ]
 
 
@@ -290,37 +288,3 @@ def test_combines_tiles_and_tails(overrides, bs, heads, q_len, prefixes):
     prob = make_problem(bs, heads, q_len, prefixes, page_size=1, tree=True, dtype=torch.bfloat16, device=DEV,
                         seed=bs + heads, mask_dtype=torch.uint8, q_scale=2.0)
     check(run_kernel(prob, SCALE, 64, config=config, out=poisoned(prob)), run_reference(prob, SCALE))
-
-
-TAIL = [
-    # bs, H, Q, prefix lens
-    (1, 16, 9, [65536]),
-    (8, 16, 9, [4096] * 8),
-    (8, 16, 9, [65536, 1, 4096, 17, 32768, 63, 64, 129]),
-    (1, 8, 9, [16384]),
-]
-
-
-@pytest.mark.parametrize("tail_cost", [0.35, 0.5, 1.0])
-@pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes"), TAIL)
-def test_tail_kernel_writes_the_last_row_blocks_partials(tail_cost, bs, heads, q_len, prefixes):
-    """``tail_cost`` > 0 on Hopper: the split kernel runs the full 64-row blocks and tail_kernel_sm90 the short
-    last one (<= 16 rows) of every column; the workspace is poisoned with NaN first, so a partial it failed to
-    write shows in the output."""
-    config = mv.with_config(mv.GPU_CONFIG, tail_cost=tail_cost)
-    prob = make_problem(bs, heads, q_len, prefixes, page_size=1, tree=False, dtype=torch.bfloat16, device=DEV,
-                        seed=bs + heads + len(prefixes), mask_dtype=torch.uint8, q_scale=2.0)
-    rows = q_len * heads
-    if mv._sm90_kernel(config, prob["q"], prob["kv_buffer"]) is None:
-        pytest.skip("no Gluon split kernel here")
-    pl = mv.plan(bs, rows, 64, config, 64, True, True)
-    assert pl.tail_programs > 0 and pl.blocks == rows // 64
-    assert pl.columns * pl.blocks + pl.tail_programs <= mv._sms_now() - config.draft_sms
-    assert (pl.tail_programs - 1) * pl.tail_cols < pl.columns <= pl.tail_programs * pl.tail_cols
-    ws = mv.Workspace.for_batches(bs, rows, 64, config, DEV)
-    ws.part_o.fill_(float("nan"))
-    ws.part_lse.fill_(float("nan"))
-    out = run_kernel(prob, SCALE, 64, config=config, workspace=ws, out=poisoned(prob))
-    check(out, run_reference(prob, SCALE))
-    off = run_kernel(prob, SCALE, 64, config=mv.GPU_CONFIG, out=poisoned(prob))
-    assert (out.float() - off.float()).abs().max().item() <= 2e-2 * off.float().abs().max().item()

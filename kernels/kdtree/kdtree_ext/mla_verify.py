@@ -94,8 +94,6 @@ class KernelConfig:
     draft_block_d: int = 512        # draft kernel: value channels per program (16 rows each)
     draft_warps: int = 4            # draft kernel warps on launches the per-row combine merges
     draft_warps_rows: int = 8       # draft kernel warps on launches the row-block combine merges
-    tail_cost: float = 0.0          # Gluon + PDL: a short last row block in tail_kernel_sm90, this cost/key (0: off)
-    tail_rows_min: int = 1          # ... for last row blocks of tail_rows_min..16 rows (144 = 128 + 16: 16)
 
     def describe(self) -> str:
         return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in self.__dict__.items())
@@ -514,16 +512,12 @@ class Workspace:
 @dataclass(frozen=True)
 class Plan:
     """A launch's static shape: ``columns`` equal partitions of the batch's prefix keys, ``blocks`` row blocks
-    per request in the split kernel; ``draft``: ``_draft_kernel`` writes request b's draft-tree partial into slot
-    ``draft_slot0 + b``; ``tail_programs`` > 0: ``tail_kernel_sm90`` runs the last row block (from row ``blocks *
-    64``), ``tail_cols`` columns a program."""
+    per request; ``draft``: ``_draft_kernel`` writes request b's draft-tree partial into slot ``draft_slot0 + b``."""
 
     bs: int
     columns: int
     blocks: int
     draft: bool
-    tail_programs: int = 0
-    tail_cols: int = 0
 
     @property
     def draft_slot0(self) -> int:
@@ -534,42 +528,23 @@ class Plan:
         return self.draft_slot0 + (self.bs if self.draft else 0)
 
 
-def plan(bs: int, rows: int, nsplit: int, config: KernelConfig, block_m: int, draft: bool,
-         tail: bool = False) -> Plan:
+def plan(bs: int, rows: int, nsplit: int, config: KernelConfig, block_m: int, draft: bool) -> Plan:
     """Columns: at most ``nsplit`` per request on average, and one wave of split programs (``max_ctas``: columns
     x row blocks) on all but ``draft_sms`` multiprocessors when the draft kernel runs (its programs start beside
-    the split kernel's there instead of after them). With ``tail`` (where ``tail_applies``) the last row block
-    goes to the tail kernel, whose programs, ``tail_cost`` x columns of them, share the wave: columns = cap /
-    (full blocks + tail_cost). Static sizes only: CUDA-graph safe."""
+    the split kernel's there instead of after them). Static sizes only: CUDA-graph safe."""
     blocks = _cdiv(rows, block_m)
     cap = _sms_now() if config.max_ctas < 0 else config.max_ctas
     if draft and cap > config.draft_sms:
         cap -= config.draft_sms
     columns = max(1, nsplit * bs)
-    if tail and tail_applies(rows, block_m, config):
-        full = rows // block_m
-        if cap > 0:
-            columns = max(1, min(columns, int(cap / (full + config.tail_cost))))
-        want = max(1, math.ceil(columns * config.tail_cost))
-        if cap > 0:
-            want = max(1, min(want, cap - columns * full))
-        tail_cols = _cdiv(columns, want)
-        return Plan(bs, columns, full, draft, _cdiv(columns, tail_cols), tail_cols)
     if cap > 0:
         columns = max(1, min(columns, cap // blocks))
     return Plan(bs, columns, blocks, draft)
 
 
-def tail_applies(rows: int, block_m: int, config: KernelConfig) -> bool:
-    """The tail kernel (``tail_cost`` > 0) takes a launch's last row block when it has ``tail_rows_min``..16
-    rows after at least one full 64-row block (144 = 128 + 16; 72 = 64 + 8)."""
-    return config.tail_cost > 0 and block_m == 64 and rows > 64 and config.tail_rows_min <= rows % 64 <= 16
-
-
 def workspace_slots(bs: int, rows: int, nsplit: int, config: KernelConfig) -> int:
     """Partition slots a launch of ``bs`` requests of up to ``rows`` rows may use, whichever split kernel runs."""
-    return max(plan(bs, rows, nsplit, config, block_m, True, tail).slots for block_m in {config.block_m, 64}
-               for tail in (False, True))
+    return max(plan(bs, rows, nsplit, config, block_m, True).slots for block_m in {config.block_m, 64})
 
 
 @functools.lru_cache(maxsize=8)
@@ -621,12 +596,6 @@ def _sm90_kernel(config: KernelConfig, q: torch.Tensor, kbuf: torch.Tensor):
     return split_kernel_sm90
 
 
-def _sm90_tail_kernel():
-    from kdtree_ext.mla_verify_sm90 import tail_kernel_sm90
-
-    return tail_kernel_sm90
-
-
 def launch_tail_m(rows: int, block_m: int, config: KernelConfig) -> int:
     """Rows of the short tile for the last row block: ``tail_m`` when the static row count leaves at most that
     many rows over whole blocks (72 rows = 64 + 8), else 0 (no second tile compiled)."""
@@ -674,9 +643,7 @@ def mla_tree_verify(
     sm90 = _sm90_kernel(config, q, kbuf)
     block_m, block_n = (64, 64) if sm90 is not None else (config.block_m, config.block_n)
     draft = config.draft_kernel and max_q_len <= 64   # the draft tree in a kernel of its own, the combine merges
-    pdl = config.pdl and q.is_cuda and _pdl_ok(torch.cuda.current_device() if q.device.index is None
-                                               else q.device.index)
-    pl = plan(bs, rows, nsplit, config, block_m, draft, tail=sm90 is not None and pdl)
+    pl = plan(bs, rows, nsplit, config, block_m, draft)
     if workspace is None:
         workspace = Workspace(pl.slots, rows, q.device)
     assert workspace.fits(pl.slots, rows), "workspace too small for this batch"
@@ -688,6 +655,8 @@ def mla_tree_verify(
     mask = custom_mask if has_mask else qo_indptr      # any pointer: never read without HAS_MASK
     mindptr = mask_indptr if has_mask else qo_indptr
     qk_scale = sm_scale * LOG2E
+    pdl = config.pdl and q.is_cuda and _pdl_ok(torch.cuda.current_device() if q.device.index is None
+                                               else q.device.index)
     tail_m = launch_tail_m(rows, block_m, config) if sm90 is None else 0
     strides = (q.stride(0), q.stride(1), kbuf.stride(0))
     part_strides = (part_o.stride(0), part_o.stride(1), part_lse.stride(0))
@@ -696,11 +665,6 @@ def mla_tree_verify(
             q, kbuf, qo_indptr, kv_indptr, kv_indices, part_o, part_lse, qk_scale, bs, pl.columns, min_chunk,
             pl.blocks, *strides, *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE, BS=bs_block(bs), PDL=pdl,
             LOAD_WARPS=4, LOAD_REGS=40, num_warps=8)
-        if pl.tail_programs:
-            _sm90_tail_kernel()[(pl.tail_programs,)](
-                q, kbuf, qo_indptr, kv_indptr, kv_indices, part_o, part_lse, qk_scale, bs, pl.columns, min_chunk,
-                pl.blocks * 64, pl.tail_cols, *strides, *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE,
-                BS=bs_block(bs), PDL=True, LOAD_WARPS=4, LOAD_REGS=40, num_warps=8, launch_pdl=True)
     else:
         _split_kernel[(pl.blocks, pl.columns)](
             q, kbuf, qo_indptr, kv_indptr, kv_indices, part_o, part_lse, qk_scale, bs, pl.columns, min_chunk,
