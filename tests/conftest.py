@@ -11,6 +11,9 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +152,42 @@ class Deployment:
         captured = capsys.readouterr()
         assert captured.out, f"exit {code}, no JSON on stdout; stderr: {captured.err}"
         return code, json.loads(captured.out)
+
+
+    def interrupt(self, *args: str, when: Callable[[], object], what: str, sig: signal.Signals = signal.SIGINT,
+                  wait: float = 120.0, settle: float = 0.0) -> Stopped:
+        """``kdeploy ARGS --json`` in a process of its own (Ctrl-C and SIGKILL reach it as they would a user's
+        run), sent ``sig`` once ``when()`` is true (polled; ``what`` names it if that never comes) and ``settle``
+        seconds more; what it answered."""
+        proc = subprocess.Popen([sys.executable, "-m", "kdeploy", *args, "--json", "--inventory", str(self.path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + wait
+            while not when():
+                assert proc.poll() is None and time.monotonic() < deadline, f"{what} never came"
+                time.sleep(0.02)
+            time.sleep(settle)
+            sent = time.monotonic()
+            proc.send_signal(sig)
+            out, err = proc.communicate(timeout=180)
+            return Stopped(proc.returncode, json.loads(out) if out else {}, err, time.monotonic() - sent)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+@dataclass
+class Stopped:
+    """A kdeploy run stopped by a signal: its exit code, JSON report, stderr, and seconds from signal to exit."""
+
+    code: int
+    doc: dict
+    err: str
+    seconds: float
+
+    @property
+    def hosts(self) -> dict[str, dict]:
+        return {h["host"]: h for h in self.doc["hosts"]}
 
 
 @pytest.fixture

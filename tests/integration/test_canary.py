@@ -9,11 +9,6 @@ estimated from buckets can see it (docs/gate.md, Canary analysis: a move inside 
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,23 +125,12 @@ def test_ctrl_c_inside_the_window_leaves_the_canary_gated_and_the_rest_untouched
     h1_before = dep.link("h1")
     (dep.payload / "rev.txt").write_text("interrupted-window")
     with Traffic(analysed.url, threads=4, tokens=1):
-        proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--canary", "1", "--batch", "1",
-                                 "--analysis", "60s", "--json", "--inventory", str(dep.path)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            deadline = time.monotonic() + 90
-            while dep.link("h1") == h1_before or not analysed.workers().get(analysed.worker_url("h1")):
-                assert proc.poll() is None and time.monotonic() < deadline, "h1 was never switched and admitted"
-                time.sleep(0.2)
-            time.sleep(3)  # inside the 60 s window
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    doc = json.loads(out)
-    hosts = {h["host"]: h for h in doc["hosts"]}
-    assert proc.returncode == doc["exit_code"] == 130, err
+        run = dep.interrupt("push", "test", "--canary", "1", "--batch", "1", "--analysis", "60s",
+                            when=lambda: dep.link("h1") != h1_before
+                            and analysed.workers().get(analysed.worker_url("h1")),
+                            what="h1 switched and admitted", settle=3)  # then inside the 60 s window
+    hosts = run.hosts
+    assert run.code == run.doc["exit_code"] == 130, run.err
     h1 = hosts["h1"]
     assert h1["result"] == "deployed" and h1["router"] == "in", h1
     phase = _analysis(h1)

@@ -5,9 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -160,23 +157,10 @@ def test_ctrl_c_mid_rollout_finishes_the_running_batch_and_leaves_the_rest_uncha
     h2_before = deployment.state("h2")
     # --parallel 1: h2 lets go of its connection and lock after staging, so removing its staged release
     # takes a connection of its own
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1", "--parallel", "1",
-                             "--json", "--inventory", str(deployment.path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while deployment.show("h1", "InvocationID") == h1_before:
-            assert proc.poll() is None and time.monotonic() < deadline, "h1 was never restarted"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    doc = json.loads(out)
-    results = {h["host"]: h for h in doc["hosts"]}
-    assert proc.returncode == doc["exit_code"] == 130, err
+    run = deployment.interrupt("push", "test", "--batch", "1", "--parallel", "1",
+                               when=lambda: deployment.show("h1", "InvocationID") != h1_before, what="h1's restart")
+    results = run.hosts
+    assert run.code == run.doc["exit_code"] == 130, run.err
     assert results["h1"]["result"] == "deployed"          # the batch that was restarting finished, gated
     assert results["h2"]["result"] == "interrupted" and "interrupted" in results["h2"]["error"]
     assert deployment.state("h2") == h2_before           # no restart, its staged release removed

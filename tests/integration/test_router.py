@@ -10,7 +10,6 @@ controller) reaches it at the host's sandbox address and requests stay in flight
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -209,20 +208,11 @@ def test_ctrl_c_mid_drain_reports_the_host_out_and_admit_fixes_it(routed: Routed
     client.start()
     assert started.wait(10)
     h1_before = dep.show("h1", "InvocationID")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1", "--json",
-                             "--inventory", str(dep.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        routed.wait(lambda w: routed.worker_url("h1") not in w, "h1 drained", timeout=60)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        stdout, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    run = dep.interrupt("push", "test", "--batch", "1", when=lambda: routed.worker_url("h1") not in routed.workers(),
+                        what="h1's drain", settle=0.5)
     client.join(30)
-    doc = json.loads(stdout)
-    hosts = {h["host"]: h for h in doc["hosts"]}
-    assert proc.returncode == 130, err
+    hosts, err = run.hosts, run.err
+    assert run.code == 130, err
     assert hosts["h1"]["result"] == "interrupted" and hosts["h1"]["router"] == "out", hosts["h1"]
     assert "OUT of its router" in err
     assert routed.worker_url("h1") not in routed.workers()            # truthful: it really is out

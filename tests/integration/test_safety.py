@@ -253,25 +253,11 @@ def test_interrupt_mid_upload_stops_within_a_second(deployment: Deployment, caps
     assert deployment.kdeploy("push", "test") == 0
     before = _snapshot(deployment)
     (deployment.payload / "weights.bin").write_bytes(os.urandom(1 << 20) * 200)
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--json", "--inventory",
-                             str(deployment.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not deployment.sh("h1", f"ls -d {deployment.service_dir}/releases/.staging-* 2>/dev/null",
-                                check=False).strip():
-            assert proc.poll() is None and time.monotonic() < deadline, "staging never started"
-            time.sleep(0.02)
-        sent = time.monotonic()
-        proc.send_signal(sig)
-        out, err = proc.communicate(timeout=30)
-        took = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    doc = json.loads(out)
-    host = doc["hosts"][0]
-    assert proc.returncode == doc["exit_code"] == 130, err
-    assert took < 1.5, f"took {took:.2f}s to stop"
+    run = deployment.interrupt("push", "test", sig=sig, what="staging", wait=60, when=lambda: deployment.sh(
+        "h1", f"ls -d {deployment.service_dir}/releases/.staging-* 2>/dev/null", check=False).strip())
+    host = run.doc["hosts"][0]
+    assert run.code == run.doc["exit_code"] == 130, run.err
+    assert run.seconds < 1.5, f"took {run.seconds:.2f}s to stop"
     assert host["result"] == "interrupted" and host["attempted"], host
     stage = next(p for p in host["phases"] if p["name"] == "stage")
     assert not stage["ok"] and "interrupted" in stage["detail"], stage

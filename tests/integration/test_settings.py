@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import json
 import re
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -92,22 +88,12 @@ def test_ctrl_c_mid_rollout_puts_the_inventory_and_every_host_back_on_the_old_co
     unit = deployment.unit_path
     units = {h: deployment.sh(h, f"cat {unit}") for h in deployment.hosts}
     h2_before = deployment.show("h2", "InvocationID")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "set-env", "KDTREE_DEFRAG_SORT=1", "--parallel", "1",
-                             "--json", "--inventory", str(deployment.path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while deployment.show("h2", "InvocationID") == h2_before:  # h1's batch is deployed, h2's has begun
-            assert proc.poll() is None and time.monotonic() < deadline, "h2 was never restarted"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    doc = json.loads(out)
-    results = {h["host"]: h["result"] for h in doc["hosts"]}
-    assert proc.returncode == doc["exit_code"] == 130, err
+    run = deployment.interrupt("set-env", "KDTREE_DEFRAG_SORT=1", "--parallel", "1",  # once h1's batch is
+                               when=lambda: deployment.show("h2", "InvocationID") != h2_before,  # deployed and h2's
+                               what="h2's restart")                                            # has begun
+    doc = run.doc
+    results = {h: r["result"] for h, r in run.hosts.items()}
+    assert run.code == doc["exit_code"] == 130, run.err
     assert results == {"h1": "deployed", "h2": "deployed", "h3": "interrupted"}  # h2's batch finished, gated
     assert doc["inventory"]["reverted"] is True and doc["inventory"]["conflicts"] == []
     assert doc["inventory"]["restored_hosts"] == {"h1": "deployed", "h2": "deployed"}
