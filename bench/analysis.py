@@ -25,14 +25,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ruamel.yaml import YAML  # noqa: E402
 
 from kdeploy.core import inventory  # noqa: E402
 from kdeploy.core.policy import Policy  # noqa: E402
 from kdeploy.flows import fleet  # noqa: E402
 from kdeploy.flows.options import Options  # noqa: E402
 from kdeploy_lab import sandbox_router  # noqa: E402
-from kdeploy_lab.sandbox import SandboxError  # noqa: E402
+from kdeploy_lab.sandbox import SandboxError, edit_inventory  # noqa: E402
 from kdeploy_lab.traffic import Traffic  # noqa: E402
 
 HOSTS = 4
@@ -48,18 +47,10 @@ PANELS = (("error_rate", "error rate"), ("p99_ttft_seconds", "p99 TTFT (s)"), ("
           ("tokens_per_second_per_request", "tokens/s per request"), ("requests", "requests in the window"))
 
 
-def _edit(path: Path, change) -> None:
-    yaml = YAML()
-    doc = yaml.load(path.read_text())
-    change(doc)
-    with path.open("w") as fh:
-        yaml.dump(doc, fh)
-
-
 def run(inv_path: Path, payload: Path, url: str, name: str) -> dict:
     canary = inventory.load(inv_path).resolve("all")[0]
     env = {"REFSERVER_TOKEN_DELAY": str(TOKEN_DELAY), **({"REFSERVER_LATENCY": str(LATENCY)} if name == "slow" else {})}
-    _edit(inv_path, lambda doc: doc["hosts"][canary].update(service={"env": env}))
+    edit_inventory(inv_path, lambda doc: doc["hosts"][canary].update(service={"env": env}))
     (payload / "rev.txt").write_text(f"{name}-{time.time()}")
     with Traffic(url, CONCURRENCY, TOKENS, timeout=60) as load:
         time.sleep(3)  # every host busy before the rollout starts

@@ -30,10 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ruamel.yaml import YAML  # noqa: E402
 
 from kdeploy_lab.demo import demo_service  # noqa: E402
-from kdeploy_lab.sandbox import Sandbox  # noqa: E402
+from kdeploy_lab.sandbox import Sandbox, edit_inventory  # noqa: E402
 
 HOSTS = 16
 PLUGIN = ROOT / "tests" / "data" / "testplugin"
@@ -80,14 +79,6 @@ def kdeploy(*args: str) -> list[str]:
     return [sys.executable, "-m", "kdeploy", *args]
 
 
-def edit(path: Path, change) -> None:
-    yaml = YAML()
-    doc = yaml.load(path.read_text())
-    change(doc)
-    with path.open("w") as fh:
-        yaml.dump(doc, fh)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
@@ -121,7 +112,7 @@ def main() -> int:
                                "timeout": 120}
             service["env"] = {}
             box.write_inventory(inv, service)
-            edit(inv, lambda doc: (doc["hosts"].pop(bastion.name), doc["groups"]["sandbox"]["hosts"].pop()))
+            edit_inventory(inv, lambda doc: (doc["hosts"].pop(bastion.name), doc["groups"]["sandbox"]["hosts"].pop()))
             if measure(kdeploy("push", "all", "-i", str(inv), "--ssh-config", "none"))[2]:
                 raise SystemExit("first push failed")
             direct = ["-i", str(inv), "--ssh-config", "none"]
@@ -135,10 +126,10 @@ def main() -> int:
                 addresses = [h.address for h in box.hosts()[:HOSTS]]
                 record("connect-asyncssh", [str(args.asyncssh_python), "-c", ASYNCSSH_CONNECT, str(box.key_path),
                                             str(box.known_hosts_path), *addresses])
-            edit(inv, lambda doc: doc["defaults"].update(proxy_jump=f"root@{bastion.address}"))
+            edit_inventory(inv, lambda doc: doc["defaults"].update(proxy_jump=f"root@{bastion.address}"))
             record("noop-bastion", kdeploy("push", "all", *direct))
             record("push-bastion", kdeploy("push", "all", "--force-restart", *direct), runs=1)
-            edit(inv, lambda doc: doc["defaults"].pop("proxy_jump"))
+            edit_inventory(inv, lambda doc: doc["defaults"].pop("proxy_jump"))
             box.certify_all(box.hosts())
             record("noop-certs", kdeploy("push", "all", *direct))
             record("connect-paramiko-certs", [sys.executable, "-c", PARAMIKO_CONNECT, str(inv)])

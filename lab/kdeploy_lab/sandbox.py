@@ -141,6 +141,16 @@ class _Proc:
 # small helpers
 
 
+def edit_inventory(path: Path, change: Callable[[CommentedMap], None]) -> None:
+    """Load the inventory at ``path``, apply ``change`` to the document, write it back in the sandbox's style."""
+    yaml = YAML()
+    yaml.indent(mapping=2, sequence=4, offset=2)
+    doc = yaml.load(path.read_text())
+    change(doc)
+    with path.open("w") as fh:
+        yaml.dump(doc, fh)
+
+
 def _tail_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else ""

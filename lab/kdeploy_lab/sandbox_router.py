@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from ruamel.yaml import YAML
 
 from kdeploy_lab import router_env
-from kdeploy_lab.sandbox import Sandbox, SandboxError, SandboxHost
+from kdeploy_lab.sandbox import Sandbox, SandboxError, SandboxHost, edit_inventory
 
 PORT = 30080
 PROMETHEUS_PORT = 29000
@@ -80,15 +79,13 @@ def routed_service(service: dict[str, Any]) -> dict[str, Any]:
 def write_inventory(box: Sandbox, path: Path, service: dict[str, Any], router_host: SandboxHost, url: str) -> None:
     """The sandbox inventory without the router host, with a ``router:`` section for it."""
     box.write_inventory(path, routed_service(service))
-    yaml = YAML()
-    yaml.indent(mapping=2, sequence=4, offset=2)
-    doc = yaml.load(path.read_text())
-    del doc["hosts"][router_host.name]
-    members = doc["groups"]["sandbox"]["hosts"]
-    members.remove(router_host.name)
-    doc["defaults"]["router"] = {"url": url, "drain_timeout": 120}
-    with path.open("w") as fh:
-        yaml.dump(doc, fh)
+
+    def without_router_host(doc: dict) -> None:
+        del doc["hosts"][router_host.name]
+        doc["groups"]["sandbox"]["hosts"].remove(router_host.name)
+        doc["defaults"]["router"] = {"url": url, "drain_timeout": 120}
+
+    edit_inventory(path, without_router_host)
 
 
 def wait_healthy(url: str, count: int, timeout: float = 60.0) -> None:
@@ -103,14 +100,8 @@ def wait_healthy(url: str, count: int, timeout: float = 60.0) -> None:
 
 def set_router(path: Path, router: dict[str, Any] | None) -> None:
     """The inventory's ``router:`` section set to ``router``, or removed."""
-    yaml = YAML()
-    doc = yaml.load(path.read_text())
-    if router:
-        doc["defaults"]["router"] = router
-    else:
-        doc["defaults"].pop("router", None)
-    with path.open("w") as fh:
-        yaml.dump(doc, fh)
+    edit_inventory(path, lambda doc: doc["defaults"].update(router=router) if router
+                   else doc["defaults"].pop("router", None))
 
 
 @dataclass
