@@ -197,10 +197,8 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
-def graph_ms(fn) -> float | None:
-    """The same call captured in a CUDA graph and replayed (launch overhead gone)."""
-    if STATE["device"] == "cpu":
-        return None
+def capture(fn):
+    """``fn`` captured in a CUDA graph, after one warm-up call on a side stream (as torch asks)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -209,7 +207,18 @@ def graph_ms(fn) -> float | None:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return bench_ms(g.replay)
+    return g
+
+
+def graph_ms(fn) -> float | None:
+    """The same call captured in a CUDA graph and replayed (launch overhead gone)."""
+    if STATE["device"] == "cpu":
+        return None
+    return bench_ms(capture(fn).replay)
+
+
+def geomean(xs) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 def copy_gbps() -> float | None:
@@ -329,7 +338,7 @@ def tune(shapes, device, dtype) -> tuple[dict, list]:
             if "ms" not in r or not r["ok"]:
                 return math.inf, {str(shape): r}
             times[str(shape)] = round(r["ms"] * 1e3, 1)
-        geo = math.exp(sum(math.log(v) for v in times.values()) / len(times))
+        geo = geomean(times.values())
         return geo, times
 
     def sweep(phase: str, start: dict, variants: list, best_cfg: dict | None,
@@ -511,8 +520,8 @@ def sweep(configs: list[dict], shapes, info, args, device, dtype) -> int:
         ts = [r["us"][i] for r in rows]
         gs = [r["graph_us"][i] for r in rows]
         if all(isinstance(t, float) for t in ts):
-            geo = math.exp(sum(math.log(t) for t in ts) / len(ts))
-            ggeo = math.exp(sum(math.log(t) for t in gs) / len(gs)) if all(gs) else float("nan")
+            geo = geomean(ts)
+            ggeo = geomean(gs) if all(gs) else float("nan")
             log(f"config {i} {cfg}: geomean {geo:.1f} us eager, {ggeo:.1f} us graph")
         else:
             log(f"config {i} {cfg}: failed on some shapes")
@@ -588,14 +597,7 @@ def ab(configs: list[dict], shapes, info, args, device, dtype) -> int:
             fn()
             torch.cuda.synchronize()
             e = errors(o, ref)
-            g = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            with torch.cuda.graph(g):
-                fn()
+            g = capture(fn)
             o.fill_(float("nan"))
             g.replay()
             torch.cuda.synchronize()
@@ -651,9 +653,6 @@ def _ab_cell(v: dict) -> str:
                  f"{100 * (v['over_base_max'] - 1):+.1f}]")
     return cell
 
-
-def geomean(xs) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 def loguniform(n: int, lo: int, hi: int, seed: int, total: int | None = None) -> list[int]:
