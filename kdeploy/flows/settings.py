@@ -249,7 +249,9 @@ def _prune(node: CommentedMap, key: str) -> None:
         del node[key]
 
 
-def _apply(path: Path, scope: str | None, change: Callable[[Level], None], service: Path | None = None) -> Edit:
+def _apply(path: str | Path, scope: str | None, change: Callable[[Level], None],
+           service: Path | None = None) -> Edit:
+    path = Path(path)  # the library's callers may pass a str, as inventory.load takes one
     if ansible.is_source(path):  # an Ansible directory or script: its service file is what is edited
         return _apply_service(path, None, service, scope, change)
     before = inventory.read_text(path, exact=True)  # read once: the edit, its checks and its undo start from this
@@ -420,7 +422,7 @@ def set_env(path: str | Path, assignments: dict[str, str], unset: list[str], sco
         _prune(level.child("service"), "env")
         _prune(level.node, "service")
 
-    return _apply(Path(path), scope, change, service)
+    return _apply(path, scope, change, service)
 
 
 def set_values(path: str | Path, assignments: dict[str, str], scope: str | None = None,
@@ -433,7 +435,7 @@ def set_values(path: str | Path, assignments: dict[str, str], scope: str | None 
                 raise InvalidInput(f"{dotted!r}: expected a dotted setting path like hicache.ratio")
             level.child("service", *parts[:-1])[parts[-1]] = _scalar(raw)
 
-    return _apply(Path(path), scope, change, service)
+    return _apply(path, scope, change, service)
 
 
 def write(edit: Edit) -> None:
