@@ -11,6 +11,7 @@ as bf16: p and the output are rounded). bf16 itself is checked on the GPU (test_
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -83,6 +84,10 @@ def cases() -> list[dict]:
                     config=dict(draft_kernel=True, max_ctas=5), dtype="float32"))
     out.append(dict(bs=2, heads=3, q_len=7, prefix_lens=[40, 3], page_size=64, tree=False, nsplit=8, seed=45,
                     mask=False, config=dict(draft_kernel=True, combine_rows=1), dtype="float32"))
+    # partitions no shorter than the keys of their fp32 partial's bytes (32 rows in 2 blocks: 29 -> 32 keys, where
+    # 200 keys over 16 columns would give 16)
+    out.append(dict(bs=1, heads=4, q_len=8, prefix_lens=[200], page_size=1, tree=True, nsplit=16, seed=46,
+                    config=dict(partial_floor=True), dtype="float32"))
     # the sm_90 Gluon split kernel asked for on CPU tensors: the Triton kernel runs instead
     out.append(dict(bs=1, heads=2, q_len=4, prefix_lens=[40], page_size=1, tree=True, nsplit=2, seed=37,
                     config=dict(sm90=True), dtype="float32"))
@@ -129,13 +134,16 @@ def run_case(case: dict) -> dict:
     seconds = time.perf_counter() - t0
     ref = run_reference(prob, SCALE)
     err = (out.float() - ref).abs()
-    min_chunk = -(-config.min_chunk // config.block_n) * config.block_n
+    min_chunk = config.min_chunk
+    if config.partial_floor:                  # a row block's partial: rows / blocks x 512 fp32; a key: 576 bf16
+        min_chunk = max(min_chunk, math.ceil(rows / plan.blocks * 512 * 4 / (576 * 2)))
+    min_chunk = -(-min_chunk // config.block_n) * config.block_n
     expect = expected_slots(case["prefix_lens"], rows, plan.columns, config.block_n, min_chunk)
     drafts = {plan.draft_slot0 + b: (b, 0) for b in range(case["bs"])} if draft else {}
     lse = ws.part_lse
     written = sorted(int(s) for s in range(ws.slots) if bool((lse[s, :rows] != 12345.0).all()))
     partly = sorted(int(s) for s in range(ws.slots) if bool((lse[s, :rows] != 12345.0).any()))
-    return dict(case=case, columns=plan.columns, blocks=plan.blocks, slots=plan.slots,
+    return dict(case=case, columns=plan.columns, blocks=plan.blocks, slots=plan.slots, min_chunk=min_chunk,
                 max_err=float(err.max()), ref_max=float(ref.abs().max()),
                 rel_err=float((out.float() - ref).norm() / ref.norm()), all_written=bool(torch.isfinite(out).all()),
                 slots_written=written, slots_partly=partly, slots_expected=sorted({**expect, **drafts}),

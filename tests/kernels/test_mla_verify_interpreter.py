@@ -70,3 +70,12 @@ def test_schedule_shares_columns_on_ragged_batches(interp: Script):
     assert any(c["case"]["bs"] > c["columns"] for c in interp.cases)
     many = next(c for c in interp.cases if c["case"]["bs"] == 9)
     assert many["columns"] == 4 and len(many["slots_written"]) <= many["columns"] + 9 - 1
+
+
+def test_partial_floor_lengthens_short_partitions(interp: Script):
+    """``partial_floor``: partitions as long as the keys of their partial's bytes, so a short prefix fills fewer
+    columns than the launch has (the slots match the schedule worked out with the floor, test above)."""
+    floor = next(c for c in interp.cases if c["case"].get("config", {}).get("partial_floor"))
+    total = sum(floor["case"]["prefix_lens"])
+    assert floor["min_chunk"] > -(-total // floor["columns"])
+    assert len(floor["slots_written"]) == -(-total // floor["min_chunk"]) < floor["columns"]

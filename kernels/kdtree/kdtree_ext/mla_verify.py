@@ -64,7 +64,7 @@ from kdtree_ext.mla_common import (
 )
 
 __all__ = ["D_LATENT", "D_QK", "D_ROPE", "GPU_CONFIG", "INTERPRETER_CONFIG", "KERNEL_NAME", "KernelConfig",
-           "Plan", "Workspace", "default_config", "default_sm_scale", "mla_tree_verify", "plan",
+           "Plan", "Workspace", "default_config", "default_sm_scale", "launch_min_chunk", "mla_tree_verify", "plan",
            "reference_tree_verify", "with_config", "workspace_slots"]
 
 KERNEL_NAME = "kdtree-splitk"
@@ -79,6 +79,7 @@ class KernelConfig:
     num_warps: int = 8              # Triton split kernel warps
     num_stages: int = 2             # Triton split kernel software-pipeline stages
     min_chunk: int = 64             # shortest partition (tokens; rounded up to block_n)
+    partial_floor: bool = False     # ... and at least the keys of its fp32 partial's bytes (launch_min_chunk)
     max_ctas: int = -1              # split programs per launch (columns x row blocks); -1: the GPU's SMs; 0: no cap
     pdl: bool = False               # draft kernel and combine as programmatic dependent launches (sm_90+)
     combine_block_s: int = 32       # per-row combine: partials merged per step
@@ -100,7 +101,7 @@ class KernelConfig:
 
 
 GPU_CONFIG = KernelConfig(pdl=True, combine_wide_rows=256, tail_m=16, sm90=True, combine_rows=1024,
-                          combine_block_s=64, draft_kernel=True, draft_sms=3)
+                          combine_block_s=64, draft_kernel=True, draft_sms=3, partial_floor=True)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -542,6 +543,17 @@ def plan(bs: int, rows: int, nsplit: int, config: KernelConfig, block_m: int, dr
     return Plan(bs, columns, blocks, draft)
 
 
+def launch_min_chunk(rows: int, blocks: int, block_n: int, config: KernelConfig) -> int:
+    """Shortest partition of a launch (a multiple of ``block_n``). With ``partial_floor`` a partition is at least
+    as many keys as make the bytes of the fp32 partial it writes per row block (``rows`` x 512 x 4 over ``blocks``
+    x 576 x 2 per key): below that its partial costs the split kernel and the combine more than its keys save
+    (bs=1 H=8 Q=16 4k: 128 rows in 2 blocks, 64 partitions of 64 keys -> 32 of 128; 72 rows keep 64)."""
+    keys = max(config.min_chunk, 1)
+    if config.partial_floor:
+        keys = max(keys, _cdiv(rows * D_LATENT * 4, blocks * D_QK * 2))
+    return _cdiv(keys, block_n) * block_n
+
+
 def workspace_slots(bs: int, rows: int, nsplit: int, config: KernelConfig) -> int:
     """Partition slots a launch of ``bs`` requests of up to ``rows`` rows may use, whichever split kernel runs."""
     return max(plan(bs, rows, nsplit, config, block_m, True).slots for block_m in {config.block_m, 64})
@@ -648,7 +660,7 @@ def mla_tree_verify(
         workspace = Workspace(pl.slots, rows, q.device)
     assert workspace.fits(pl.slots, rows), "workspace too small for this batch"
     part_o, part_lse = workspace.part_o, workspace.part_lse
-    min_chunk = _cdiv(max(config.min_chunk, 1), block_n) * block_n
+    min_chunk = launch_min_chunk(rows, pl.blocks, block_n, config)
     has_mask = custom_mask is not None
     if has_mask:
         assert mask_indptr is not None
