@@ -190,9 +190,10 @@ def test_markers_on_real_journal():
 
 
 def _gone(pid: int) -> bool:
+    """Exited: a zombie, or reaped (its /proc entry gone, also between the open and the read)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return True
 
 
