@@ -449,7 +449,8 @@ def main() -> int:
         ref = run_reference(prob, SCALE)
         row = {"bs": bs, "h": h, "q": q, "ctx": ctx, "kind": "tree" if q == 16 else "chain",
                "kv_MB": round(kv_bytes(bs, ctx) / 1e6, 2)}
-        row["columns"] = mv.plan(bs, q * h, NSPLIT, config, 64 if config.sm90 else config.block_m, True).columns
+        row["columns"] = mv.plan(bs, q * h, NSPLIT, config, 64 if config.sm90 else config.block_m, True,
+                                 config.pdl).columns
         ref_chain = ref if q != 16 else None
         for m in methods:
             if m == "verify_mla" and ref_chain is None:    # it runs the chain: check it against the chain

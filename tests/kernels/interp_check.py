@@ -88,6 +88,12 @@ def cases() -> list[dict]:
     # 200 keys over 16 columns would give 16)
     out.append(dict(bs=1, heads=4, q_len=8, prefix_lens=[200], page_size=1, tree=True, nsplit=16, seed=46,
                     config=dict(partial_floor=True), dtype="float32"))
+    # the short last row block (18 rows = 16 + 2) over partitions of its own, in a launch of its own, because that
+    # gives the full block more columns (a pretend GPU of max_ctas programs): per-row and row-block combines
+    out.append(dict(bs=2, heads=2, q_len=9, prefix_lens=[150, 37], page_size=1, tree=True, nsplit=8, seed=47,
+                    config=dict(max_ctas=9, tail_cost=0.5), dtype="float32"))
+    out.append(dict(bs=3, heads=2, q_len=9, prefix_lens=[90, 0, 41], page_size=64, tree=True, nsplit=4, seed=48,
+                    config=dict(max_ctas=7, tail_cost=0.5, draft_kernel=True, combine_rows=1), dtype="float32"))
     # the sm_90 Gluon split kernel asked for on CPU tensors: the Triton kernel runs instead
     out.append(dict(bs=1, heads=2, q_len=4, prefix_lens=[40], page_size=1, tree=True, nsplit=2, seed=37,
                     config=dict(sm90=True), dtype="float32"))
@@ -124,7 +130,7 @@ def run_case(case: dict) -> dict:
                         q_scale=case.get("q_scale", 1.0))
     rows = case["q_len"] * case["heads"]
     draft = config.draft_kernel and case["q_len"] <= 64
-    plan = mv.plan(case["bs"], rows, case["nsplit"], config, config.block_m, draft)
+    plan = mv.plan(case["bs"], rows, case["nsplit"], config, config.block_m, draft, tail=True)  # CPU: no PDL
     ws = mv.Workspace(plan.slots + 3, rows + 8, "cpu")           # spare slots and rows: must stay untouched
     ws.part_o.fill_(float("nan"))
     ws.part_lse.fill_(12345.0)                                   # sentinel: untouched slots keep it
@@ -139,18 +145,28 @@ def run_case(case: dict) -> dict:
         min_chunk = max(min_chunk, math.ceil(rows / plan.blocks * 512 * 4 / (576 * 2)))
     min_chunk = -(-min_chunk // config.block_n) * config.block_n
     expect = expected_slots(case["prefix_lens"], rows, plan.columns, config.block_n, min_chunk)
-    drafts = {plan.draft_slot0 + b: (b, 0) for b in range(case["bs"])} if draft else {}
-    lse = ws.part_lse
-    written = sorted(int(s) for s in range(ws.slots) if bool((lse[s, :rows] != 12345.0).all()))
-    partly = sorted(int(s) for s in range(ws.slots) if bool((lse[s, :rows] != 12345.0).any()))
-    return dict(case=case, columns=plan.columns, blocks=plan.blocks, slots=plan.slots, min_chunk=min_chunk,
+    bs = case["bs"]
+    drafts = {plan.columns + bs - 1 + b: (b, 0) for b in range(bs)} if draft else {}
+    # the short last row block's own partitions: slots after the draft ones, its rows only
+    tail_row0 = plan.blocks * config.block_m if plan.tail else rows
+    tail0 = plan.columns + bs - 1 + (bs if draft else 0)
+    tails = ({tail0 + s: v for s, v in expected_slots(case["prefix_lens"], rows, plan.tail, config.block_n,
+                                                      min_chunk).items()} if plan.tail else {})
+    slot_rows = {**{s: (0, tail_row0) for s in expect}, **{s: (tail_row0, rows) for s in tails},
+                 **{s: (0, rows) for s in drafts}}
+    seen = ws.part_lse[:, :rows] != 12345.0
+    partly = sorted(int(s) for s in range(ws.slots) if bool(seen[s].any()))
+    written = sorted(s for s, (lo, hi) in slot_rows.items()
+                     if bool(seen[s, lo:hi].all()) and not bool(seen[s, :lo].any() or seen[s, hi:].any()))
+    return dict(case=case, columns=plan.columns, blocks=plan.blocks, tail=plan.tail, slots=plan.slots,
+                min_chunk=min_chunk,
                 max_err=float(err.max()), ref_max=float(ref.abs().max()),
                 rel_err=float((out.float() - ref).norm() / ref.norm()), all_written=bool(torch.isfinite(out).all()),
-                slots_written=written, slots_partly=partly, slots_expected=sorted({**expect, **drafts}),
+                slots_written=written, slots_partly=partly, slots_expected=sorted(slot_rows),
                 draft_slots=sorted(drafts),
                 columns_shared=sum(1 for p in range(plan.columns)
                                    if sum(1 for s in expect if s - expect[s][0] == p) > 1),
-                pad_rows_untouched=bool((lse[:, rows:] == 12345.0).all()),
+                pad_rows_untouched=bool((ws.part_lse[:, rows:] == 12345.0).all()),
                 seconds=round(seconds, 3))
 
 
@@ -161,7 +177,12 @@ def main() -> int:
         res = run_case(case)
         results.append(res)
         print("CASE " + json.dumps(res), flush=True)
-    print("RESULT " + json.dumps({"cases": len(results), "seconds": round(time.perf_counter() - t0, 1),
+    h200 = mv.with_config(mv.GPU_CONFIG, max_ctas=132)            # the GPU launch plan on 132 multiprocessors
+    plans = [dict(bs=bs, rows=rows, **{k: getattr(p, k) for k in ("columns", "blocks", "tail", "slots")},
+                  cap=132 - h200.draft_sms, tail_cost=h200.tail_cost, tail_rows_min=h200.tail_rows_min)
+             for bs, rows in ((1, 144), (8, 144), (1, 72), (8, 72), (1, 128), (1, 256), (4, 80))
+             for p in [mv.plan(bs, rows, 64, h200, 64, True, True)]]
+    print("RESULT " + json.dumps({"cases": len(results), "seconds": round(time.perf_counter() - t0, 1), "plans": plans,
                                   "torch": torch.__version__, "triton": __import__("triton").__version__}))
     return 0
 

@@ -181,6 +181,8 @@ GRAPH = [
     ({"sm90": False}, 16, 16, [65536, 1000, 0, 30000], [7, 131072, 20000, 1]),
     ({"combine_rows": 1}, 8, 9, [65536, 1000, 0, 30000], [3000, 0, 131072, 17]),
     ({"combine_rows": 0, "combine_wide_rows": 0}, 8, 9, [4096] * 4, [131072, 1, 1, 1]),
+    ({}, 16, 9, [65536, 100, 0, 30000], [7, 131072, 20000, 1]),      # 144 rows: the tail launch
+    ({"tail_cost": 0}, 16, 9, [65536, 100, 0, 30000], [7, 131072, 20000, 1]),
 ]
 
 
@@ -288,3 +290,36 @@ def test_combines_tiles_and_tails(overrides, bs, heads, q_len, prefixes):
     prob = make_problem(bs, heads, q_len, prefixes, page_size=1, tree=True, dtype=torch.bfloat16, device=DEV,
                         seed=bs + heads, mask_dtype=torch.uint8, q_scale=2.0)
     check(run_kernel(prob, SCALE, 64, config=config, out=poisoned(prob)), run_reference(prob, SCALE))
+
+
+TAIL = [
+    # bs, H, Q, prefix lens
+    (1, 16, 9, [65536]),
+    (8, 16, 9, [4096] * 8),
+    (8, 16, 9, [65536, 1, 4096, 17, 32768, 63, 64, 129]),
+    (4, 8, 9, [16384, 0, 1, 131072]),
+]
+
+
+@pytest.mark.parametrize("tail_cost", [0.5, 0.72, 0.9])
+@pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes"), TAIL)
+def test_tail_launch_writes_the_last_row_blocks_partials(tail_cost, bs, heads, q_len, prefixes):
+    """A short last row block (16 of 144 rows, 8 of 72) in tail_kernel_sm90 over partitions of its own, on the
+    multiprocessors the full blocks' programs leave; the workspace is poisoned with NaN first, so a partial it
+    failed to write, or one the combine looked for in the wrong slot, shows in the output."""
+    config = mv.with_config(mv.GPU_CONFIG, tail_cost=tail_cost, tail_rows_min=1)     # 8-row tails too
+    prob = make_problem(bs, heads, q_len, prefixes, page_size=1, tree=False, dtype=torch.bfloat16, device=DEV,
+                        seed=bs + heads + len(prefixes), mask_dtype=torch.uint8, q_scale=2.0)
+    rows = q_len * heads
+    if mv._sm90_kernel(config, prob["q"], prob["kv_buffer"]) is None:
+        pytest.skip("no Gluon split kernel here")
+    pl = mv.plan(bs, rows, 64, config, 64, True, True)
+    assert pl.tail > 0 and pl.blocks == rows // 64
+    assert pl.columns * pl.blocks + pl.tail == mv._sms_now() - config.draft_sms
+    ws = mv.Workspace.for_batches(bs, rows, 64, config, DEV)
+    ws.part_o.fill_(float("nan"))
+    ws.part_lse.fill_(float("nan"))
+    out = run_kernel(prob, SCALE, 64, config=config, workspace=ws, out=poisoned(prob))
+    check(out, run_reference(prob, SCALE))
+    off = run_kernel(prob, SCALE, 64, config=mv.with_config(config, tail_cost=0), out=poisoned(prob))
+    assert (out.float() - off.float()).abs().max().item() <= 2e-2 * off.float().abs().max().item()

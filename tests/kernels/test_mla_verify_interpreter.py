@@ -79,3 +79,25 @@ def test_partial_floor_lengthens_short_partitions(interp: Script):
     total = sum(floor["case"]["prefix_lens"])
     assert floor["min_chunk"] > -(-total // floor["columns"])
     assert len(floor["slots_written"]) == -(-total // floor["min_chunk"]) < floor["columns"]
+
+
+def test_short_last_row_block_gets_its_own_partitions(interp: Script):
+    """``tail_cost``: a last row block of ``tail_rows_min`` rows to a quarter of a block goes to a launch of its own
+    over partitions of its own exactly when that gives the full blocks more columns; its partials (slots after
+    the draft ones, its rows only) are written as worked out independently (test above) and combined right."""
+    tailed = [c for c in interp.cases if c["tail"]]
+    assert {c["case"]["config"].get("combine_rows", 0) > 0 for c in tailed} == {False, True}
+    for c in tailed:
+        assert c["blocks"] == c["case"]["q_len"] * c["case"]["heads"] // 16          # the full blocks only
+        assert c["columns"] > c["case"]["config"]["max_ctas"] // (c["blocks"] + 1)
+    for p in interp.result["plans"]:
+        full, left = divmod(p["rows"], 64)
+        plain = min(64 * p["bs"], p["cap"] // (full + (left > 0)))
+        gains = (p["tail_rows_min"] <= left <= 16
+                 and min(64 * p["bs"], int(p["cap"] / (full + p["tail_cost"]))) > plain)
+        assert (p["tail"] > 0) == gains, p
+        if gains:
+            assert p["blocks"] == full and p["columns"] > plain and p["columns"] * full + p["tail"] == p["cap"], p
+        else:
+            assert p["blocks"] == full + (left > 0) and p["columns"] == plain, p
+    assert [p["tail"] > 0 for p in interp.result["plans"]] == [True, True, False, False, False, False, True]

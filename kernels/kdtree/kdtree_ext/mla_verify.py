@@ -16,7 +16,7 @@ The prefix is addressed as SGLang's Triton backend hands it over: ``kv_indptr``/
 per-token slot list, ``kv_indices[kv_indptr[b] + t]``). Page size 1 and 64 are both just layouts of that list
 (a 64-token page is 64 consecutive slots); the pages may lie anywhere in the pool.
 
-How (three launches, no host sync, no allocation, grid from static maxima — CUDA-graph safe):
+How (three or four launches, no host sync, no allocation, grid from static maxima — CUDA-graph safe):
 
 1. The split kernel: the batch's prefix keys, all requests one after another, are cut into ``columns`` equal
    partitions (``mla_common``: computed on the device from ``kv_indptr``, so a ragged batch keeps every
@@ -26,7 +26,10 @@ How (three launches, no host sync, no allocation, grid from static maxima — CU
    ``P V``; no mask in the prefix); it writes one normalised partial output (fp32) and log2-sum-exp per
    (column, request) segment. MLA has one KV head, so every query head of every draft token shares the key
    stream and the rows of a request are contiguous in ``q``. Portable kernel: ``_split_kernel`` (Triton). On a
-   Hopper GPU: ``mla_verify_sm90.split_kernel_sm90`` (Gluon, warp-specialised).
+   Hopper GPU: ``mla_verify_sm90.split_kernel_sm90`` (Gluon, warp-specialised). With ``KernelConfig.tail_cost``
+   a short last row block (e.g. 16 of 144 rows) runs in a launch of its own right after (on Hopper
+   ``tail_kernel_sm90``, 16-row transposed tiles), over partitions of its own on the multiprocessors the full
+   blocks leave, where that gives the full blocks more columns (``plan``).
 2. With ``KernelConfig.draft_kernel`` (the GPU default), ``_draft_kernel`` attends each request's draft tree
    (the only place the mask is read; 16 rows x 512 channels per program, scores on the tensor cores) into a slot
    of its own, its programs beside the split kernel's on the ``draft_sms`` multiprocessors the split grid leaves.
@@ -95,13 +98,16 @@ class KernelConfig:
     draft_block_d: int = 512        # draft kernel: value channels per program (16 rows each)
     draft_warps: int = 4            # draft kernel warps on launches the per-row combine merges
     draft_warps_rows: int = 8       # draft kernel warps on launches the row-block combine merges
+    tail_cost: float = 0.0          # a short last row block's program per key, over a full block's (0: no tail launch)
+    tail_rows_min: int = 1          # ... for last row blocks of at least this many rows (and at most block_m / 4)
 
     def describe(self) -> str:
         return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in self.__dict__.items())
 
 
 GPU_CONFIG = KernelConfig(pdl=True, combine_wide_rows=256, tail_m=16, sm90=True, combine_rows=1024,
-                          combine_block_s=64, draft_kernel=True, draft_sms=3, partial_floor=True)
+                          combine_block_s=64, draft_kernel=True, draft_sms=3, partial_floor=True, tail_cost=0.72,
+                          tail_rows_min=16)
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16, max_ctas=0,
                                   combine_block_s=8, combine_block_d=256)
 
@@ -181,17 +187,19 @@ def _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, slot, kv_bas
 @triton.jit
 def _split_kernel(
     Q, KBuf, QoIndptr, KvIndptr, KvIdx, PartO, PartLse,
-    qk_scale, bs, columns, min_chunk,
+    qk_scale, bs, columns, min_chunk, row_base, slot_base,
     stride_qt, stride_qh, stride_kb, stride_ps, stride_pr, stride_ls,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BS: tl.constexpr, PDL: tl.constexpr, TAIL_M: tl.constexpr,
+    BS: tl.constexpr, PDL: tl.constexpr, TAIL_M: tl.constexpr, CHAINED: tl.constexpr,
 ):
-    """BLOCK_M (token, head) rows (row block ``program_id(0)``) of every request column ``program_id(1)``
-    touches x that request's keys in the column (``mla_common``) -> one partial output + log2-sum-exp per
-    segment, in slot column + request. TAIL_M > 0: a request's last few rows (e.g. 8 of 72) on a TAIL_M-row tile."""
+    """BLOCK_M (token, head) rows (row block ``program_id(0)`` from row ``row_base``) of every request column
+    ``program_id(1)`` touches x that request's keys in the column (``mla_common``) -> one partial output +
+    log2-sum-exp per segment, in slot ``slot_base`` + column + request. TAIL_M > 0: a request's last few rows
+    (e.g. 8 of 72) on a TAIL_M-row tile. CHAINED (PDL): the tail's launch behind the full blocks' one; program
+    (0, 0) waits for that one before it exits, so that this launch's end implies that one's."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()      # the combine may be launched once every program runs
-    row0 = tl.program_id(0) * BLOCK_M
+    row0 = row_base + tl.program_id(0) * BLOCK_M
     p = tl.program_id(1)
     chunk, base0 = batch_chunk(KvIndptr, bs, columns, min_chunk, BLOCK_N)
     b_lo, b_hi = column_requests(KvIndptr, bs, p, chunk, base0, BS)
@@ -199,20 +207,24 @@ def _split_kernel(
         q_start = tl.load(QoIndptr + b)
         rows = (tl.load(QoIndptr + b + 1) - q_start) * H
         kv_base, start, end = segment(KvIndptr, b, p, chunk, base0)
+        slot = slot_base + p + b
         if (row0 < rows) & (start < end):
             if TAIL_M > 0:
                 if rows - row0 <= TAIL_M:
-                    _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, p + b, kv_base, start, end,
+                    _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, slot, kv_base, start, end,
                                qk_scale, stride_qt, stride_qh, stride_kb, stride_ps, stride_pr, stride_ls, H, DL, DR,
                                TAIL_M, BLOCK_N)
                 else:
-                    _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, p + b, kv_base, start, end,
+                    _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, slot, kv_base, start, end,
                                qk_scale, stride_qt, stride_qh, stride_kb, stride_ps, stride_pr, stride_ls, H, DL, DR,
                                BLOCK_M, BLOCK_N)
             else:
-                _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, p + b, kv_base, start, end,
+                _partition(Q, KBuf, KvIdx, PartO, PartLse, q_start, rows, row0, slot, kv_base, start, end,
                            qk_scale, stride_qt, stride_qh, stride_kb, stride_ps, stride_pr, stride_ls, H, DL, DR,
                            BLOCK_M, BLOCK_N)
+    if PDL and CHAINED:  # noqa: SIM102 (a constexpr branch)
+        if tl.program_id(0) + p == 0:
+            tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -237,9 +249,21 @@ def _merge(m_run, w_run, acc, lse, part, REDUCE: tl.constexpr):
 
 
 @triton.jit
+def _row_slots(KvIndptr, b, row0, bs, columns, min_chunk, tail_row0, tail_columns, tail_slot0,
+               BLOCK_N: tl.constexpr):
+    """Request ``b``'s prefix partials for rows from ``row0``: (first slot, how many, its prefix length). Rows
+    from ``tail_row0`` were split over ``tail_columns`` partitions of their own, into slots from ``tail_slot0``
+    (the tail launch); the others over ``columns``, from slot 0."""
+    tail = row0 >= tail_row0
+    chunk, base0 = batch_chunk(KvIndptr, bs, tl.where(tail, tail_columns, columns), min_chunk, BLOCK_N)
+    first, n_act, prefix = request_slots(KvIndptr, b, chunk, base0)
+    return first + tl.where(tail, tail_slot0, 0), n_act, prefix
+
+
+@triton.jit
 def _combine_kernel(
     Q, KExt, VExt, Mask, MaskIndptr, PartO, PartLse, Out, QoIndptr, KvIndptr,
-    qk_scale, bs, columns, min_chunk, draft_slot0,
+    qk_scale, bs, columns, min_chunk, draft_slot0, tail_row0, tail_columns, tail_slot0,
     stride_qt, stride_qh, stride_ket, stride_vet, stride_ps, stride_pr, stride_ls, stride_ot, stride_oh,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, HAS_MASK: tl.constexpr, PDL: tl.constexpr,
@@ -256,8 +280,8 @@ def _combine_kernel(
     q_len = tl.load(QoIndptr + b + 1) - q_start
     if row >= q_len * H:
         return
-    chunk, base0 = batch_chunk(KvIndptr, bs, columns, min_chunk, BLOCK_N)
-    first, n_act, prefix = request_slots(KvIndptr, b, chunk, base0)
+    first, n_act, prefix = _row_slots(KvIndptr, b, row, bs, columns, min_chunk, tail_row0, tail_columns, tail_slot0,
+                                      BLOCK_N)
     tok = row // H
     head = row % H
     offs_dl = tl.arange(0, DL)
@@ -387,8 +411,8 @@ def _draft_kernel(
 
     Launched right after the split kernel (PDL: it starts once every split program runs, on the ``draft_sms``
     multiprocessors the split grid leaves free) and before the combine, which waits for it: program (0, 0, 0)
-    waits for the split kernel before it exits, so this kernel's end implies the split kernel's and the combine's
-    one wait covers both."""
+    waits for the launch before it (the split kernel, or the tail launch, whose end implies the split kernel's)
+    before it exits, so this kernel's end implies theirs and the combine's one wait covers all."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     rb = tl.program_id(0)
@@ -417,13 +441,13 @@ def _draft_kernel(
                      tl.where(w > 0.0, m_use + tl.log2(tl.where(w > 0.0, w, 1.0)), float("-inf")), mask=r_ok)
     if PDL:  # noqa: SIM102 (a constexpr branch)
         if rb + b + d0 == 0:
-            tl.extra.cuda.gdc_wait()               # the split kernel has finished: so has this kernel at its end
+            tl.extra.cuda.gdc_wait()               # the split (and tail) launches have finished
 
 
 @triton.jit
 def _combine_rows_kernel(
     Q, KExt, VExt, Mask, MaskIndptr, PartO, PartLse, Out, QoIndptr, KvIndptr,
-    qk_scale, bs, columns, min_chunk, draft_slot0,
+    qk_scale, bs, columns, min_chunk, draft_slot0, tail_row0, tail_columns, tail_slot0,
     stride_qt, stride_qh, stride_ket, stride_vet, stride_ps, stride_pr, stride_ls, stride_ot, stride_oh,
     H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -443,8 +467,8 @@ def _combine_rows_kernel(
     rows = q_len * H
     if rb * BLOCK_R >= rows:
         return
-    chunk, base0 = batch_chunk(KvIndptr, bs, columns, min_chunk, BLOCK_N)
-    first, n_act, prefix = request_slots(KvIndptr, b, chunk, base0)
+    first, n_act, prefix = _row_slots(KvIndptr, b, rb * BLOCK_R, bs, columns, min_chunk, tail_row0, tail_columns,
+                                      tail_slot0, BLOCK_N)
     r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < rows
     tok = r // H
@@ -513,34 +537,51 @@ class Workspace:
 @dataclass(frozen=True)
 class Plan:
     """A launch's static shape: ``columns`` equal partitions of the batch's prefix keys, ``blocks`` row blocks
-    per request; ``draft``: ``_draft_kernel`` writes request b's draft-tree partial into slot ``draft_slot0 + b``."""
+    per request in the split kernel; ``draft``: ``_draft_kernel`` writes request b's draft-tree partial into slot
+    ``draft_slot0 + b``; ``tail`` > 0: the last, short row block (from row ``blocks`` x block_m) runs in a launch
+    of its own over ``tail`` partitions of the keys, its partials from slot ``tail_slot0``."""
 
     bs: int
     columns: int
     blocks: int
     draft: bool
+    tail: int = 0
 
     @property
     def draft_slot0(self) -> int:
         return self.columns + self.bs - 1          # the segments' slots p + b are below (mla_common)
 
     @property
-    def slots(self) -> int:
+    def tail_slot0(self) -> int:
         return self.draft_slot0 + (self.bs if self.draft else 0)
 
+    @property
+    def slots(self) -> int:
+        return self.tail_slot0 + (self.tail + self.bs - 1 if self.tail else 0)
 
-def plan(bs: int, rows: int, nsplit: int, config: KernelConfig, block_m: int, draft: bool) -> Plan:
+
+def plan(bs: int, rows: int, nsplit: int, config: KernelConfig, block_m: int, draft: bool,
+         tail: bool = False) -> Plan:
     """Columns: at most ``nsplit`` per request on average, and one wave of split programs (``max_ctas``: columns
     x row blocks) on all but ``draft_sms`` multiprocessors when the draft kernel runs (its programs start beside
-    the split kernel's there instead of after them). Static sizes only: CUDA-graph safe."""
+    the split kernel's there instead of after them). With ``tail`` and a short last row block (``tail_rows_min`` to a
+    quarter of a block: 144 = 2 x 64 + 16), whose programs cost ``tail_cost`` of a full block's per key: it goes
+    to a launch of its own on the multiprocessors the full blocks leave, when that gives the full blocks more
+    columns (cap / (full blocks + tail_cost) against cap / blocks). Static sizes only: CUDA-graph safe."""
     blocks = _cdiv(rows, block_m)
     cap = _sms_now() if config.max_ctas < 0 else config.max_ctas
     if draft and cap > config.draft_sms:
         cap -= config.draft_sms
     columns = max(1, nsplit * bs)
-    if cap > 0:
-        columns = max(1, min(columns, cap // blocks))
-    return Plan(bs, columns, blocks, draft)
+    if cap <= 0:
+        return Plan(bs, columns, blocks, draft)
+    plain = max(1, min(columns, cap // blocks))
+    full, left = divmod(rows, block_m)
+    if tail and config.tail_cost > 0 and full and max(1, config.tail_rows_min) <= left <= block_m // 4:
+        more = min(columns, int(cap / (full + config.tail_cost)))
+        if more > plain and cap > more * full:
+            return Plan(bs, more, full, draft, cap - more * full)
+    return Plan(bs, plain, blocks, draft)
 
 
 def launch_min_chunk(rows: int, blocks: int, block_n: int, config: KernelConfig) -> int:
@@ -556,7 +597,8 @@ def launch_min_chunk(rows: int, blocks: int, block_n: int, config: KernelConfig)
 
 def workspace_slots(bs: int, rows: int, nsplit: int, config: KernelConfig) -> int:
     """Partition slots a launch of ``bs`` requests of up to ``rows`` rows may use, whichever split kernel runs."""
-    return max(plan(bs, rows, nsplit, config, block_m, True).slots for block_m in {config.block_m, 64})
+    return max(plan(bs, rows, nsplit, config, block_m, True, tail).slots for block_m in {config.block_m, 64}
+               for tail in (False, True))
 
 
 @functools.lru_cache(maxsize=8)
@@ -608,6 +650,12 @@ def _sm90_kernel(config: KernelConfig, q: torch.Tensor, kbuf: torch.Tensor):
     return split_kernel_sm90
 
 
+def _sm90_tail_kernel():
+    from kdtree_ext.mla_verify_sm90 import tail_kernel_sm90
+
+    return tail_kernel_sm90
+
+
 def launch_tail_m(rows: int, block_m: int, config: KernelConfig) -> int:
     """Rows of the short tile for the last row block: ``tail_m`` when the static row count leaves at most that
     many rows over whole blocks (72 rows = 64 + 8), else 0 (no second tile compiled)."""
@@ -655,7 +703,10 @@ def mla_tree_verify(
     sm90 = _sm90_kernel(config, q, kbuf)
     block_m, block_n = (64, 64) if sm90 is not None else (config.block_m, config.block_n)
     draft = config.draft_kernel and max_q_len <= 64   # the draft tree in a kernel of its own, the combine merges
-    pl = plan(bs, rows, nsplit, config, block_m, draft)
+    pdl = config.pdl and q.is_cuda and _pdl_ok(torch.cuda.current_device() if q.device.index is None
+                                               else q.device.index)
+    # the tail launch pays only beside the split kernel (PDL); on CPU (the interpreter) it runs after it, for tests
+    pl = plan(bs, rows, nsplit, config, block_m, draft, tail=pdl or not q.is_cuda)
     if workspace is None:
         workspace = Workspace(pl.slots, rows, q.device)
     assert workspace.fits(pl.slots, rows), "workspace too small for this batch"
@@ -667,22 +718,29 @@ def mla_tree_verify(
     mask = custom_mask if has_mask else qo_indptr      # any pointer: never read without HAS_MASK
     mindptr = mask_indptr if has_mask else qo_indptr
     qk_scale = sm_scale * LOG2E
-    pdl = config.pdl and q.is_cuda and _pdl_ok(torch.cuda.current_device() if q.device.index is None
-                                               else q.device.index)
     tail_m = launch_tail_m(rows, block_m, config) if sm90 is None else 0
     strides = (q.stride(0), q.stride(1), kbuf.stride(0))
     part_strides = (part_o.stride(0), part_o.stride(1), part_lse.stride(0))
+    launch = {"launch_pdl": True} if pdl else {}
+    keys = (q, kbuf, qo_indptr, kv_indptr, kv_indices, part_o, part_lse, qk_scale, bs)
+    tail_row0 = pl.blocks * block_m if pl.tail else rows
     if sm90 is not None:
         sm90[(pl.columns * pl.blocks,)](
-            q, kbuf, qo_indptr, kv_indptr, kv_indices, part_o, part_lse, qk_scale, bs, pl.columns, min_chunk,
-            pl.blocks, *strides, *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE, BS=bs_block(bs), PDL=pdl,
-            LOAD_WARPS=4, LOAD_REGS=40, num_warps=8)
+            *keys, pl.columns, min_chunk, pl.blocks, *strides, *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE,
+            BS=bs_block(bs), PDL=pdl, LOAD_WARPS=4, LOAD_REGS=40, num_warps=8)
+        if pl.tail:
+            _sm90_tail_kernel()[(pl.tail,)](
+                *keys, pl.tail, min_chunk, tail_row0, pl.tail_slot0, *strides, *part_strides, H=heads, DL=D_LATENT,
+                DR=D_ROPE, BS=bs_block(bs), PDL=pdl, LOAD_WARPS=4, LOAD_REGS=40, num_warps=8, **launch)
     else:
-        _split_kernel[(pl.blocks, pl.columns)](
-            q, kbuf, qo_indptr, kv_indptr, kv_indices, part_o, part_lse, qk_scale, bs, pl.columns, min_chunk,
-            *strides, *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_M=block_m, BLOCK_N=block_n,
-            BS=bs_block(bs), PDL=pdl, TAIL_M=tail_m, num_warps=config.num_warps, num_stages=config.num_stages)
-    launch = {"launch_pdl": True} if pdl else {}
+        for grid, columns, row_base, slot_base, chained in (((pl.blocks, pl.columns), pl.columns, 0, 0, False),
+                                                            ((1, pl.tail), pl.tail, tail_row0, pl.tail_slot0, True)):
+            if grid[1]:
+                _split_kernel[grid](
+                    *keys, columns, min_chunk, row_base, slot_base, *strides, *part_strides, H=heads, DL=D_LATENT,
+                    DR=D_ROPE, BLOCK_M=block_m, BLOCK_N=block_n, BS=bs_block(bs), PDL=pdl, TAIL_M=tail_m,
+                    CHAINED=chained, num_warps=config.num_warps, num_stages=config.num_stages,
+                    **(launch if chained else {}))
     row_block = 0 < config.combine_rows <= bs * rows   # the 16-row combine merges this launch
     draft_warps = config.draft_warps_rows if row_block else config.draft_warps
     if draft:
@@ -692,8 +750,8 @@ def mla_tree_verify(
             BLOCK_R=16, BLOCK_D=config.draft_block_d, BLOCK_J=max(16, triton.next_power_of_2(max_q_len)),
             HAS_MASK=has_mask, PDL=pdl, num_warps=draft_warps, **launch)
     combine_args = (q, kext, vext, mask, mindptr, part_o, part_lse, o3, qo_indptr, kv_indptr, qk_scale, bs,
-                    pl.columns, min_chunk, pl.draft_slot0, q.stride(0), q.stride(1), kext.stride(0), vext.stride(0),
-                    *part_strides, o3.stride(0), o3.stride(1))
+                    pl.columns, min_chunk, pl.draft_slot0, tail_row0, pl.tail, pl.tail_slot0, q.stride(0),
+                    q.stride(1), kext.stride(0), vext.stride(0), *part_strides, o3.stride(0), o3.stride(1))
     if row_block:
         _combine_rows_kernel[(_cdiv(rows, 16), bs, D_LATENT // 128)](
             *combine_args, H=heads, DL=D_LATENT, DR=D_ROPE, BLOCK_N=block_n, BLOCK_R=16, BLOCK_S=4,

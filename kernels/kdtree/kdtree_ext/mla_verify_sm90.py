@@ -12,7 +12,9 @@ load the next request's rows while that tile's ``P V`` and the partial's store r
 the 64 keys of the score tile (each ``Q Kᵀ`` for 32 of them) and the 512 value channels of ``P V`` (256 each);
 the probabilities meet in shared memory. The producers run in 40 registers: what a segment needs is read again
 from ``kv_indptr``/``qo_indptr`` per segment, not kept (a draft tree tile or a transposed 16-row tail tile in
-this kernel made either partition spill; docs/benchmarks.md).
+this kernel made either partition spill; docs/benchmarks.md). ``tail_kernel_sm90``: a short last row block (at
+most 16 rows) in a launch of its own over partitions of its own, on transposed tiles (keys x rows: 16 rows cost
+a quarter of the matrix work of 64).
 
 Imported only on a CUDA device of compute capability 9.x with a Triton that has Gluon (``mla_verify._sm90_ok``);
 everywhere else, and under ``TRITON_INTERPRET=1``, ``mla_verify`` runs its Triton kernel.
@@ -246,3 +248,148 @@ def split_kernel_sm90(
         (_ws_loader, (Q, KBuf, KvIdx, QoIndptr, KvIndptr, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, b_lo,
                       b_hi, p, chunk, base0, row0, stride_qt, stride_qh, stride_kb, H, DL, DR, BM, BN, LOAD_WARPS)),
     ], [LOAD_WARPS], [LOAD_REGS])
+
+
+# ------------------------------------------------------------------------------------ the tail kernel
+
+# the short last row block (<= 16 rows) on transposed tiles: scores [64 keys, 16 rows], each warp group 8 of the
+# rows (wgmma N = 8); output [512 channels, 16 rows], each warp group 256 of the channels (N = 16)
+TAIL_M = gl.constexpr(16)
+T_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 8, 16]))
+TO_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 16, 16]))
+
+
+@gluon.jit
+def _tail_loader(Q, KBuf, KvIdx, QoIndptr, KvIndptr, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, b_lo, b_hi,
+                 p, chunk, base0, row0, stride_qt, stride_qh, stride_kb, H: gl.constexpr, DL: gl.constexpr,
+                 DR: gl.constexpr, BN: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """``_ws_loader`` for the tail kernel: per segment (request b of column p) the block's 16 query rows, then its
+    key tiles into the ring."""
+    GL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
+    BM: gl.constexpr = TAIL_M
+    it = 0
+    seg = 0
+    for b in range(b_lo, b_hi):
+        q_start, rows, kv_base, start, end = _segment(QoIndptr, KvIndptr, b, p, chunk, base0, row0, H)
+        if start < end:
+            mbarrier.wait(q_free, (seg & 1) ^ 1)
+            m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, GL))
+            q_row = Q + (q_start + m // H).to(gl.int64)[:, None] * stride_qt + (m % H)[:, None] * stride_qh
+            d_l = gl.arange(0, DL, layout=gl.SliceLayout(0, GL))
+            d_r = gl.arange(0, DR, layout=gl.SliceLayout(0, GL))
+            async_copy.async_copy_global_to_shared(q_lat, q_row + d_l[None, :], mask=(m < rows)[:, None])
+            async_copy.async_copy_global_to_shared(q_rope, q_row + DL + d_r[None, :], mask=(m < rows)[:, None])
+            n_tiles = gl.cdiv(end - start, BN)
+            loc = _slots(KvIdx, kv_base, start, end, BN, gl.SliceLayout(1, GL))
+            for i in range(n_tiles):
+                buf = it % 2
+                mbarrier.wait(empty.index(buf), ((it // 2) & 1) ^ 1)
+                n0 = start + i * BN
+                _issue_tile(k_lat.index(buf), k_rope.index(buf), KBuf, loc, loc, n0, end, stride_kb, DL, DR, BN,
+                            GL, GL)
+                async_copy.mbarrier_arrive(ready.index(buf), increment_count=False)
+                loc = _slots(KvIdx, kv_base, n0 + BN, end, BN, gl.SliceLayout(1, GL))
+                it += 1
+            seg += 1
+
+
+@gluon.jit
+def _tail_compute(q_lat, q_rope, k_lat, k_rope, pt_smem, ready, empty, q_free, PartO, PartLse, QoIndptr, KvIndptr,
+                  b_lo, b_hi, p, chunk, base0, row0, slot0, qk_scale, stride_ps, stride_pr, stride_ls,
+                  H: gl.constexpr, DL: gl.constexpr, BN: gl.constexpr):
+    """The 8 compute warps of the tail kernel, per segment: per key tile ``Sᵀ = K Qᵀ`` (keys x rows: the keys
+    are ``wgmma``'s M side, so 16 rows cost a quarter of a 64-row tile's matrix work), the online softmax down
+    the keys, pᵀ through shared memory, ``Oᵀ += Vᵀ pᵀ`` (channels x rows); the partial, transposed back on its
+    store, into slot ``slot0`` + p + b."""
+    BM: gl.constexpr = TAIL_M
+    T_L: gl.constexpr = T_LAYOUT
+    TO_L: gl.constexpr = TO_LAYOUT
+    it = 0
+    for b in range(b_lo, b_hi):
+        _, rows, _, start, end = _segment(QoIndptr, KvIndptr, b, p, chunk, base0, row0, H)
+        if start < end:
+            m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(0, T_L))
+            l_part = gl.zeros([BN, BM], gl.float32, layout=T_L)
+            acc = gl.zeros([DL, BM], gl.float32, layout=TO_L)
+            n_tiles = gl.cdiv(end - start, BN)
+            for i in range(n_tiles):
+                buf = it % 2
+                mbarrier.wait(ready.index(buf), (it // 2) & 1)
+                fence_async_shared()
+                kl = k_lat.index(buf)
+                s = gl.zeros([BN, BM], gl.float32, layout=T_L)
+                s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(k_rope.index(buf), q_rope.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(0, deps=[s])
+                keys = start + i * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, T_L))
+                s = gl.where((keys < end)[:, None], s * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 0))          # every tile has >= 1 key: finite
+                alpha = gl.exp2(m_i - m_new)
+                pt = gl.exp2(s - m_new[None, :])
+                l_part = l_part * alpha[None, :] + pt
+                pt_smem.store(gl.permute(pt.to(kl.dtype), (1, 0)))
+                fence_async_shared()
+                gl.thread_barrier()                # pᵀ is in shared memory: both warp groups' Sᵀ are done
+                mbarrier.arrive(q_free, count=1, pred=i == n_tiles - 1)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, TO_L))[None, :]
+                acc = warpgroup_mma(kl.permute((1, 0)), pt_smem.permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                gl.thread_barrier()                # both warp groups are done with slot buf and with pᵀ
+                mbarrier.arrive(empty.index(buf), count=1)
+                m_i = m_new
+                it += 1
+            l_i = gl.sum(l_part, 0)                # every segment has >= 1 key: l_i > 0
+            out = acc / gl.convert_layout(l_i, gl.SliceLayout(0, TO_L))[None, :]
+            slot = (slot0 + p + b).to(gl.int64)
+            d = gl.arange(0, DL, layout=gl.SliceLayout(1, TO_L))
+            m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, TO_L))
+            gl.store(PartO + slot * stride_ps + m[None, :] * stride_pr + d[:, None], out, mask=(m < rows)[None, :])
+            m_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, T_L))
+            gl.store(PartLse + slot * stride_ls + m_s, m_i + gl.log2(l_i), mask=m_s < rows)
+
+
+@gluon.jit
+def tail_kernel_sm90(
+    Q, KBuf, QoIndptr, KvIndptr, KvIdx, PartO, PartLse,
+    qk_scale, bs, columns, min_chunk, row0, slot0,
+    stride_qt, stride_qh, stride_kb, stride_ps, stride_pr, stride_ls,
+    H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr, PDL: gl.constexpr,
+    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
+):
+    """The row block from ``row0`` (<= 16 rows, e.g. rows 128-143 of 144) over ``columns`` partitions of the
+    batch's keys of its own (the split kernel runs the row blocks below ``row0`` over its columns): program p =
+    column p, its partials in slots ``slot0`` + p + b. Launched right after the split kernel by PDL, its programs
+    on multiprocessors the split grid leaves free; each program waits for the split kernel before it exits, so
+    this kernel's end implies the split kernel's (the next launch's one wait covers both)."""
+    BN: gl.constexpr = 64
+    BM: gl.constexpr = TAIL_M
+    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    p = gl.program_id(0)
+    chunk, base0 = batch_chunk(KvIndptr, bs, columns, min_chunk, BN)
+    b_lo, b_hi = _column_requests(KvIndptr, bs, p, chunk, base0, BS)
+
+    dt: gl.constexpr = KBuf.dtype.element_ty
+    q_lat = gl.allocate_shared_memory(dt, [BM, DL], SH)
+    q_rope = gl.allocate_shared_memory(dt, [BM, DR], SH)
+    k_lat = gl.allocate_shared_memory(dt, [2, BN, DL], SH)
+    k_rope = gl.allocate_shared_memory(dt, [2, BN, DR], SH)
+    pt_smem = gl.allocate_shared_memory(dt, [BM, BN], SH)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(2):
+        mbarrier.init(ready.index(j), count=LOAD_WARPS * 32)
+        mbarrier.init(empty.index(j), count=1)
+    mbarrier.init(q_free, count=1)
+    gl.warp_specialize([
+        (_tail_compute,
+         (q_lat, q_rope, k_lat, k_rope, pt_smem, ready, empty, q_free, PartO, PartLse, QoIndptr, KvIndptr, b_lo,
+          b_hi, p, chunk, base0, row0, slot0, qk_scale, stride_ps, stride_pr, stride_ls, H, DL, BN)),
+        (_tail_loader, (Q, KBuf, KvIdx, QoIndptr, KvIndptr, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, b_lo,
+                        b_hi, p, chunk, base0, row0, stride_qt, stride_qh, stride_kb, H, DL, DR, BN, LOAD_WARPS)),
+    ], [LOAD_WARPS], [LOAD_REGS])
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
