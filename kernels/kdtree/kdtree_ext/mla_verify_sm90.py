@@ -205,30 +205,11 @@ def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, Part
 
 
 @gluon.jit
-def split_kernel_sm90(
-    Q, KBuf, QoIndptr, KvIndptr, KvIdx, PartO, PartLse,
-    qk_scale, bs, columns, min_chunk, blocks,
-    stride_qt, stride_qh, stride_kb, stride_ps, stride_pr, stride_ls,
-    H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr, PDL: gl.constexpr,
-    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
-):
-    """Grid (``columns`` x ``blocks``,): program ``lin`` is row block ``lin % blocks`` of column ``lin // blocks``
-    (neighbouring programs share the column's keys in L2)."""
-    BM: gl.constexpr = 64
-    BN: gl.constexpr = 64
+def _shared(dt: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr,
+            LOAD_WARPS: gl.constexpr):
+    """A program's shared memory: BM query rows, the two-slot key ring, the probability tile, and the ``ready``
+    (every producer thread's copies), ``empty`` and ``q_free`` barriers."""
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    lin = gl.program_id(0)
-    p = lin // blocks
-    row0 = (lin % blocks) * BM
-    chunk, base0 = batch_chunk(KvIndptr, bs, columns, min_chunk, BN)
-    b_lo, b_hi = _column_requests(KvIndptr, bs, p, chunk, base0, BS)
-    if b_lo >= b_hi:
-        return
-
-    dt: gl.constexpr = KBuf.dtype.element_ty
     q_lat = gl.allocate_shared_memory(dt, [BM, DL], SH)
     q_rope = gl.allocate_shared_memory(dt, [BM, DR], SH)
     k_lat = gl.allocate_shared_memory(dt, [2, BN, DL], SH)
@@ -241,6 +222,34 @@ def split_kernel_sm90(
         mbarrier.init(ready.index(j), count=LOAD_WARPS * 32)
         mbarrier.init(empty.index(j), count=1)
     mbarrier.init(q_free, count=1)
+    return q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free
+
+
+@gluon.jit
+def split_kernel_sm90(
+    Q, KBuf, QoIndptr, KvIndptr, KvIdx, PartO, PartLse,
+    qk_scale, bs, columns, min_chunk, blocks,
+    stride_qt, stride_qh, stride_kb, stride_ps, stride_pr, stride_ls,
+    H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr, PDL: gl.constexpr,
+    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
+):
+    """Grid (``columns`` x ``blocks``,): program ``lin`` is row block ``lin % blocks`` of column ``lin // blocks``
+    (neighbouring programs share the column's keys in L2)."""
+    BM: gl.constexpr = 64
+    BN: gl.constexpr = 64
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    lin = gl.program_id(0)
+    p = lin // blocks
+    row0 = (lin % blocks) * BM
+    chunk, base0 = batch_chunk(KvIndptr, bs, columns, min_chunk, BN)
+    b_lo, b_hi = _column_requests(KvIndptr, bs, p, chunk, base0, BS)
+    if b_lo >= b_hi:
+        return
+
+    q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free = _shared(KBuf.dtype.element_ty, BM, BN, DL, DR,
+                                                                         LOAD_WARPS)
     gl.warp_specialize([
         (_ws_compute,
          (q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, QoIndptr, KvIndptr, b_lo, b_hi,
@@ -257,40 +266,6 @@ def split_kernel_sm90(
 TAIL_M = gl.constexpr(16)
 T_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 8, 16]))
 TO_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 16, 16]))
-
-
-@gluon.jit
-def _tail_loader(Q, KBuf, KvIdx, QoIndptr, KvIndptr, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, b_lo, b_hi,
-                 p, chunk, base0, row0, stride_qt, stride_qh, stride_kb, H: gl.constexpr, DL: gl.constexpr,
-                 DR: gl.constexpr, BN: gl.constexpr, LOAD_WARPS: gl.constexpr):
-    """``_ws_loader`` for the tail kernel: per segment (request b of column p) the block's 16 query rows, then its
-    key tiles into the ring."""
-    GL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
-    BM: gl.constexpr = TAIL_M
-    it = 0
-    seg = 0
-    for b in range(b_lo, b_hi):
-        q_start, rows, kv_base, start, end = _segment(QoIndptr, KvIndptr, b, p, chunk, base0, row0, H)
-        if start < end:
-            mbarrier.wait(q_free, (seg & 1) ^ 1)
-            m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, GL))
-            q_row = Q + (q_start + m // H).to(gl.int64)[:, None] * stride_qt + (m % H)[:, None] * stride_qh
-            d_l = gl.arange(0, DL, layout=gl.SliceLayout(0, GL))
-            d_r = gl.arange(0, DR, layout=gl.SliceLayout(0, GL))
-            async_copy.async_copy_global_to_shared(q_lat, q_row + d_l[None, :], mask=(m < rows)[:, None])
-            async_copy.async_copy_global_to_shared(q_rope, q_row + DL + d_r[None, :], mask=(m < rows)[:, None])
-            n_tiles = gl.cdiv(end - start, BN)
-            loc = _slots(KvIdx, kv_base, start, end, BN, gl.SliceLayout(1, GL))
-            for i in range(n_tiles):
-                buf = it % 2
-                mbarrier.wait(empty.index(buf), ((it // 2) & 1) ^ 1)
-                n0 = start + i * BN
-                _issue_tile(k_lat.index(buf), k_rope.index(buf), KBuf, loc, loc, n0, end, stride_kb, DL, DR, BN,
-                            GL, GL)
-                async_copy.mbarrier_arrive(ready.index(buf), increment_count=False)
-                loc = _slots(KvIdx, kv_base, n0 + BN, end, BN, gl.SliceLayout(1, GL))
-                it += 1
-            seg += 1
 
 
 @gluon.jit
@@ -363,7 +338,6 @@ def tail_kernel_sm90(
     this kernel's end implies the split kernel's (the next launch's one wait covers both)."""
     BN: gl.constexpr = 64
     BM: gl.constexpr = TAIL_M
-    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
@@ -371,25 +345,14 @@ def tail_kernel_sm90(
     chunk, base0 = batch_chunk(KvIndptr, bs, columns, min_chunk, BN)
     b_lo, b_hi = _column_requests(KvIndptr, bs, p, chunk, base0, BS)
 
-    dt: gl.constexpr = KBuf.dtype.element_ty
-    q_lat = gl.allocate_shared_memory(dt, [BM, DL], SH)
-    q_rope = gl.allocate_shared_memory(dt, [BM, DR], SH)
-    k_lat = gl.allocate_shared_memory(dt, [2, BN, DL], SH)
-    k_rope = gl.allocate_shared_memory(dt, [2, BN, DR], SH)
-    pt_smem = gl.allocate_shared_memory(dt, [BM, BN], SH)
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(2):
-        mbarrier.init(ready.index(j), count=LOAD_WARPS * 32)
-        mbarrier.init(empty.index(j), count=1)
-    mbarrier.init(q_free, count=1)
+    q_lat, q_rope, k_lat, k_rope, pt_smem, ready, empty, q_free = _shared(KBuf.dtype.element_ty, BM, BN, DL, DR,
+                                                                          LOAD_WARPS)
     gl.warp_specialize([
         (_tail_compute,
          (q_lat, q_rope, k_lat, k_rope, pt_smem, ready, empty, q_free, PartO, PartLse, QoIndptr, KvIndptr, b_lo,
           b_hi, p, chunk, base0, row0, slot0, qk_scale, stride_ps, stride_pr, stride_ls, H, DL, BN)),
-        (_tail_loader, (Q, KBuf, KvIdx, QoIndptr, KvIndptr, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, b_lo,
-                        b_hi, p, chunk, base0, row0, stride_qt, stride_qh, stride_kb, H, DL, DR, BN, LOAD_WARPS)),
+        (_ws_loader, (Q, KBuf, KvIdx, QoIndptr, KvIndptr, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, b_lo,
+                      b_hi, p, chunk, base0, row0, stride_qt, stride_qh, stride_kb, H, DL, DR, BM, BN, LOAD_WARPS)),
     ], [LOAD_WARPS], [LOAD_REGS])
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
