@@ -1,8 +1,9 @@
 """``kdeploy logs``: a service's journal from many hosts, over kdeploy's own SSH connections.
 
-The journal is read on each host with one ``journalctl`` command (:func:`journal_command`, a pure
-builder); a run is picked by ``_SYSTEMD_INVOCATION_ID``, the same key the gate counts markers by, so
-"current" never mixes in lines of an earlier start. Each line is printed prefixed by its host.
+The journal is read on each host with one ``journalctl`` command (:func:`journal_command`, a pure builder;
+:func:`journal_step` with its reading); a run is picked by ``_SYSTEMD_INVOCATION_ID``, the same key the gate
+counts markers by, so "current" never mixes in lines of an earlier start. Each line is printed prefixed by its
+host.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kdeploy.core.errors import InvalidInput, KdeployError
 from kdeploy.core.inventory import HostConfig, Inventory
 from kdeploy.core.render import unit_filename
 from kdeploy.core.report import HostResult, Result
+from kdeploy.core.step import RunResult, Step
 from kdeploy.flows.options import Options
 from kdeploy.flows.session import connect
 
@@ -93,6 +95,18 @@ def journal_command(unit: str, query: LogQuery) -> str:
     return f"{prelude}{check}{shlex.join(words)} {pick} | {grep}{tail}; true"
 
 
+def journal_step(unit: str, query: LogQuery) -> Step[str]:
+    """Read (not follow) ``unit``'s journal: its text, or the host's one-line refusal (a --since journalctl
+    rejects, no such run) as invalid input."""
+    return Step(journal_command(unit, query), _journal_text, timeout=120)
+
+
+def _journal_text(out: RunResult) -> str:
+    if not out.ok:
+        raise InvalidInput(out.last_error())  # the report names the host
+    return out.stdout
+
+
 def prefixed(host: str, text: str) -> list[str]:
     """``host | line`` for every line of ``text``."""
     return [f"{host} | {line}" for line in text.splitlines()]
@@ -105,12 +119,10 @@ def read(inventory: Inventory, host: HostConfig, query: LogQuery, opts: Options,
     with connect(inventory, host, result, opts.reach) as remote:
         if not query.follow:
             with result.phase("journal") as phase:
-                out = remote.run(journal_command(unit, query), timeout=120)
-                if out.rc:
-                    raise InvalidInput(out.last_error())  # the report names the host
-                phase.detail = f"{len(out.stdout.splitlines())} lines"
+                text = remote.ask(journal_step(unit, query))
+                phase.detail = f"{len(text.splitlines())} lines"
             result.finish(Result.OK)
-            return prefixed(host.name, out.stdout)
+            return prefixed(host.name, text)
         process = remote.start(journal_command(unit, query), timeout=None)
         buffered = b""
         try:

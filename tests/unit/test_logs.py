@@ -9,7 +9,8 @@ import pytest
 
 from kdeploy.cli import app as cli
 from kdeploy.core.errors import InvalidInput
-from kdeploy.flows.logs import LogQuery, Run, journal_command, prefixed
+from kdeploy.core.step import RunResult
+from kdeploy.flows.logs import LogQuery, Run, journal_command, journal_step, prefixed
 
 
 def test_default_is_the_last_50_lines_of_the_unit():
@@ -54,6 +55,18 @@ def test_follow_never_follows_the_dry_run():
 
 def test_prefixed():
     assert prefixed("h1", "a\nb\n") == ["h1 | a", "h1 | b"]
+
+
+def test_journal_step_reads_the_lines_or_the_hosts_refusal():
+    """journalctl's own refusal of a --since (captured: systemd 255) and the no-such-run exit are bad input."""
+    step = journal_step("s.service", LogQuery(since="nonsense"))
+    assert step.command == journal_command("s.service", LogQuery(since="nonsense"))
+    text = "2026-12-03T10:00:00+0000 h s[1]: up\n"
+    assert step.parse(RunResult(0, text, "")) == text
+    with pytest.raises(InvalidInput, match=r"^Failed to parse timestamp: nonsense$"):
+        step.parse(RunResult(1, "", "Failed to parse timestamp: nonsense\n"))
+    with pytest.raises(InvalidInput, match="no current run"):
+        step.parse(RunResult(3, "", "the unit has no current run\n"))
 
 
 @pytest.mark.parametrize(("query", "message"), [
