@@ -655,7 +655,6 @@ def _ab_cell(v: dict) -> str:
     return cell
 
 
-
 def loguniform(n: int, lo: int, hi: int, seed: int, total: int | None = None) -> list[int]:
     """``n`` prefix lengths drawn log-uniformly from [lo, hi] (fixed seed); ``total``: scaled to that sum."""
     gen = torch.Generator().manual_seed(seed)

@@ -125,8 +125,6 @@ class _Strict(BaseModel):
         return value
 
 
-
-
 def _doc(description: str, default: Any = ..., *, shown: str | None = None, **constraints: Any) -> Any:
     """A field with its reference text (the JSON Schema and docs/inventory.md); ``shown``: a computed default."""
     extra = {"doc_default": shown} if shown else None

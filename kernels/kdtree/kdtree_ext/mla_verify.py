@@ -733,14 +733,16 @@ def mla_tree_verify(
                 *keys, pl.tail, min_chunk, tail_row0, pl.tail_slot0, *strides, *part_strides, H=heads, DL=D_LATENT,
                 DR=D_ROPE, BS=bs_block(bs), PDL=pdl, LOAD_WARPS=4, LOAD_REGS=40, num_warps=8, **launch)
     else:
-        for grid, columns, row_base, slot_base, chained in (((pl.blocks, pl.columns), pl.columns, 0, 0, False),
-                                                            ((1, pl.tail), pl.tail, tail_row0, pl.tail_slot0, True)):
-            if grid[1]:
-                _split_kernel[grid](
-                    *keys, columns, min_chunk, row_base, slot_base, *strides, *part_strides, H=heads, DL=D_LATENT,
-                    DR=D_ROPE, BLOCK_M=block_m, BLOCK_N=block_n, BS=bs_block(bs), PDL=pdl, TAIL_M=tail_m,
-                    CHAINED=chained, num_warps=config.num_warps, num_stages=config.num_stages,
-                    **(launch if chained else {}))
+        def split(blocks: int, columns: int, row_base: int, slot_base: int, chained: bool) -> None:
+            _split_kernel[(blocks, columns)](
+                *keys, columns, min_chunk, row_base, slot_base, *strides, *part_strides, H=heads, DL=D_LATENT,
+                DR=D_ROPE, BLOCK_M=block_m, BLOCK_N=block_n, BS=bs_block(bs), PDL=pdl, TAIL_M=tail_m,
+                CHAINED=chained, num_warps=config.num_warps, num_stages=config.num_stages,
+                **(launch if chained else {}))
+
+        split(pl.blocks, pl.columns, 0, 0, False)
+        if pl.tail:
+            split(1, pl.tail, tail_row0, pl.tail_slot0, True)
     row_block = 0 < config.combine_rows <= bs * rows   # the 16-row combine merges this launch
     draft_warps = config.draft_warps_rows if row_block else config.draft_warps
     if draft:

@@ -40,6 +40,13 @@ O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=
 
 
 @gluon.jit
+def _griddep(op: gl.constexpr):
+    """PDL: ``griddepcontrol.launch_dependents`` (the next launch may start) or ``.wait`` (the one before has
+    finished and its writes are visible)."""
+    gl.inline_asm_elementwise("griddepcontrol." + op + "; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _slots(KvIdx, kv_base, n0, end, BLOCK_N: gl.constexpr, layout: gl.constexpr):
     """Cache slots of prefix keys [n0, n0 + BLOCK_N) in ``layout`` (keys >= end: slot 0, never copied)."""
     offs = n0 + gl.arange(0, BLOCK_N, layout=layout)
@@ -238,8 +245,7 @@ def split_kernel_sm90(
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        _griddep("launch_dependents")
     lin = gl.program_id(0)
     p = lin // blocks
     row0 = (lin % blocks) * BM
@@ -339,8 +345,7 @@ def tail_kernel_sm90(
     BN: gl.constexpr = 64
     BM: gl.constexpr = TAIL_M
     if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        _griddep("launch_dependents")
     p = gl.program_id(0)
     chunk, base0 = batch_chunk(KvIndptr, bs, columns, min_chunk, BN)
     b_lo, b_hi = _column_requests(KvIndptr, bs, p, chunk, base0, BS)
@@ -355,4 +360,4 @@ def tail_kernel_sm90(
                       b_hi, p, chunk, base0, row0, stride_qt, stride_qh, stride_kb, H, DL, DR, BM, BN, LOAD_WARPS)),
     ], [LOAD_WARPS], [LOAD_REGS])
     if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        _griddep("wait")
