@@ -183,6 +183,9 @@ GRAPH = [
     ({"combine_rows": 0, "combine_wide_rows": 0}, 8, 9, [4096] * 4, [131072, 1, 1, 1]),
     ({}, 16, 9, [65536, 100, 0, 30000], [7, 131072, 20000, 1]),      # 144 rows: the tail launch
     ({"tail_cost": 0}, 16, 9, [65536, 100, 0, 30000], [7, 131072, 20000, 1]),
+    ({}, 16, 9, [65536], [100]),                                        # one request: its tail in the split grid
+    ({}, 8, 16, [1000], [131072]),
+    ({"sm90": False}, 16, 9, [65536], [100]),
 ]
 
 
@@ -295,6 +298,7 @@ def test_combines_tiles_and_tails(overrides, bs, heads, q_len, prefixes):
 TAIL = [
     # bs, H, Q, prefix lens
     (1, 16, 9, [65536]),
+    (1, 16, 9, [1000]),
     (8, 16, 9, [4096] * 8),
     (8, 16, 9, [65536, 1, 4096, 17, 32768, 63, 64, 129]),
     (4, 8, 9, [16384, 0, 1, 131072]),
@@ -304,8 +308,9 @@ TAIL = [
 @pytest.mark.parametrize("tail_cost", [0.5, 0.72, 0.9])
 @pytest.mark.parametrize(("bs", "heads", "q_len", "prefixes"), TAIL)
 def test_tail_launch_writes_the_last_row_blocks_partials(tail_cost, bs, heads, q_len, prefixes):
-    """A short last row block (16 of 144 rows, 8 of 72) in tail_kernel_sm90 over partitions of its own, on the
-    multiprocessors the full blocks' programs leave; the workspace is poisoned with NaN first, so a partial it
+    """A short last row block (16 of 144 rows, 8 of 72) over partitions of its own, on the multiprocessors the
+    full blocks' programs leave (one request: in the split kernel's grid, more: a launch of its own; a column past
+    the batch's keys at 1000 keys); the workspace is poisoned with NaN first, so a partial it
     failed to write, or one the combine looked for in the wrong slot, shows in the output."""
     config = mv.with_config(mv.GPU_CONFIG, tail_cost=tail_cost, tail_rows_min=1)     # 8-row tails too
     prob = make_problem(bs, heads, q_len, prefixes, page_size=1, tree=False, dtype=torch.bfloat16, device=DEV,

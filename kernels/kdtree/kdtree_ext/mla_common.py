@@ -68,5 +68,6 @@ def column_requests(KvIndptr, bs, p, chunk, base0, BS: tl.constexpr):
 
 
 def bs_block(bs: int) -> int:
-    """The vector width that holds ``bs`` requests' kv_indptr entries (a power of two, at least 2)."""
-    return max(2, triton.next_power_of_2(bs))
+    """The vector width that holds ``bs`` requests' kv_indptr entries (a power of two; 1 for one request, which
+    the Gluon kernels read without a search)."""
+    return triton.next_power_of_2(bs)

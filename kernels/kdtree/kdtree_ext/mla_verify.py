@@ -27,9 +27,10 @@ How (three or four launches, no host sync, no allocation, grid from static maxim
    (column, request) segment. MLA has one KV head, so every query head of every draft token shares the key
    stream and the rows of a request are contiguous in ``q``. Portable kernel: ``_split_kernel`` (Triton). On a
    Hopper GPU: ``mla_verify_sm90.split_kernel_sm90`` (Gluon, warp-specialised). With ``KernelConfig.tail_cost``
-   a short last row block (e.g. 16 of 144 rows) runs in a launch of its own right after (on Hopper
-   ``tail_kernel_sm90``, 16-row transposed tiles), over partitions of its own on the multiprocessors the full
-   blocks leave, where that gives the full blocks more columns (``plan``).
+   a short last row block (e.g. 16 of 144 rows) runs over partitions of its own on the multiprocessors the full
+   blocks leave, where that gives the full blocks more columns (``plan``): on Hopper on 16-row transposed tiles,
+   in the split kernel's own grid for one request, else in a launch of its own right after; in Triton in a
+   launch of its own.
 2. With ``KernelConfig.draft_kernel`` (the GPU default), ``_draft_kernel`` attends each request's draft tree
    (the only place the mask is read; 16 rows x 512 channels per program, scores on the tensor cores) into a slot
    of its own, its programs beside the split kernel's on the ``draft_sms`` multiprocessors the split grid leaves.
@@ -98,7 +99,7 @@ class KernelConfig:
     draft_block_d: int = 512        # draft kernel: value channels per program (16 rows each)
     draft_warps: int = 4            # draft kernel warps on launches the per-row combine merges
     draft_warps_rows: int = 8       # draft kernel warps on launches the row-block combine merges
-    tail_cost: float = 0.0          # a short last row block's program per key, over a full block's (0: no tail launch)
+    tail_cost: float = 0.0          # a short last row block's programs' cost per key over a full block's (0: none)
     tail_rows_min: int = 1          # ... for last row blocks of at least this many rows (and at most block_m / 4)
 
     def describe(self) -> str:
@@ -253,7 +254,7 @@ def _row_slots(KvIndptr, b, row0, bs, columns, min_chunk, tail_row0, tail_column
                BLOCK_N: tl.constexpr):
     """Request ``b``'s prefix partials for rows from ``row0``: (first slot, how many, its prefix length). Rows
     from ``tail_row0`` were split over ``tail_columns`` partitions of their own, into slots from ``tail_slot0``
-    (the tail launch); the others over ``columns``, from slot 0."""
+    (the tail programs); the others over ``columns``, from slot 0."""
     tail = row0 >= tail_row0
     chunk, base0 = batch_chunk(KvIndptr, bs, tl.where(tail, tail_columns, columns), min_chunk, BLOCK_N)
     first, n_act, prefix = request_slots(KvIndptr, b, chunk, base0)
@@ -411,7 +412,7 @@ def _draft_kernel(
 
     Launched right after the split kernel (PDL: it starts once every split program runs, on the ``draft_sms``
     multiprocessors the split grid leaves free) and before the combine, which waits for it: program (0, 0, 0)
-    waits for the launch before it (the split kernel, or the tail launch, whose end implies the split kernel's)
+    waits for the launch before it (the split kernel, or the tail's launch, whose end implies the split kernel's)
     before it exits, so this kernel's end implies theirs and the combine's one wait covers all."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -538,7 +539,7 @@ class Workspace:
 class Plan:
     """A launch's static shape: ``columns`` equal partitions of the batch's prefix keys, ``blocks`` row blocks
     per request in the split kernel; ``draft``: ``_draft_kernel`` writes request b's draft-tree partial into slot
-    ``draft_slot0 + b``; ``tail`` > 0: the last, short row block (from row ``blocks`` x block_m) runs in a launch
+    ``draft_slot0 + b``; ``tail`` > 0: the last, short row block (from row ``blocks`` x block_m) runs in programs
     of its own over ``tail`` partitions of the keys, its partials from slot ``tail_slot0``."""
 
     bs: int
@@ -566,7 +567,7 @@ def plan(bs: int, rows: int, nsplit: int, config: KernelConfig, block_m: int, dr
     x row blocks) on all but ``draft_sms`` multiprocessors when the draft kernel runs (its programs start beside
     the split kernel's there instead of after them). With ``tail`` and a short last row block (``tail_rows_min`` to a
     quarter of a block: 144 = 2 x 64 + 16), whose programs cost ``tail_cost`` of a full block's per key: it goes
-    to a launch of its own on the multiprocessors the full blocks leave, when that gives the full blocks more
+    to programs of its own on the multiprocessors the full blocks leave, when that gives the full blocks more
     columns (cap / (full blocks + tail_cost) against cap / blocks). Static sizes only: CUDA-graph safe."""
     blocks = _cdiv(rows, block_m)
     cap = _sms_now() if config.max_ctas < 0 else config.max_ctas
@@ -650,12 +651,6 @@ def _sm90_kernel(config: KernelConfig, q: torch.Tensor, kbuf: torch.Tensor):
     return split_kernel_sm90
 
 
-def _sm90_tail_kernel():
-    from kdtree_ext.mla_verify_sm90 import tail_kernel_sm90
-
-    return tail_kernel_sm90
-
-
 def launch_tail_m(rows: int, block_m: int, config: KernelConfig) -> int:
     """Rows of the short tile for the last row block: ``tail_m`` when the static row count leaves at most that
     many rows over whole blocks (72 rows = 64 + 8), else 0 (no second tile compiled)."""
@@ -705,7 +700,7 @@ def mla_tree_verify(
     draft = config.draft_kernel and max_q_len <= 64   # the draft tree in a kernel of its own, the combine merges
     pdl = config.pdl and q.is_cuda and _pdl_ok(torch.cuda.current_device() if q.device.index is None
                                                else q.device.index)
-    # the tail launch pays only beside the split kernel (PDL); on CPU (the interpreter) it runs after it, for tests
+    # the tail programs pay only beside the split kernel's (PDL); on CPU (the interpreter) they run after, for tests
     pl = plan(bs, rows, nsplit, config, block_m, draft, tail=pdl or not q.is_cuda)
     if workspace is None:
         workspace = Workspace(pl.slots, rows, q.device)
@@ -725,13 +720,19 @@ def mla_tree_verify(
     keys = (q, kbuf, qo_indptr, kv_indptr, kv_indices, part_o, part_lse, qk_scale, bs)
     tail_row0 = pl.blocks * block_m if pl.tail else rows
     if sm90 is not None:
-        sm90[(pl.columns * pl.blocks,)](
-            *keys, pl.columns, min_chunk, pl.blocks, *strides, *part_strides, H=heads, DL=D_LATENT, DR=D_ROPE,
-            BS=bs_block(bs), PDL=pdl, LOAD_WARPS=4, LOAD_REGS=40, num_warps=8)
-        if pl.tail:
-            _sm90_tail_kernel()[(pl.tail,)](
-                *keys, pl.tail, min_chunk, tail_row0, pl.tail_slot0, *strides, *part_strides, H=heads, DL=D_LATENT,
-                DR=D_ROPE, BS=bs_block(bs), PDL=pdl, LOAD_WARPS=4, LOAD_REGS=40, num_warps=8, **launch)
+        # one request: the tail programs after the full blocks' in the split grid (no launch to wait for); more: in
+        # a launch of their own (the segment loop and the tail's tile in one program spill registers)
+        in_grid = bool(pl.tail) and bs == 1
+
+        def split_sm90(grid: int, tail: int, **pdl_launch) -> None:
+            sm90[(grid,)](
+                *keys, pl.columns, min_chunk, pl.blocks, pl.tail, tail_row0, pl.tail_slot0, *strides, *part_strides,
+                H=heads, DL=D_LATENT, DR=D_ROPE, BS=bs_block(bs), PDL=pdl, TAIL=tail, LOAD_WARPS=4, LOAD_REGS=40,
+                num_warps=8, **pdl_launch)
+
+        split_sm90(pl.columns * pl.blocks + (pl.tail if in_grid else 0), 1 if in_grid else 0)
+        if pl.tail and not in_grid:
+            split_sm90(pl.tail, 2, **launch)
     else:
         def split(blocks: int, columns: int, row_base: int, slot_base: int, chained: bool) -> None:
             _split_kernel[(blocks, columns)](

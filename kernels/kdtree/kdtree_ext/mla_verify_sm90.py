@@ -11,10 +11,12 @@ read it, and free the query rows on ``q_free`` once a segment's last tile has it
 load the next request's rows while that tile's ``P V`` and the partial's store run). The two warp groups split
 the 64 keys of the score tile (each ``Q Kᵀ`` for 32 of them) and the 512 value channels of ``P V`` (256 each);
 the probabilities meet in shared memory. The producers run in 40 registers: what a segment needs is read again
-from ``kv_indptr``/``qo_indptr`` per segment, not kept (a draft tree tile or a transposed 16-row tail tile in
-this kernel made either partition spill; docs/benchmarks.md). ``tail_kernel_sm90``: a short last row block (at
-most 16 rows) in a launch of its own over partitions of its own, on transposed tiles (keys x rows: 16 rows cost
-a quarter of the matrix work of 64).
+from ``kv_indptr``/``qo_indptr`` per segment, not kept. With one request (``BS`` 1) there is no segment loop: its
+one segment is read before the partitions start, with no search, so the first key tile is one round trip to
+memory nearer. ``TAIL``: a short last row block (at most 16 rows) over partitions of its own, on transposed tiles
+(keys x rows: 16 rows cost a quarter of the matrix work of 64): with one request its programs follow the full
+blocks' in the same grid; with more, where the segment loop and the transposed tile in one program would spill
+registers, they are a launch of their own (the same kernel, every program a tail program).
 
 Imported only on a CUDA device of compute capability 9.x with a Triton that has Gluon (``mla_verify._sm90_ok``);
 everywhere else, and under ``TRITON_INTERPRET=1``, ``mla_verify`` runs its Triton kernel.
@@ -70,14 +72,19 @@ def _issue_tile(k_lat, k_rope, KBuf, loc_l, loc_r, n0, end, stride_kb,
 
 @gluon.jit
 def _column_requests(KvIndptr, bs, p, chunk, base0, BS: gl.constexpr):
-    """The requests column ``p`` touches, [lo, hi) (``mla_common.column_requests`` with a layout)."""
-    L: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
-    offs = gl.arange(0, BS, layout=L)
-    ok = offs < bs
-    st = gl.load(KvIndptr + offs, mask=ok, other=0) - base0
-    en = gl.load(KvIndptr + 1 + offs, mask=ok, other=0) - base0
-    lo = gl.sum((ok & (en <= p * chunk)).to(gl.int32), axis=0)
-    hi = gl.sum((ok & (st < (p + 1) * chunk)).to(gl.int32), axis=0)
+    """The requests column ``p`` touches, [lo, hi) (``mla_common.column_requests`` with a layout; BS == 1: one
+    request, no search)."""
+    if BS == 1:
+        lo = 0
+        hi = (p * chunk < gl.load(KvIndptr + 1) - base0).to(gl.int32)
+    else:
+        L: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
+        offs = gl.arange(0, BS, layout=L)
+        ok = offs < bs
+        st = gl.load(KvIndptr + offs, mask=ok, other=0) - base0
+        en = gl.load(KvIndptr + 1 + offs, mask=ok, other=0) - base0
+        lo = gl.sum((ok & (en <= p * chunk)).to(gl.int32), axis=0)
+        hi = gl.sum((ok & (st < (p + 1) * chunk)).to(gl.int32), axis=0)
     return lo, hi
 
 
@@ -91,6 +98,18 @@ def _segment(QoIndptr, KvIndptr, b, p, chunk, base0, row0, H: gl.constexpr):
     kv_base, start, end = segment(KvIndptr, b, p, chunk, base0)
     end = gl.where(row0 >= rows, start, end)
     return q_start, rows, kv_base, start, end
+
+
+@gluon.jit
+def _first(QoIndptr, KvIndptr, p, chunk, base0, row0, H: gl.constexpr, BS: gl.constexpr):
+    """BS == 1: the one request's segment, read before the partitions start (its reads do not wait for a search,
+    so the first key tile's slots are one round trip to memory nearer); else nothing (the partitions read each
+    segment themselves)."""
+    if BS == 1:  # noqa: SIM108 (a constexpr branch)
+        seg = _segment(QoIndptr, KvIndptr, 0, p, chunk, base0, row0, H)
+    else:
+        seg = (0, 0, 0, 0, 0)
+    return seg
 
 
 @gluon.jit
@@ -143,72 +162,187 @@ def _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, slot, stride_ps
 
 
 @gluon.jit
-def _ws_loader(Q, KBuf, KvIdx, QoIndptr, KvIndptr, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, b_lo, b_hi, p,
-               chunk, base0, row0, stride_qt, stride_qh, stride_kb, H: gl.constexpr, DL: gl.constexpr,
-               DR: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, LOAD_WARPS: gl.constexpr):
-    """Producer warps, per segment: wait until the compute warps are done with the last segment's query rows
-    (``q_free``), copy this request's rows, then each key tile into ring slot ``it % 2`` (``it`` counts tiles
-    over all segments) once the compute warps have freed it (``empty``); every thread's copies arrive on
-    ``ready`` when they land (cp.async.mbarrier.arrive.noinc: the query rows with the segment's first tile)."""
+def _load_segment(Q, KBuf, KvIdx, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, q_start, rows, kv_base, start,
+                  end, row0, it, seg, stride_qt, stride_qh, stride_kb, H: gl.constexpr, DL: gl.constexpr,
+                  DR: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, GL: gl.constexpr):
+    """One segment's copies: once the compute warps are done with the last segment's query rows (``q_free``),
+    this request's rows, then each key tile into ring slot ``it % 2`` (``it`` counts tiles over all segments) once
+    the compute warps have freed it (``empty``); every thread's copies arrive on ``ready`` when they land
+    (cp.async.mbarrier.arrive.noinc: the query rows with the segment's first tile). Returns ``it``."""
+    mbarrier.wait(q_free, (seg & 1) ^ 1)           # the first segment passes at once
+    m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, GL))
+    q_row = Q + (q_start + m // H).to(gl.int64)[:, None] * stride_qt + (m % H)[:, None] * stride_qh
+    d_l = gl.arange(0, DL, layout=gl.SliceLayout(0, GL))
+    d_r = gl.arange(0, DR, layout=gl.SliceLayout(0, GL))
+    async_copy.async_copy_global_to_shared(q_lat, q_row + d_l[None, :], mask=(m < rows)[:, None])
+    async_copy.async_copy_global_to_shared(q_rope, q_row + DL + d_r[None, :], mask=(m < rows)[:, None])
+    n_tiles = gl.cdiv(end - start, BN)
+    loc = _slots(KvIdx, kv_base, start, end, BN, gl.SliceLayout(1, GL))
+    for i in range(n_tiles):
+        buf = (it + i) % 2
+        mbarrier.wait(empty.index(buf), (((it + i) // 2) & 1) ^ 1)   # the first use of each slot passes at once
+        n0 = start + i * BN
+        _issue_tile(k_lat.index(buf), k_rope.index(buf), KBuf, loc, loc, n0, end, stride_kb, DL, DR, BN, GL, GL)
+        async_copy.mbarrier_arrive(ready.index(buf), increment_count=False)
+        loc = _slots(KvIdx, kv_base, n0 + BN, end, BN, gl.SliceLayout(1, GL))
+    return it + n_tiles
+
+
+@gluon.jit
+def _ws_loader(Q, KBuf, KvIdx, QoIndptr, KvIndptr, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, b_lo, b_hi,
+               first, p, chunk, base0, row0, stride_qt, stride_qh, stride_kb, H: gl.constexpr, DL: gl.constexpr,
+               DR: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BS: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """Producer warps: each segment's copies (``_load_segment``); one request's (BS == 1) one segment is ``first``,
+    read before the partitions start, else each is read again from ``kv_indptr``/``qo_indptr``."""
     # 4 rows x 64 channels per warp: each thread copies 16-byte pieces of 4 rows (one slot each), so a tile needs
     # only 4 row addresses per thread (a row's pieces are immediate offsets of them)
     GL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
-    it = 0
-    seg = 0
-    for b in range(b_lo, b_hi):
-        q_start, rows, kv_base, start, end = _segment(QoIndptr, KvIndptr, b, p, chunk, base0, row0, H)
+    if BS == 1:
+        q_start, rows, kv_base, start, end = first
         if start < end:
-            mbarrier.wait(q_free, (seg & 1) ^ 1)   # the first segment passes at once
-            m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, GL))
-            q_row = Q + (q_start + m // H).to(gl.int64)[:, None] * stride_qt + (m % H)[:, None] * stride_qh
-            d_l = gl.arange(0, DL, layout=gl.SliceLayout(0, GL))
-            d_r = gl.arange(0, DR, layout=gl.SliceLayout(0, GL))
-            async_copy.async_copy_global_to_shared(q_lat, q_row + d_l[None, :], mask=(m < rows)[:, None])
-            async_copy.async_copy_global_to_shared(q_rope, q_row + DL + d_r[None, :], mask=(m < rows)[:, None])
-            n_tiles = gl.cdiv(end - start, BN)
-            loc = _slots(KvIdx, kv_base, start, end, BN, gl.SliceLayout(1, GL))
-            for i in range(n_tiles):
-                buf = it % 2
-                mbarrier.wait(empty.index(buf), ((it // 2) & 1) ^ 1)   # the first use of each slot passes at once
-                n0 = start + i * BN
-                _issue_tile(k_lat.index(buf), k_rope.index(buf), KBuf, loc, loc, n0, end, stride_kb, DL, DR, BN,
-                            GL, GL)
-                async_copy.mbarrier_arrive(ready.index(buf), increment_count=False)
-                loc = _slots(KvIdx, kv_base, n0 + BN, end, BN, gl.SliceLayout(1, GL))
-                it += 1
-            seg += 1
+            _load_segment(Q, KBuf, KvIdx, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, q_start, rows, kv_base,
+                          start, end, row0, 0, 0, stride_qt, stride_qh, stride_kb, H, DL, DR, BM, BN, GL)
+    else:
+        it = 0
+        seg = 0
+        for b in range(b_lo, b_hi):
+            q_start, rows, kv_base, start, end = _segment(QoIndptr, KvIndptr, b, p, chunk, base0, row0, H)
+            if start < end:
+                it = _load_segment(Q, KBuf, KvIdx, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, q_start,
+                                   rows, kv_base, start, end, row0, it, seg, stride_qt, stride_qh, stride_kb, H, DL,
+                                   DR, BM, BN, GL)
+                seg += 1
+
+
+@gluon.jit
+def _compute_segment(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, rows, start, end,
+                     row0, slot, it, qk_scale, stride_ps, stride_pr, stride_ls, DL: gl.constexpr, BM: gl.constexpr,
+                     BN: gl.constexpr):
+    """One segment on the 8 compute warps: its key tiles (wait on ``ready``, free the ring slot on ``empty`` once
+    both warp groups' ``P V`` has read it; the query rows on ``q_free`` after the last tile's ``Q Kᵀ``), its
+    partial into ``slot``. Returns ``it``."""
+    S_L: gl.constexpr = S_LAYOUT
+    O_L: gl.constexpr = O_LAYOUT
+    m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    acc = gl.zeros([BM, DL], gl.float32, layout=O_L)
+    l_part = gl.zeros([BM, BN], gl.float32, layout=S_L)
+    n_tiles = gl.cdiv(end - start, BN)
+    for i in range(n_tiles):
+        buf = (it + i) % 2
+        mbarrier.wait(ready.index(buf), ((it + i) // 2) & 1)
+        fence_async_shared()                       # cp.async wrote through the generic proxy; wgmma reads async
+        n0 = start + i * BN
+        acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(buf), k_rope.index(buf), k_lat.index(buf), p_smem,
+                                 q_free, i == n_tiles - 1, acc, m_i, l_part, _keys_below(n0, end, BN, S_L),
+                                 qk_scale, S_L, O_L, BM, BN)
+        gl.thread_barrier()                        # both warp groups are done with slot buf and with p
+        mbarrier.arrive(empty.index(buf), count=1)
+    _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, slot, stride_ps, stride_pr, stride_ls, DL, BM,
+                   S_L, O_L)
+    return it + n_tiles
+
+
+# the short last row block (<= 16 rows) on transposed tiles: scores [64 keys, 16 rows], each warp group 8 of the
+# rows (wgmma N = 8); output [512 channels, 16 rows], each warp group 256 of the channels (N = 16)
+TAIL_M = gl.constexpr(16)
+T_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 8, 16]))
+TO_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 16, 16]))
+
+
+@gluon.jit
+def _tail_segment(q_lat, q_rope, k_lat, k_rope, pt_smem, ready, empty, q_free, PartO, PartLse, rows, start, end, row0,
+                  slot, it, qk_scale, stride_ps, stride_pr, stride_ls, DL: gl.constexpr, BN: gl.constexpr):
+    """One segment of a tail program's compute warps: per key tile ``Sᵀ = K Qᵀ`` (keys x rows: the keys are
+    ``wgmma``'s M side, so 16 rows cost a quarter of a 64-row tile's matrix work), the online softmax down the
+    keys, pᵀ through shared memory, ``Oᵀ += Vᵀ pᵀ`` (channels x rows); the partial, transposed back on its store,
+    into ``slot``. Returns ``it``."""
+    BM: gl.constexpr = TAIL_M
+    T_L: gl.constexpr = T_LAYOUT
+    TO_L: gl.constexpr = TO_LAYOUT
+    m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(0, T_L))
+    l_part = gl.zeros([BN, BM], gl.float32, layout=T_L)
+    acc = gl.zeros([DL, BM], gl.float32, layout=TO_L)
+    n_tiles = gl.cdiv(end - start, BN)
+    for i in range(n_tiles):
+        buf = (it + i) % 2
+        mbarrier.wait(ready.index(buf), ((it + i) // 2) & 1)
+        fence_async_shared()
+        kl = k_lat.index(buf)
+        s = gl.zeros([BN, BM], gl.float32, layout=T_L)
+        s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(k_rope.index(buf), q_rope.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        keys = start + i * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, T_L))
+        s = gl.where((keys < end)[:, None], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))          # every tile has >= 1 key: finite
+        alpha = gl.exp2(m_i - m_new)
+        pt = gl.exp2(s - m_new[None, :])
+        l_part = l_part * alpha[None, :] + pt
+        pt_smem.store(gl.permute(pt.to(kl.dtype), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()                        # pᵀ is in shared memory: both warp groups' Sᵀ are done
+        mbarrier.arrive(q_free, count=1, pred=i == n_tiles - 1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, TO_L))[None, :]
+        acc = warpgroup_mma(kl.permute((1, 0)), pt_smem.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()                        # both warp groups are done with slot buf and with pᵀ
+        mbarrier.arrive(empty.index(buf), count=1)
+        m_i = m_new
+    l_i = gl.sum(l_part, 0)                        # every segment has >= 1 key: l_i > 0
+    out = acc / gl.convert_layout(l_i, gl.SliceLayout(0, TO_L))[None, :]
+    slot = slot.to(gl.int64)
+    d = gl.arange(0, DL, layout=gl.SliceLayout(1, TO_L))
+    m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, TO_L))
+    gl.store(PartO + slot * stride_ps + m[None, :] * stride_pr + d[:, None], out, mask=(m < rows)[None, :])
+    m_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, T_L))
+    gl.store(PartLse + slot * stride_ls + m_s, m_i + gl.log2(l_i), mask=m_s < rows)
+    return it + n_tiles
+
+
+@gluon.jit
+def _run_segment(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, rows, start, end, row0,
+                 slot, it, tail, qk_scale, stride_ps, stride_pr, stride_ls, DL: gl.constexpr, BM: gl.constexpr,
+                 BN: gl.constexpr, TAIL: gl.constexpr):
+    """A segment of a 64-row program (``_compute_segment``) or of a tail program (``_tail_segment``: the first 16
+    of the query rows the producers loaded, pᵀ in the first 16 rows of p's buffer). Returns ``it``."""
+    if TAIL == 2:
+        nxt = _tail_segment(q_lat.slice(0, TAIL_M), q_rope.slice(0, TAIL_M), k_lat, k_rope, p_smem.slice(0, TAIL_M),
+                            ready, empty, q_free, PartO, PartLse, rows, start, end, row0, slot, it, qk_scale,
+                            stride_ps, stride_pr, stride_ls, DL, BN)
+    elif TAIL == 1:
+        if tail:
+            nxt = _tail_segment(q_lat.slice(0, TAIL_M), q_rope.slice(0, TAIL_M), k_lat, k_rope,
+                               p_smem.slice(0, TAIL_M), ready, empty, q_free, PartO, PartLse, rows, start, end, row0,
+                               slot, it, qk_scale, stride_ps, stride_pr, stride_ls, DL, BN)
+        else:
+            nxt = _compute_segment(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, rows,
+                                   start, end, row0, slot, it, qk_scale, stride_ps, stride_pr, stride_ls, DL, BM, BN)
+    else:
+        nxt = _compute_segment(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, rows,
+                               start, end, row0, slot, it, qk_scale, stride_ps, stride_pr, stride_ls, DL, BM, BN)
+    return nxt
 
 
 @gluon.jit
 def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, QoIndptr, KvIndptr,
-                b_lo, b_hi, p, chunk, base0, row0, qk_scale, stride_ps, stride_pr, stride_ls, H: gl.constexpr,
-                DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-    """The 8 compute warps, per segment: its key tiles (wait on ``ready``, free the ring slot on ``empty`` once
-    both warp groups' ``P V`` has read it; the query rows on ``q_free`` after the last tile's ``Q Kᵀ``), its
-    partial into slot column + request."""
-    S_L: gl.constexpr = S_LAYOUT
-    O_L: gl.constexpr = O_LAYOUT
-    it = 0
-    for b in range(b_lo, b_hi):
-        _, rows, _, start, end = _segment(QoIndptr, KvIndptr, b, p, chunk, base0, row0, H)
+                b_lo, b_hi, first, p, chunk, base0, row0, slot0, tail, qk_scale, stride_ps, stride_pr, stride_ls,
+                H: gl.constexpr, DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BS: gl.constexpr,
+                TAIL: gl.constexpr):
+    """The 8 compute warps: each segment (``_run_segment``, the first one's from ``first`` when BS == 1), its
+    partial into slot ``slot0`` + column + request."""
+    if BS == 1:
+        _, rows, _, start, end = first
         if start < end:
-            m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
-            acc = gl.zeros([BM, DL], gl.float32, layout=O_L)
-            l_part = gl.zeros([BM, BN], gl.float32, layout=S_L)
-            n_tiles = gl.cdiv(end - start, BN)
-            for i in range(n_tiles):
-                buf = it % 2
-                mbarrier.wait(ready.index(buf), (it // 2) & 1)
-                fence_async_shared()               # cp.async wrote through the generic proxy; wgmma reads async
-                n0 = start + i * BN
-                acc, m_i, l_part = _tile(q_lat, q_rope, k_lat.index(buf), k_rope.index(buf), k_lat.index(buf), p_smem,
-                                         q_free, i == n_tiles - 1, acc, m_i, l_part, _keys_below(n0, end, BN, S_L),
-                                         qk_scale, S_L, O_L, BM, BN)
-                gl.thread_barrier()                # both warp groups are done with slot buf and with p
-                mbarrier.arrive(empty.index(buf), count=1)
-                it += 1
-            _store_partial(acc, m_i, l_part, PartO, PartLse, rows, row0, p + b, stride_ps, stride_pr, stride_ls, DL,
-                           BM, S_L, O_L)
+            _run_segment(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, rows, start, end,
+                         row0, slot0 + p, 0, tail, qk_scale, stride_ps, stride_pr, stride_ls, DL, BM, BN, TAIL)
+    else:
+        it = 0
+        for b in range(b_lo, b_hi):
+            _, rows, _, start, end = _segment(QoIndptr, KvIndptr, b, p, chunk, base0, row0, H)
+            if start < end:
+                it = _run_segment(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, rows,
+                                  start, end, row0, slot0 + p + b, it, tail, qk_scale, stride_ps, stride_pr,
+                                  stride_ls, DL, BM, BN, TAIL)
 
 
 @gluon.jit
@@ -235,129 +369,57 @@ def _shared(dt: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DL: gl.constex
 @gluon.jit
 def split_kernel_sm90(
     Q, KBuf, QoIndptr, KvIndptr, KvIdx, PartO, PartLse,
-    qk_scale, bs, columns, min_chunk, blocks,
+    qk_scale, bs, columns, min_chunk, blocks, tail_columns, tail_row0, tail_slot0,
     stride_qt, stride_qh, stride_kb, stride_ps, stride_pr, stride_ls,
-    H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr, PDL: gl.constexpr,
+    H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
 ):
-    """Grid (``columns`` x ``blocks``,): program ``lin`` is row block ``lin % blocks`` of column ``lin // blocks``
-    (neighbouring programs share the column's keys in L2)."""
+    """Grid (``columns`` x ``blocks`` (+ ``tail_columns`` with TAIL),): program ``lin`` is row block ``lin %
+    blocks`` of column ``lin // blocks`` (neighbouring programs share the column's keys in L2); with TAIL the
+    last ``tail_columns`` programs are the tail programs: the (at most 16) rows from ``tail_row0`` over
+    ``tail_columns`` partitions of the batch's keys of their own, on transposed tiles, their partials from slot
+    ``tail_slot0``. Those come last in launch order, so that they run on the multiprocessors the full row blocks
+    leave free."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     if PDL:
         _griddep("launch_dependents")
     lin = gl.program_id(0)
-    p = lin // blocks
-    row0 = (lin % blocks) * BM
-    chunk, base0 = batch_chunk(KvIndptr, bs, columns, min_chunk, BN)
+    if TAIL == 2:
+        tail = True
+        p = lin
+        row0 = tail_row0
+        slot0 = tail_slot0
+        chunk, base0 = batch_chunk(KvIndptr, bs, tail_columns, min_chunk, BN)
+    elif TAIL == 1:
+        tail = lin >= columns * blocks
+        p = gl.where(tail, lin - columns * blocks, lin // blocks)
+        row0 = gl.where(tail, tail_row0, (lin % blocks) * BM)
+        slot0 = gl.where(tail, tail_slot0, 0)
+        chunk, base0 = batch_chunk(KvIndptr, bs, gl.where(tail, tail_columns, columns), min_chunk, BN)
+    else:
+        tail = False
+        p = lin // blocks
+        row0 = (lin % blocks) * BM
+        slot0 = 0
+        chunk, base0 = batch_chunk(KvIndptr, bs, columns, min_chunk, BN)
     b_lo, b_hi = _column_requests(KvIndptr, bs, p, chunk, base0, BS)
     if b_lo >= b_hi:
+        if PDL and TAIL == 2:
+            _griddep("wait")
         return
+    first = _first(QoIndptr, KvIndptr, p, chunk, base0, row0, H, BS)
 
     q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free = _shared(KBuf.dtype.element_ty, BM, BN, DL, DR,
                                                                          LOAD_WARPS)
     gl.warp_specialize([
         (_ws_compute,
          (q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, QoIndptr, KvIndptr, b_lo, b_hi,
-          p, chunk, base0, row0, qk_scale, stride_ps, stride_pr, stride_ls, H, DL, BM, BN)),
+          first, p, chunk, base0, row0, slot0, tail, qk_scale, stride_ps, stride_pr, stride_ls, H, DL, BM, BN, BS,
+          TAIL)),
         (_ws_loader, (Q, KBuf, KvIdx, QoIndptr, KvIndptr, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, b_lo,
-                      b_hi, p, chunk, base0, row0, stride_qt, stride_qh, stride_kb, H, DL, DR, BM, BN, LOAD_WARPS)),
+                      b_hi, first, p, chunk, base0, row0, stride_qt, stride_qh, stride_kb, H, DL, DR, BM, BN, BS,
+                      LOAD_WARPS)),
     ], [LOAD_WARPS], [LOAD_REGS])
-
-
-# ------------------------------------------------------------------------------------ the tail kernel
-
-# the short last row block (<= 16 rows) on transposed tiles: scores [64 keys, 16 rows], each warp group 8 of the
-# rows (wgmma N = 8); output [512 channels, 16 rows], each warp group 256 of the channels (N = 16)
-TAIL_M = gl.constexpr(16)
-T_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 8, 16]))
-TO_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 16, 16]))
-
-
-@gluon.jit
-def _tail_compute(q_lat, q_rope, k_lat, k_rope, pt_smem, ready, empty, q_free, PartO, PartLse, QoIndptr, KvIndptr,
-                  b_lo, b_hi, p, chunk, base0, row0, slot0, qk_scale, stride_ps, stride_pr, stride_ls,
-                  H: gl.constexpr, DL: gl.constexpr, BN: gl.constexpr):
-    """The 8 compute warps of the tail kernel, per segment: per key tile ``Sᵀ = K Qᵀ`` (keys x rows: the keys
-    are ``wgmma``'s M side, so 16 rows cost a quarter of a 64-row tile's matrix work), the online softmax down
-    the keys, pᵀ through shared memory, ``Oᵀ += Vᵀ pᵀ`` (channels x rows); the partial, transposed back on its
-    store, into slot ``slot0`` + p + b."""
-    BM: gl.constexpr = TAIL_M
-    T_L: gl.constexpr = T_LAYOUT
-    TO_L: gl.constexpr = TO_LAYOUT
-    it = 0
-    for b in range(b_lo, b_hi):
-        _, rows, _, start, end = _segment(QoIndptr, KvIndptr, b, p, chunk, base0, row0, H)
-        if start < end:
-            m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(0, T_L))
-            l_part = gl.zeros([BN, BM], gl.float32, layout=T_L)
-            acc = gl.zeros([DL, BM], gl.float32, layout=TO_L)
-            n_tiles = gl.cdiv(end - start, BN)
-            for i in range(n_tiles):
-                buf = it % 2
-                mbarrier.wait(ready.index(buf), (it // 2) & 1)
-                fence_async_shared()
-                kl = k_lat.index(buf)
-                s = gl.zeros([BN, BM], gl.float32, layout=T_L)
-                s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma(k_rope.index(buf), q_rope.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(0, deps=[s])
-                keys = start + i * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, T_L))
-                s = gl.where((keys < end)[:, None], s * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 0))          # every tile has >= 1 key: finite
-                alpha = gl.exp2(m_i - m_new)
-                pt = gl.exp2(s - m_new[None, :])
-                l_part = l_part * alpha[None, :] + pt
-                pt_smem.store(gl.permute(pt.to(kl.dtype), (1, 0)))
-                fence_async_shared()
-                gl.thread_barrier()                # pᵀ is in shared memory: both warp groups' Sᵀ are done
-                mbarrier.arrive(q_free, count=1, pred=i == n_tiles - 1)
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, TO_L))[None, :]
-                acc = warpgroup_mma(kl.permute((1, 0)), pt_smem.permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                gl.thread_barrier()                # both warp groups are done with slot buf and with pᵀ
-                mbarrier.arrive(empty.index(buf), count=1)
-                m_i = m_new
-                it += 1
-            l_i = gl.sum(l_part, 0)                # every segment has >= 1 key: l_i > 0
-            out = acc / gl.convert_layout(l_i, gl.SliceLayout(0, TO_L))[None, :]
-            slot = (slot0 + p + b).to(gl.int64)
-            d = gl.arange(0, DL, layout=gl.SliceLayout(1, TO_L))
-            m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, TO_L))
-            gl.store(PartO + slot * stride_ps + m[None, :] * stride_pr + d[:, None], out, mask=(m < rows)[None, :])
-            m_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, T_L))
-            gl.store(PartLse + slot * stride_ls + m_s, m_i + gl.log2(l_i), mask=m_s < rows)
-
-
-@gluon.jit
-def tail_kernel_sm90(
-    Q, KBuf, QoIndptr, KvIndptr, KvIdx, PartO, PartLse,
-    qk_scale, bs, columns, min_chunk, row0, slot0,
-    stride_qt, stride_qh, stride_kb, stride_ps, stride_pr, stride_ls,
-    H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr, PDL: gl.constexpr,
-    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
-):
-    """The row block from ``row0`` (<= 16 rows, e.g. rows 128-143 of 144) over ``columns`` partitions of the
-    batch's keys of its own (the split kernel runs the row blocks below ``row0`` over its columns): program p =
-    column p, its partials in slots ``slot0`` + p + b. Launched right after the split kernel by PDL, its programs
-    on multiprocessors the split grid leaves free; each program waits for the split kernel before it exits, so
-    this kernel's end implies the split kernel's (the next launch's one wait covers both)."""
-    BN: gl.constexpr = 64
-    BM: gl.constexpr = TAIL_M
-    if PDL:
-        _griddep("launch_dependents")
-    p = gl.program_id(0)
-    chunk, base0 = batch_chunk(KvIndptr, bs, columns, min_chunk, BN)
-    b_lo, b_hi = _column_requests(KvIndptr, bs, p, chunk, base0, BS)
-
-    q_lat, q_rope, k_lat, k_rope, pt_smem, ready, empty, q_free = _shared(KBuf.dtype.element_ty, BM, BN, DL, DR,
-                                                                          LOAD_WARPS)
-    gl.warp_specialize([
-        (_tail_compute,
-         (q_lat, q_rope, k_lat, k_rope, pt_smem, ready, empty, q_free, PartO, PartLse, QoIndptr, KvIndptr, b_lo,
-          b_hi, p, chunk, base0, row0, slot0, qk_scale, stride_ps, stride_pr, stride_ls, H, DL, BN)),
-        (_ws_loader, (Q, KBuf, KvIdx, QoIndptr, KvIndptr, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, b_lo,
-                      b_hi, p, chunk, base0, row0, stride_qt, stride_qh, stride_kb, H, DL, DR, BM, BN, LOAD_WARPS)),
-    ], [LOAD_WARPS], [LOAD_REGS])
-    if PDL:
+    if PDL and TAIL == 2:
         _griddep("wait")
