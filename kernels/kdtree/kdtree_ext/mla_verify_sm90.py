@@ -302,21 +302,14 @@ def _tail_segment(q_lat, q_rope, k_lat, k_rope, pt_smem, ready, empty, q_free, P
 @gluon.jit
 def _run_segment(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, rows, start, end, row0,
                  slot, it, tail, qk_scale, stride_ps, stride_pr, stride_ls, DL: gl.constexpr, BM: gl.constexpr,
-                 BN: gl.constexpr, TAIL: gl.constexpr):
+                 BN: gl.constexpr):
     """A segment of a 64-row program (``_compute_segment``) or of a tail program (``_tail_segment``: the first 16
-    of the query rows the producers loaded, pᵀ in the first 16 rows of p's buffer). Returns ``it``."""
-    if TAIL == 2:
+    of the query rows the producers loaded, pᵀ in the first 16 rows of p's buffer); ``tail`` is a constant unless
+    the grid holds both kinds, so a launch of one kind compiles only its own. Returns ``it``."""
+    if tail:
         nxt = _tail_segment(q_lat.slice(0, TAIL_M), q_rope.slice(0, TAIL_M), k_lat, k_rope, p_smem.slice(0, TAIL_M),
                             ready, empty, q_free, PartO, PartLse, rows, start, end, row0, slot, it, qk_scale,
                             stride_ps, stride_pr, stride_ls, DL, BN)
-    elif TAIL == 1:
-        if tail:
-            nxt = _tail_segment(q_lat.slice(0, TAIL_M), q_rope.slice(0, TAIL_M), k_lat, k_rope,
-                               p_smem.slice(0, TAIL_M), ready, empty, q_free, PartO, PartLse, rows, start, end, row0,
-                               slot, it, qk_scale, stride_ps, stride_pr, stride_ls, DL, BN)
-        else:
-            nxt = _compute_segment(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, rows,
-                                   start, end, row0, slot, it, qk_scale, stride_ps, stride_pr, stride_ls, DL, BM, BN)
     else:
         nxt = _compute_segment(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, rows,
                                start, end, row0, slot, it, qk_scale, stride_ps, stride_pr, stride_ls, DL, BM, BN)
@@ -326,15 +319,14 @@ def _run_segment(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, Par
 @gluon.jit
 def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, QoIndptr, KvIndptr,
                 b_lo, b_hi, first, p, chunk, base0, row0, slot0, tail, qk_scale, stride_ps, stride_pr, stride_ls,
-                H: gl.constexpr, DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BS: gl.constexpr,
-                TAIL: gl.constexpr):
+                H: gl.constexpr, DL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BS: gl.constexpr):
     """The 8 compute warps: each segment (``_run_segment``, the first one's from ``first`` when BS == 1), its
     partial into slot ``slot0`` + column + request."""
     if BS == 1:
         _, rows, _, start, end = first
         if start < end:
             _run_segment(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, rows, start, end,
-                         row0, slot0 + p, 0, tail, qk_scale, stride_ps, stride_pr, stride_ls, DL, BM, BN, TAIL)
+                         row0, slot0 + p, 0, tail, qk_scale, stride_ps, stride_pr, stride_ls, DL, BM, BN)
     else:
         it = 0
         for b in range(b_lo, b_hi):
@@ -342,7 +334,7 @@ def _ws_compute(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, Part
             if start < end:
                 it = _run_segment(q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, rows,
                                   start, end, row0, slot0 + p + b, it, tail, qk_scale, stride_ps, stride_pr,
-                                  stride_ls, DL, BM, BN, TAIL)
+                                  stride_ls, DL, BM, BN)
 
 
 @gluon.jit
@@ -386,23 +378,24 @@ def split_kernel_sm90(
         _griddep("launch_dependents")
     lin = gl.program_id(0)
     if TAIL == 2:
-        tail = True
+        tail: gl.constexpr = True
         p = lin
         row0 = tail_row0
         slot0 = tail_slot0
-        chunk, base0 = batch_chunk(KvIndptr, bs, tail_columns, min_chunk, BN)
+        cols = tail_columns
     elif TAIL == 1:
         tail = lin >= columns * blocks
         p = gl.where(tail, lin - columns * blocks, lin // blocks)
         row0 = gl.where(tail, tail_row0, (lin % blocks) * BM)
         slot0 = gl.where(tail, tail_slot0, 0)
-        chunk, base0 = batch_chunk(KvIndptr, bs, gl.where(tail, tail_columns, columns), min_chunk, BN)
+        cols = gl.where(tail, tail_columns, columns)
     else:
-        tail = False
+        tail: gl.constexpr = False
         p = lin // blocks
         row0 = (lin % blocks) * BM
         slot0 = 0
-        chunk, base0 = batch_chunk(KvIndptr, bs, columns, min_chunk, BN)
+        cols = columns
+    chunk, base0 = batch_chunk(KvIndptr, bs, cols, min_chunk, BN)
     b_lo, b_hi = _column_requests(KvIndptr, bs, p, chunk, base0, BS)
     if b_lo >= b_hi:
         if PDL and TAIL == 2:
@@ -415,8 +408,7 @@ def split_kernel_sm90(
     gl.warp_specialize([
         (_ws_compute,
          (q_lat, q_rope, k_lat, k_rope, p_smem, ready, empty, q_free, PartO, PartLse, QoIndptr, KvIndptr, b_lo, b_hi,
-          first, p, chunk, base0, row0, slot0, tail, qk_scale, stride_ps, stride_pr, stride_ls, H, DL, BM, BN, BS,
-          TAIL)),
+          first, p, chunk, base0, row0, slot0, tail, qk_scale, stride_ps, stride_pr, stride_ls, H, DL, BM, BN, BS)),
         (_ws_loader, (Q, KBuf, KvIdx, QoIndptr, KvIndptr, q_lat, q_rope, k_lat, k_rope, ready, empty, q_free, b_lo,
                       b_hi, first, p, chunk, base0, row0, stride_qt, stride_qh, stride_kb, H, DL, DR, BM, BN, BS,
                       LOAD_WARPS)),
