@@ -543,8 +543,11 @@ def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.D
              max_fail: MaxFailOpt = None, limit: LimitOpt = None) -> None:
     """Re-activate an older release and its unit, restart and gate."""
     ui = Ui(as_json, junit_path)
-    opts = _options(to_release=to, lock_wait=lock_wait, accept_new_host_keys=accept_new_host_keys,
-                    policy=_policy(canary, batch, max_fail), command=command_line(ctx))
+    from kdeploy.core.release import check_name
+
+    opts = _options(to_release=to and check_name(to, "--to"), lock_wait=lock_wait,
+                    accept_new_host_keys=accept_new_host_keys, policy=_policy(canary, batch, max_fail),
+                    command=command_line(ctx))
     loaded = _load(inventory, service, target, limit)
     report = ui.run(lambda listener: fleet.rollback(loaded, target, opts, parallel=parallel, listener=listener))
     ui.report(report, inventory=loaded)

@@ -40,6 +40,7 @@ _ADDRESS = [re.compile(p, re.I) for p in (
 )]
 _HOSTPORT = [re.compile(r"^\[(.+)\]:([0-9]+)$"), re.compile(r"^((?:[^:\[\]]|\[[^\]]*\])*):([0-9]+)$")]
 _COLON_PARTS = re.compile(r"(?:[^\s:\[\]]|\[[^\]]*\])+")
+_COLON_WHOLE = re.compile(r"(?:[\s:]|[^\s:\[\]]|\[[^\]]*\])*")  # what _COLON_PARTS and its separators consume
 
 
 def _is_address(pattern: str) -> bool:
@@ -50,14 +51,17 @@ def _is_address(pattern: str) -> bool:
     return any(regex.match(pattern) for regex in _ADDRESS)
 
 
-def split(pattern: str) -> list[str]:
+def split(pattern: str, what: str = "pattern") -> list[str]:
     """``a,b`` or ``a:b:!c`` into its parts (ansible-core's ``split_host_pattern``): commas first; without
-    one, colons separate unless the whole is one host name, address or range (``gpu[01:16]``, ``::1``)."""
+    one, colons separate unless the whole is one host name, address or range (``gpu[01:16]``, ``::1``).
+    An unmatched ``[`` or ``]`` is refused: ansible-core drops it, so ``~[`` would be ``~``, every host."""
     if "," in pattern:
         parts = pattern.split(",")
     elif _is_address(pattern):
         parts = [pattern]
     else:
+        if not _COLON_WHOLE.fullmatch(pattern):
+            raise InvalidInput(f"{what} {pattern!r}: an unmatched '[' or ']'")
         parts = _COLON_PARTS.findall(pattern)
     return [p.strip() for p in parts if p.strip()]
 
@@ -112,7 +116,7 @@ class Selector:
             raise InvalidInput(f"{what} {pattern!r} is blank: name a host, a group, `all` or a pattern")
         if "," in pattern and any(not p.strip() for p in pattern.split(",")):
             raise InvalidInput(f"{what} {pattern!r}: empty name in comma list")
-        return self.evaluate(split(pattern), what)
+        return self.evaluate(split(pattern, what), what)
 
     def evaluate(self, parts: Sequence[str], what: str = "target") -> list[str]:
         chosen: dict[str, None] = {}
@@ -217,7 +221,7 @@ def limit_parts(limit: str, read: Callable[[Path], str]) -> list[str]:
     if not limit.strip():
         raise InvalidInput(f"--limit {limit!r} is blank: name a host, a group or a pattern")
     parts: list[str] = []
-    for part in split(limit):
+    for part in split(limit, "--limit"):
         if part.startswith("@"):
             parts += [line.strip() for line in read(Path(part[1:])).splitlines() if line.strip()]
         else:

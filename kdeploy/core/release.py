@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shlex
 import stat
 import tarfile
@@ -211,6 +212,18 @@ def diff(local: dict[str, str], remote: dict[str, str]) -> Delta:
         removed=sorted(p for p in remote if p not in local),
         unchanged=sorted(p for p in local if remote.get(p) == local[p]),
     )
+
+
+RELEASE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # what release_id makes, and older ids too
+
+
+def check_name(value: str, option: str) -> str:
+    """A release named by the user (``rollback --to``): a name a release directory can have, checked before any
+    host is contacted (no path, no staging directory, nothing a line could be forged with)."""
+    if not RELEASE_NAME.fullmatch(value):
+        raise InvalidInput(f"{option} {value!r}: not a release id (like 20261206T020000.000Z-1a2b3c4d; "
+                           "`kdeploy history` lists them)")
+    return value
 
 
 def release_id(manifest: dict[str, str], unit_text: str, now: datetime | None = None) -> str:

@@ -136,6 +136,10 @@ def test_select(pattern, expected):
     ("  ", r"^target '  ' is blank"),
     ("gpu01,", r"^target 'gpu01,': empty name in comma list$"),
     ("gpu01:!", r"names nothing after '!'"),
+    # ansible-core drops an unmatched bracket: '~[' would be '~', every host
+    ("~[", r"^target '~\[': an unmatched '\[' or '\]'$"),
+    ("gpu01:gpu0[", r"an unmatched"),
+    ("gpu01]", r"an unmatched"),
 ])
 def test_bad_patterns_are_one_line(pattern, message):
     with pytest.raises(InvalidInput, match=message) as err:

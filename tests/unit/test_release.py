@@ -687,3 +687,14 @@ def test_tar_stream_is_produced_in_bounded_chunks_and_refuses_a_resized_file(tmp
     (root / "big.bin").write_text("x" * 4501)  # grew after the scan
     with pytest.raises(OSError, match="grew"):
         list(TarStream(payload, ["big.bin"], {}))
+
+
+@pytest.mark.parametrize("name", ["../../etc", "a/b", ".staging-x", "", "a\nb", "-rf", "a b"])
+def test_a_release_named_by_the_user_is_checked_before_any_host(name):
+    with pytest.raises(InvalidInput, match=r"^--to .*: not a release id"):
+        release_module.check_name(name, "--to")
+
+
+def test_release_ids_pass_the_name_check():
+    made = release_module.release_id({"a": "b" * 64}, "unit")
+    assert release_module.check_name(made, "--to") == made
