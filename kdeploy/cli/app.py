@@ -4,6 +4,7 @@ Every failure ends as one line on stderr and a documented exit code; ``--debug``
 With ``--json`` the only thing on stdout is one JSON document.
 """
 
+import importlib
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ from kdeploy.core.policy import Policy
 from kdeploy.core.probe import ProbeReport
 from kdeploy.core.render import render_unit
 from kdeploy.core.report import HostResult, Listener, Report
+from kdeploy.core.text import one_line
 from kdeploy.flows import canary as canary_analysis
 from kdeploy.flows import fleet, logs, settings
 from kdeploy.flows.options import Options
@@ -59,6 +61,10 @@ class Flags:
 
 
 _flags = Flags()
+# Typer's click: its own copy in recent Typer (typer._click, whose package exports little), else the click package
+_CLICK = typer.BadParameter.__module__.rpartition(".")[0]
+click_errors = importlib.import_module(f"{_CLICK}.exceptions")
+click_core = importlib.import_module(f"{_CLICK}.core")
 _ssh_log = logging.getLogger("kdeploy.ssh")
 _ssh_log.propagate = False  # the CLI prints its records itself (-v), once
 
@@ -67,7 +73,7 @@ class _Stderr(logging.Handler):
     """Writes to the ``sys.stderr`` of the moment (a test's capture, a CI log), one line per record."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        sys.stderr.write(self.format(record) + "\n")
+        sys.stderr.write(one_line(self.format(record)) + "\n")  # -vv's whole command too: its newlines as \n
 
 
 _ssh_log.addHandler(_stderr_handler := _Stderr())
@@ -162,10 +168,12 @@ def _add_plugins(parent: typer.Typer) -> None:
 
 
 def _add_missing(parent: typer.Typer, name: str, what: str, how: str) -> None:
+    """A command that says how to install the plugin: its help (``-h`` anywhere after it, exit 0) tells, and any
+    use of it is exit 2 with that line."""
     def missing() -> None:
         raise InvalidInput(f"{name}: {what} is not installed: {how}")
 
-    parent.command(name, help=f"Not installed: {what}. {how}", add_help_option=False,
+    parent.command(name, help=f"Not installed: {what}. {how}",
                    context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(missing)
 
 
@@ -339,17 +347,23 @@ class Ui:
             table.add_column(col, overflow="fold")
         return table
 
+    def line(self, text: str) -> None:
+        """One line of a command's view, as :func:`one_line` writes it (no markup read from it)."""
+        self.err.print(one_line(text), markup=False)
+
     def heading(self, text: str) -> None:
         if self.plain:
-            self.err.print(f"== {text}", markup=False)
+            self.line(f"== {text}")
         else:
-            self.err.rule(escape(text))
+            self.err.rule(cell(text))
 
     def report(self, report: Report, extra: Callable[[Report], None] | None = None, *, table: bool = True,
                inventory: inv.Inventory | None = None) -> None:
         """JSON and JUnit, the per-command ``extra`` view, the per-host results (always for a failed host), summary.
 
-        ``--quiet`` leaves out the extra view and every host that ended well.
+        ``--quiet`` leaves out the extra view and every host that ended well; so does a command's own view
+        (``extra`` without ``table``: history, status, lock, probe, check, verify's phases), which already shows
+        each host, so a host that ended well gets no second line (on a TTY as in a CI log).
         """
         if self.junit:  # before the JSON: a write that still fails must not follow a document that says ok
             services = {name: h.service.name for name, h in inventory.hosts.items()} if inventory else {}
@@ -359,33 +373,34 @@ class Ui:
             sys.stdout.write(json.dumps(report.as_json(), indent=2, default=str) + "\n")
         if extra and not self.quiet:
             extra(report)
+        only_failed = self.quiet or (extra is not None and not table)
+        hosts = [host for host in report.hosts if not (only_failed and host.ok)]
         if self.plain or self.quiet:
-            for host in report.hosts:
-                if not (self.quiet and host.ok):
-                    self.err.print(progress.host_line(host), markup=False)
-                    self._log(host)
+            for host in hosts:
+                self.line(progress.host_line(host))
+                self._log(host)
         elif table or not report.ok:
-            self._table(report)
+            self._table(report.command, hosts)
         self.err.print(progress.summary_line(report), markup=False)
 
     def _log(self, host: HostResult) -> None:
         for line in host.log:
-            self.err.print(f"  {host.host} | {line}", markup=False)
+            self.line(f"  {host.host} | {line}")
         if host.router == "out":
             self.err.print(f"  {host.host} | OUT of its router: `kdeploy router admit {host.host}` puts it back",
                            markup=False)
 
-    def _table(self, report: Report) -> None:
-        table = self.table(f"kdeploy {report.command}", "host", "result", "release", "phase", "seconds", "detail")
-        for host in report.hosts:
+    def _table(self, command: str, hosts: list[HostResult]) -> None:
+        table = self.table(f"kdeploy {command}", "host", "result", "release", "phase", "seconds", "detail")
+        for host in hosts:
             last = host.failed_phase() or (host.phases[-1] if host.phases else None)
             seconds = sum(p.seconds for p in host.phases)
             colour = "green" if host.ok else "red"
-            table.add_row(host.host, f"[{colour}]{host.result}[/]", host.release or "-",
+            table.add_row(host.host, f"[{colour}]{host.result}[/]", cell(host.release or "-"),
                           last.name if last else "-", f"{seconds:.1f}",
-                          escape(host.error or (last.detail if last else "")))
+                          cell(host.error or (last.detail if last else "")))
         self.err.print(table)
-        for host in report.hosts:
+        for host in hosts:
             self._log(host)
 
 
@@ -394,8 +409,13 @@ def _phases_table(ui: Ui, report: Report) -> None:
         table = ui.table(f"{host.host} ({host.result})", "phase", "ok", "seconds", "detail")
         table.box = None
         for p in host.phases:
-            table.add_row(p.name, "[green]ok[/]" if p.ok else "[red]FAIL[/]", f"{p.seconds:.2f}", escape(p.detail))
+            table.add_row(p.name, "[green]ok[/]" if p.ok else "[red]FAIL[/]", f"{p.seconds:.2f}", cell(p.detail))
         ui.err.print(table)
+
+
+def cell(text: str) -> str:
+    """A table cell (or rule) from a string kdeploy does not choose: one line, no rich markup read from it."""
+    return escape(one_line(text))
 
 
 def _exit(report: Report) -> None:
@@ -407,7 +427,7 @@ def _load(path: Path, service: Path | None, target: str | None = None, limit: st
     selection of no host is said (the command then acts on none and exits 0, as for an empty group)."""
     loaded = inv.load(path, service).subset(limit)
     if target is not None and not loaded.resolve(target):
-        sys.stderr.write(f"kdeploy: no hosts matched {target!r}{f' with --limit {limit!r}' if limit else ''}\n")
+        say(f"no hosts matched {target!r}{f' with --limit {limit!r}' if limit else ''}")
     return loaded
 
 
@@ -496,12 +516,12 @@ def _plan(target: str, inventory: Path, service: Path | None, as_json: bool, acc
             ui.heading(f"{host.host}: restart={'yes' if plan.restart else 'no'} "
                        f"daemon-reload={'yes' if plan.daemon_reload else 'no'}")
             for reason in plan.reasons:
-                ui.err.print(f"  because: {reason}", markup=False)
+                ui.line(f"  because: {reason}")
             for paths, sign in ((plan.add, "+"), (plan.change, "~"), (plan.remove, "-")):
                 for path in paths:
-                    ui.err.print(f"  {sign} {path}", markup=False)
-            if plan.unit_diff:
-                ui.err.print(plan.unit_diff, markup=False, end="")
+                    ui.line(f"  {sign} {path}")
+            for line in plan.unit_diff.splitlines():  # the host's unit may hold anything
+                ui.line(line)
 
     ui.report(report, show)
     _exit(report)
@@ -567,7 +587,7 @@ def probe(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVEN
     def show(rep: Report) -> None:
         for host in rep.hosts:
             if isinstance(host.details, ProbeReport):
-                ui.err.print(f"{host.host}: {host.details.summary()}", markup=False)
+                ui.line(f"{host.host}: {host.details.summary()}")
 
     ui.report(report, show, table=False)
     _exit(report)
@@ -588,7 +608,7 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
         table = ui.table("deploy history", "host", "time", "user", "controller", "release", "result", "seconds")
         for host in rep.hosts:
             for rec in host.details.records if isinstance(host.details, History) else []:
-                table.add_row(host.host, *map(Text, history_columns(rec)))  # Text: no markup from the host's file
+                table.add_row(host.host, *(Text(one_line(col)) for col in history_columns(rec)))  # the host's file
         ui.err.print(table)
 
     ui.report(report, show, table=False)
@@ -638,7 +658,7 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
                              f"that took it were pushed the old config again: "
                              f"{', '.join(f'{h} {r}' for h, r in facts.get('restored_hosts', {}).items()) or 'none'}")
             for conflict in facts.get("conflicts", []):
-                ui.err.print(f"[red]not reverted:[/] {escape(conflict)}", soft_wrap=True)  # one line each
+                ui.err.print(f"[red]not reverted:[/] {cell(conflict)}", soft_wrap=True)  # one line each
     ui.report(report, table=bool(report.hosts), inventory=edit.new)
     _exit(report)
 
@@ -704,11 +724,11 @@ def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
             if not isinstance(st, StatusView):
                 continue
             last = st.last_deploy
-            deployed = f"{last.get('time')} {last.get('result')} by {last.get('user')}" if last else "-"
-            drifted = "[red]" + escape("; ".join(st.drift)) + "[/]" if st.drift else "[green]none[/]"
+            deployed = cell(f"{last.get('time')} {last.get('result')} by {last.get('user')}") if last else "-"
+            drifted = "[red]" + cell("; ".join(st.drift)) + "[/]" if st.drift else "[green]none[/]"
             router = [{"in": "[green]in[/]", "out": "[red]OUT[/]"}.get(host.router or "", "?")] if routed else []
-            table.add_row(host.host, f"{st.active}/{st.sub}", st.since or "-", host.release or "-",
-                          escape(" ".join(f"{k}={v}" for k, v in st.env.items())) or "-", deployed, drifted, *router)
+            table.add_row(host.host, cell(f"{st.active}/{st.sub}"), cell(st.since or "-"), cell(host.release or "-"),
+                          cell(" ".join(f"{k}={v}" for k, v in st.env.items())) or "-", deployed, drifted, *router)
         ui.err.print(table)
 
     ui.report(report, show, table=False)
@@ -725,7 +745,7 @@ def _lock(target: str, inventory: Path, service: Path | None, as_json: bool, rel
         for host in rep.hosts:
             if isinstance(host.details, LockView):
                 who = host.details.holder.describe() if host.details.holder else ""
-                ui.err.print(f"{host.host}: {host.details.state} {who}", markup=False)
+                ui.line(f"{host.host}: {host.details.state} {who}")
 
     ui.report(report, show, table=False)
     _exit(report)
@@ -775,11 +795,11 @@ def logs_(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, servi
                            emit, stop)
     except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) is how -f ends: the channels close, journalctl with them
         stop.set()
-        sys.stderr.write("kdeploy: interrupted\n")
+        say("interrupted")
         raise typer.Exit(130) from None
     for host in results:
         if not host.ok:
-            sys.stderr.write(f"kdeploy: {host.host}: {host.result}: {host.error}\n")
+            say(f"{host.host}: {host.result}: {host.error}")
     _exit(Report("logs", results))
 
 
@@ -795,7 +815,7 @@ def check(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVEN
 
     def show(rep: Report) -> None:
         for finding, hosts in checks.findings(rep):
-            ui.err.print(f"{finding} [{' '.join(hosts)}]", markup=False)
+            ui.line(f"{finding} [{' '.join(hosts)}]")
 
     ui.report(report, show, table=False)
     _exit(report)
@@ -812,6 +832,9 @@ def exec_(target: Target,
                                                         help="Stop the command on a host that runs it longer "
                                                              "than this (seconds; default: no limit).",
                                                         show_default=False)] = None,
+          no_become: Annotated[bool, typer.Option(
+              "--no-become", help="Run it as the SSH user even where the inventory sets become (default: as "
+                                  "become_user, like every command).")] = False,
           limit: LimitOpt = None) -> None:
     """Run a command on each host (`kdeploy exec all -- nvidia-smi -L`): its output prefixed by host,
     exit 0 only if it exited 0 everywhere (docs/exec.md)."""
@@ -829,7 +852,7 @@ def exec_(target: Target,
         sys.stderr.flush()
 
     report = execute.run(loaded, target, command, _options(accept_new_host_keys=accept_new_host_keys),
-                         parallel=parallel, timeout=timeout, on_done=show)
+                         parallel=parallel, timeout=timeout, on_done=show, become=not no_become)
     ui.report(report, table=False)
     _exit(report)
 
@@ -876,6 +899,44 @@ def router_drain(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY
     _router("drain", target, inventory, service, as_json, accept_new_host_keys, limit)
 
 
+def say(message: str) -> None:
+    """One ``kdeploy: <message>`` line on stderr, whatever the message holds (:func:`one_line`)."""
+    sys.stderr.write(f"kdeploy: {one_line(message)}\n")
+
+
+# pydantic's errors for the values Typer checks, in click's words (with the value before them)
+_VALUE_ERRORS = {"int_parsing": "is not a valid integer", "int_from_float": "is not a valid integer",
+                 "float_parsing": "is not a valid number", "greater_than_equal": "is below the minimum {ge:g}",
+                 "less_than_equal": "is above the maximum {le:g}"}
+
+
+def usage_message(exc: click_errors.UsageError) -> str:
+    """A click usage error as the one line kdeploy prints: what it is about (a bad value: the option, and its
+    variable when the value came from there, as ``--parallel (KDEPLOY_PARALLEL)``; else the command), then why."""
+    from pydantic import ValidationError  # here: a usage error is no reason to import it for every --help
+
+    why = exc.message.removeprefix("Value error, ").rstrip(".")
+    if isinstance(exc, click_errors.BadParameter) and not isinstance(exc, click_errors.MissingParameter) and exc.param:
+        param = exc.param
+        about = max(param.opts, key=len) if param.param_type_name == "option" else param.human_readable_name
+        if (exc.ctx and param.name and isinstance(param.envvar, str)
+                and exc.ctx.get_parameter_source(param.name) is click_core.ParameterSource.ENVIRONMENT):
+            about += f" ({param.envvar})"
+        cause = exc.__cause__
+        first = cause.errors()[0] if isinstance(cause, ValidationError) and cause.errors() else None
+        if first is not None:
+            said, value = _VALUE_ERRORS.get(first["type"]), repr(first["input"])
+            if said:
+                why = f"{value} {said.format(**first.get('ctx', {}))}"
+            elif value not in why:
+                why = f"{value}: {why}"
+        return f"{about}: {why}"
+    command = exc.ctx.command_path.removeprefix("kdeploy").strip() if exc.ctx else ""
+    why = exc.format_message().rstrip(".")
+    why = why[:1].lower() + why[1:]
+    return f"{command}: {why}" if command else why
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: maps every error to one line and the documented exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -885,23 +946,33 @@ def main(argv: list[str] | None = None) -> int:
     # A CI cancel or `kill` sends SIGTERM: stop the way Ctrl-C does (staging cleaned, batch finished, exit 130).
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.default_int_handler)
-    # Usage errors and --help in a CI log: click's plain text, not rich's boxes.
+    # --help in a CI log: click's plain text, not rich's boxes.
     app.rich_markup_mode = None if progress.plain_wanted(os.environ, Console(stderr=True).is_terminal) else "rich"
     try:
-        app(args=args, prog_name="kdeploy", complete_var=COMPLETE_VAR)
-    except SystemExit as exc:  # usage errors exit 2 (INVALID) here, with click's one-line message
+        # not standalone: click's usage errors come here (as exceptions) instead of its three lines of usage
+        code = app(args=args, prog_name="kdeploy", complete_var=COMPLETE_VAR, standalone_mode=False)
+    except SystemExit as exc:  # shell completion exits by itself
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except click_errors.NoArgsIsHelpError as exc:  # `kdeploy`, `kdeploy lock`: the help, as click gives it
+        exc.show()
+        return exc.exit_code
+    except click_errors.UsageError as exc:
+        say(usage_message(exc))
+        return int(ExitCode.INVALID)
+    except click_errors.ClickException as exc:
+        say(exc.format_message())
+        return exc.exit_code
     except KdeployError as exc:
         if _flags.debug:
             traceback.print_exc()
-        sys.stderr.write(f"kdeploy: {exc}\n")
+        say(str(exc))
         return int(exc.exit_code)
-    except KeyboardInterrupt:
-        sys.stderr.write("kdeploy: interrupted\n")
+    except (KeyboardInterrupt, typer.Abort):
+        say("interrupted")
         return 130
     except Exception as exc:
         if _flags.debug:
             traceback.print_exc()
-        sys.stderr.write(f"kdeploy: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the trace)\n")
+        say(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the trace)")
         return int(ExitCode.INTERNAL)
-    return 0
+    return code if isinstance(code, int) else 0

@@ -9,39 +9,38 @@ testcase's system-out.
 
 from __future__ import annotations
 
-import re
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from datetime import datetime
 
 from kdeploy import __version__
 from kdeploy.core.report import HostResult, Phase, Report, Result
+from kdeploy.core.text import one_line
 
-_NOT_XML = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")  # XML 1.0 cannot hold these (ANSI's ESC too)
 
-
-def _text(value: str) -> str:
-    return _NOT_XML.sub("", value)
+def _body(lines: list[str]) -> str:
+    """Lines of an element's text, each one line (a test view shows them as written; XML 1.0 cannot hold ESC)."""
+    return "\n".join(one_line(line) for line in lines)
 
 
 def _phase_value(phase: Phase) -> str:
-    return _text(f"{'ok' if phase.ok else 'FAIL'} {phase.seconds:.3f}s {phase.detail}".strip())
+    return one_line(f"{'ok' if phase.ok else 'FAIL'} {phase.seconds:.3f}s {phase.detail}".strip())
 
 
 def _testcase(host: HostResult, service: str) -> ET.Element:
     case = ET.Element("testcase", name=host.host, classname=service,
                       time=f"{sum(p.seconds for p in host.phases):.3f}")
     if host.result == Result.SKIPPED:
-        ET.SubElement(case, "skipped", message=_text(host.error or "skipped"))
+        ET.SubElement(case, "skipped", message=one_line(host.error or "skipped"))
     elif not host.ok:
         failed = host.failed_phase()
         where = failed.name if failed else "-"
         detail = host.error or (failed.detail if failed else "")
-        failure = ET.SubElement(case, "failure", type=str(host.result), message=_text(f"{where}: {detail}"))
-        failure.text = _text("\n".join([f"result: {host.result}", f"phase: {where}", f"detail: {detail}", *host.log]))
+        failure = ET.SubElement(case, "failure", type=str(host.result), message=one_line(f"{where}: {detail}"))
+        failure.text = _body([f"result: {host.result}", f"phase: {where}", f"detail: {detail}", *host.log])
     out = [f"{p.name} {_phase_value(p)}" for p in host.phases]
     out.append(f"result: {host.result}; release: {host.release or '-'}")
-    ET.SubElement(case, "system-out").text = _text("\n".join(out))
+    ET.SubElement(case, "system-out").text = _body(out)
     return case
 
 

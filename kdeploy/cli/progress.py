@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import TextIO
 
 from kdeploy.core.report import HostResult, PhaseWatcher, Report, Result
+from kdeploy.core.text import one_line
 
 HEARTBEAT_S = 30.0  # CircleCI kills a step silent for 10 min; GitLab's default job timeout is far longer
 
@@ -28,9 +29,7 @@ def phase_line(clock: str, host: str, phase: str, status: str, seconds: float | 
     words = [clock, host, phase, "FAIL" if status == "fail" else status]
     if seconds is not None:
         words.append(f"{seconds:.1f}s")
-    if detail:
-        words.append(" ".join(detail.split()))  # one line, whatever the detail held
-    return " ".join(words)
+    return one_line(" ".join([*words, detail.strip()] if detail.strip() else words))  # one line, whatever it held
 
 
 def host_line(host: HostResult) -> str:
@@ -40,7 +39,7 @@ def host_line(host: HostResult) -> str:
     detail = host.error or (last.detail if last else "")
     words = [host.host, str(host.result), f"release={host.release or '-'}", f"phase={last.name if last else '-'}",
              f"{seconds:.1f}s"]
-    return " ".join([*words, " ".join(detail.split())] if detail else words)
+    return one_line(" ".join([*words, detail.strip()] if detail.strip() else words))
 
 
 def summary_line(report: Report) -> str:

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 from kdeploy.core.inventory import HostConfig, Inventory
 from kdeploy.core.report import Cancelled, HostResult, Report, Result
+from kdeploy.core.text import one_line
 from kdeploy.flows import fleet
 from kdeploy.flows.logs import masker
 from kdeploy.flows.options import Options
@@ -71,8 +72,12 @@ def stop_command(token: str) -> str:
 
 
 def run_host(inventory: Inventory, host: HostConfig, command: str, opts: Options, result: HostResult,
-             cancel: threading.Event, timeout: float | None, mask: Callable[[str], str]) -> None:
-    """Run ``command`` on one host until it exits, ``timeout`` passes or ``cancel`` is set."""
+             cancel: threading.Event, timeout: float | None, mask: Callable[[str], str], become: bool = True) -> None:
+    """Run ``command`` on one host until it exits, ``timeout`` passes or ``cancel`` is set; as the host's
+    ``become_user`` where the inventory sets ``become``, like every command, unless ``become`` is False (then
+    as the SSH user, without asking sudo for anything)."""
+    if not become:
+        host = host.model_copy(update={"become": False})
     with connect(inventory, host, result, opts.reach) as remote, result.phase("exec") as phase:
         deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -101,9 +106,11 @@ def run_host(inventory: Inventory, host: HostConfig, command: str, opts: Options
 
 def run(inventory: Inventory, target: str, words: list[str], opts: Options | None = None, *,
         parallel: int = fleet.DEFAULT_PARALLEL, timeout: float | None = None,
-        on_done: Callable[[HostResult], None] | None = None, cancel: threading.Event | None = None) -> Report:
+        on_done: Callable[[HostResult], None] | None = None, cancel: threading.Event | None = None,
+        become: bool = True) -> Report:
     """``kdeploy exec TARGET -- COMMAND...``: at most ``parallel`` hosts at once; ``on_done`` gets each host as
-    it ends (from its worker thread). Ctrl-C in the main thread (or ``cancel``) stops every running command."""
+    it ends (from its worker thread). Ctrl-C in the main thread (or ``cancel``) stops every running command.
+    ``become=False`` (``--no-become``): as the SSH user even where the inventory sets ``become``."""
     opts = opts or Options()
     names = inventory.resolve(target)
     command = command_line(words)
@@ -113,7 +120,7 @@ def run(inventory: Inventory, target: str, words: list[str], opts: Options | Non
 
     def one(host: HostConfig, result: HostResult) -> None:
         try:
-            run_host(inventory, host, command, opts, result, cancel, timeout, mask)
+            run_host(inventory, host, command, opts, result, cancel, timeout, mask, become)
         finally:
             if on_done is not None and result.details is not None:
                 with lock:
@@ -123,7 +130,8 @@ def run(inventory: Inventory, target: str, words: list[str], opts: Options | Non
 
 
 def lines(result: HostResult) -> tuple[list[str], list[str]]:
-    """A host's stdout and stderr lines, each prefixed ``<host>: ``."""
+    """A host's stdout and stderr lines, each prefixed ``<host>: `` and made one line (a ``\\r`` or an escape
+    sequence would draw over the prefix: :func:`one_line`)."""
     out = result.details if isinstance(result.details, Output) else Output(None, "", "")
-    return ([f"{result.host}: {line}" for line in out.stdout.splitlines()],
-            [f"{result.host}: {line}" for line in out.stderr.splitlines()])
+    return ([f"{result.host}: {one_line(line)}" for line in out.stdout.splitlines()],
+            [f"{result.host}: {one_line(line)}" for line in out.stderr.splitlines()])

@@ -21,6 +21,7 @@ from kdeploy.core.inventory import HostConfig, Inventory
 from kdeploy.core.render import unit_filename
 from kdeploy.core.report import HostResult, Result
 from kdeploy.core.step import RunResult, Step
+from kdeploy.core.text import one_line
 from kdeploy.flows.options import Options
 from kdeploy.flows.session import connect
 
@@ -155,15 +156,16 @@ def masker(inventory: Inventory, names: list[str]) -> Callable[[str], str]:
 
 def run(inventory: Inventory, names: list[str], query: LogQuery, opts: Options,
         emit: Callable[[str], None], stop: threading.Event) -> list[HostResult]:
-    """Read (or follow) every host at once; lines go to ``emit`` with secrets masked, each host's in one
-    piece unless following."""
+    """Read (or follow) every host at once; lines go to ``emit`` with secrets masked, then made one line
+    (:func:`one_line`: a journal line with a ``\\r`` or an escape sequence cannot draw over its host's prefix),
+    each host's in one piece unless following."""
     results = {name: HostResult(name) for name in names}
     lock = threading.Lock()
     mask = masker(inventory, names)
 
     def locked_emit(line: str) -> None:
         with lock:
-            emit(mask(line))
+            emit(one_line(mask(line)))
 
     def one(name: str) -> None:
         result = results[name]
@@ -174,7 +176,7 @@ def run(inventory: Inventory, names: list[str], query: LogQuery, opts: Options,
             return
         with lock:
             for line in lines:
-                emit(mask(line))
+                emit(one_line(mask(line)))
 
     threads = [threading.Thread(target=one, args=(n,), name=f"kdeploy-logs-{n}", daemon=True) for n in names]
     for thread in threads:

@@ -41,10 +41,10 @@ def preflight_checks(host: HostConfig, output: str, upload_bytes: int, entries: 
 
 
 def preflight_verdict(host: HostConfig, output: str, upload_bytes: int, entries: int = 0) -> str:
-    """One line of every check; a failing one refuses the host (exit 7) before anything changes."""
+    """Every check with its status and its numbers (``disk pass: ...``), passing ones too: what a push saw is
+    in its log; a failing check refuses the host (exit 7) before anything changes."""
     checks = preflight_checks(host, output, upload_bytes, entries)
     failed = [c for c in checks if c.status == "fail"]
     if failed:
         raise PreflightRefused(f"{host.name}: preflight refused: " + "; ".join(f"{c.name}: {c.detail}" for c in failed))
-    return "preflight " + ", ".join(f"{c.name} {c.status}" for c in checks) + "".join(
-        f"; {c.name}: {c.detail}" for c in checks if c.status == "warn")
+    return "preflight " + "; ".join(f"{c.name} {c.status}: {c.detail}" for c in checks)

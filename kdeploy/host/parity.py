@@ -120,7 +120,7 @@ def compare(reference: Record, new: Record, spec: ParitySpec) -> Verdict:
         for pos in range(min(spec.match_tokens, len(before.tokens))):
             if pos >= len(now.tokens):
                 return _fail(f"{label}: the new run ended after {len(now.tokens)} tokens, the reference made "
-                             f"{len(before.tokens)}", label, pos, before.tokens[pos], None, None, positions)
+                             f"{len(before.tokens)}", before.prompt, pos, before.tokens[pos], None, None, positions)
             if now.tokens[pos] != before.tokens[pos]:
                 if _margin(before, pos) < tol:
                     ties.append(f"{label} position {pos}")
@@ -132,14 +132,15 @@ def compare(reference: Record, new: Record, spec: ParitySpec) -> Verdict:
                              f"now; logprob of {before.tokens[pos]!r} {was:.4f} before, "
                              + (f"{has:.4f} now (gap {gap:.4f})" if has is not None
                                 else f"not in the new top-{spec.top_logprobs}"),
-                             label, pos, before.tokens[pos], now.tokens[pos], gap, positions)
+                             before.prompt, pos, before.tokens[pos], now.tokens[pos], gap, positions)
             gap, token = _gap(before, now, pos)
             positions += 1
             if gap > tol:
                 mine = before.top[pos].get(token, before.logprobs[pos])
                 theirs = now.top[pos].get(token, now.logprobs[pos])
                 return _fail(f"{label}: position {pos}: token {token!r} logprob {mine:.4f} before, {theirs:.4f} "
-                             f"now (gap {gap:.4f} > tolerance {tol:g})", label, pos, token, token, gap, positions)
+                             f"now (gap {gap:.4f} > tolerance {tol:g})", before.prompt, pos, token, token, gap,
+                             positions)
             if gap >= worst:
                 worst, worst_at = gap, f"{label} position {pos}"
     detail = (f"{len(new.samples)} prompts, {positions} positions: same tokens, max logprob gap {worst:.4f} "

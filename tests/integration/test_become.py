@@ -4,12 +4,14 @@ sshd refuses root there (``PermitRootLogin no``, although root's key is authoriz
 sandbox key and has passwordless sudo. One fleet of two hosts for the module; its tests share one service and run
 in order: push, verify, status, plan, history, probe, logs (and -f), set-env, rollback, with the secrets file; the
 lock (held, forced away through sudo, freed on EOF); a controller SIGKILLed after the switch (the host's own revert);
-router drain/admit through a tunnel from a become host; a sudo that wants a password, refused at connect with
-nothing changed; and all of it again through doas, with sudo refusing everyone.
+router drain/admit through a tunnel from a become host; exec as root, and with --no-become as the user; a sudo
+that wants a password, refused at connect with nothing changed; and all of it again through doas, with sudo
+refusing everyone.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import socket
@@ -22,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kdeploy.cli import app as cli
 from kdeploy.core.layout import service_dir
 from kdeploy.host import lock
 from kdeploy.ssh import sshconfig
@@ -261,6 +264,18 @@ def test_sudo_that_wants_a_password_is_refused_at_connect_and_nothing_changes(de
         dep.sh("h2", f"cp /root/sudoers.keep {SUDOERS}")
     code, doc = dep.json(capsys, "push", "h2")
     assert code == 0, doc
+
+
+def test_exec_runs_as_become_user_unless_no_become(dep: Deployment, capsys) -> None:
+    """Under become, exec runs as become_user (root) like every command; --no-become as the SSH user."""
+    for extra, who in (([], "root"), (["--no-become"], USER)):
+        capsys.readouterr()
+        code = cli.main(["exec", "all", "-i", str(dep.path), "--json", *extra, "--", "id", "-un"])
+        doc = json.loads(capsys.readouterr().out)
+        assert code == 0, doc
+        for host in doc["hosts"]:
+            assert host["exec"] == {"exit_status": 0, "stdout": f"{who}\n", "stderr": ""}, host
+            assert ("become root via sudo" in _phase(host, "connect")["detail"]) == (who == "root"), host
 
 
 @pytest.mark.skipif(not Path("/usr/bin/doas").exists(), reason="doas is not installed here (make installs opendoas)")

@@ -53,7 +53,7 @@ def ci(monkeypatch):
 def test_phase_line_is_one_greppable_line():
     assert progress.phase_line("12:01:03", "ct200", "ready", "ok", 1.234, "GET /health 200") == \
         "12:01:03 ct200 ready ok 1.2s GET /health 200"
-    assert progress.phase_line("12:01:03", "h1", "gate", "fail", 2.0, "a\nb") == "12:01:03 h1 gate FAIL 2.0s a b"
+    assert progress.phase_line("12:01:03", "h1", "gate", "fail", 2.0, "a\nb\n") == "12:01:03 h1 gate FAIL 2.0s a\\nb"
 
 
 @pytest.mark.parametrize(("env", "tty", "plain"), [

@@ -151,7 +151,7 @@ def test_each_shell_gets_its_own_completion_script_and_accepts_it(shell, check, 
 
 def test_an_unknown_shell_is_a_usage_error_naming_the_option(capsys) -> None:
     assert cli.main(["--show-completion", "tcsh"]) == 2
-    assert "Invalid value for '--show-completion': 'tcsh': one of bash, zsh, fish" in capsys.readouterr().err
+    assert capsys.readouterr().err == "kdeploy: --show-completion: 'tcsh': one of bash, zsh, fish\n"
 
 
 def test_completion_answers_through_main(monkeypatch, capsys) -> None:

@@ -87,3 +87,34 @@ def test_words_are_joined_as_ssh_joins_them_and_lines_are_prefixed_by_host() -> 
     result.details = execute.Output(0, "8\nx\n", "warn\n")
     assert execute.lines(result) == (["h1: 8", "h1: x"], ["h1: warn"])
     assert execute.lines(HostResult("h2")) == ([], [])
+
+
+def test_lines_cannot_draw_over_their_host_prefix() -> None:
+    """A ``\\r`` or an escape sequence in the output is written escaped: it cannot hide ``h1:`` on a terminal."""
+    result = HostResult("h1")
+    result.details = execute.Output(0, "ok\rkdeploy: fake\x1b[2K\n", "")
+    assert execute.lines(result) == (["h1: ok", "h1: kdeploy: fake\\x1b[2K"], [])  # splitlines ends a line at \r
+
+
+@pytest.mark.parametrize(("become", "as_become"), [(True, True), (False, False)])
+def test_no_become_runs_the_command_as_the_ssh_user(monkeypatch: pytest.MonkeyPatch, become: bool,
+                                                    as_become: bool) -> None:
+    """With become in the inventory, exec runs as become_user unless ``become=False`` (``--no-become``)."""
+    from kdeploy.core.inventory import load
+
+    inventory = load(Path(__file__).resolve().parents[2] / "inventory.yaml")
+    host = next(iter(inventory.hosts.values())).model_copy(update={"user": "deploy", "become": True})
+    seen: list[bool] = []
+
+    class Connected(Exception):
+        pass
+
+    def connect(inv, connected, result, reach):
+        seen.append(connected.become)
+        raise Connected
+
+    monkeypatch.setattr(execute, "connect", connect)
+    with pytest.raises(Connected):
+        execute.run_host(inventory, host, "id -un", execute.Options(), HostResult(host.name), None, None, str,
+                         become=become)
+    assert seen == [as_become]

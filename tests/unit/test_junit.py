@@ -46,7 +46,7 @@ def test_one_suite_one_case_per_host_a_failure_naming_the_phase():
     assert cases["ct202"].find("skipped") is not None
     props = {p.get("name"): p.get("value") for p in suite.iter("property")}
     assert props["ct200.ready"] == "ok 1.200s GET /health 200"
-    assert props["ct201.ready"] == "FAIL 60.000s GET /health not 200 [31m(last: 503)"  # no ESC in XML
+    assert props["ct201.ready"] == "FAIL 60.000s GET /health not 200 \\x1b[31m(last: 503)"  # ESC written as \x1b
     assert props["exit_code"] == "4"
 
 

@@ -70,19 +70,38 @@ def test_sandbox_comes_from_the_installed_lab() -> None:
     assert {c.callback.__module__ for c in sandbox.commands.values()} == {"kdeploy_lab.cli"}
 
 
-@pytest.mark.parametrize("argv", [["sandbox"], ["sandbox", "up", "--hosts", "2"], ["sandbox", "--help"],
-                                  ["sandbox", "down", "-h"]])
-def test_without_the_lab_sandbox_says_how_to_install_it(argv: list[str], monkeypatch: pytest.MonkeyPatch,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+HINT = "pip install 'kdeploy[lab]' (from a source tree: pip install . ./lab)"
+
+
+@pytest.fixture
+def no_lab(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kdeploy as installed without the lab: no plugin entry point (and a second command, so that the app stays a
+    group, as the real one is)."""
     monkeypatch.setattr(cli, "entry_points", lambda group: [])
     bare = cli.App()
     cli._add_plugins(bare)
+    bare.command("status")(lambda: None)
     monkeypatch.setattr(cli, "app", bare)
+
+
+@pytest.mark.parametrize("argv", [["sandbox"], ["sandbox", "up", "--hosts", "2"], ["sandbox", "-v", "status"]])
+def test_without_the_lab_sandbox_says_how_to_install_it(argv: list[str], no_lab: None,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == ("kdeploy: sandbox: local test hosts (the lab) is not installed: "
-                            "pip install 'kdeploy[lab]' (from a source tree: pip install . ./lab)\n")
+    assert captured.err == f"kdeploy: sandbox: local test hosts (the lab) is not installed: {HINT}\n"
+
+
+@pytest.mark.parametrize("argv", [["sandbox", "-h"], ["sandbox", "--help"], ["sandbox", "down", "-h"]])
+def test_without_the_lab_sandbox_help_is_help_with_the_install_hint(argv: list[str], no_lab: None,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("Usage: kdeploy sandbox ")
+    assert "Not installed: local test hosts (the lab)." in captured.out
+    assert HINT in " ".join(captured.out.split())
+    assert captured.err == ""
 
 
 def test_an_installed_lab_outside_a_source_tree_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -65,6 +65,7 @@ def test_a_logprob_gap_over_the_tolerance_names_prompt_position_tokens_and_gap()
     assert verdict.detail.startswith(f"{FRANCE!r}: position 2: token")
     assert "gap 0.5000 > tolerance 0.1" in verdict.detail
     assert verdict.data["position"] == 2 and verdict.data["gap"] == pytest.approx(0.5)
+    assert verdict.data["prompt"] == FRANCE  # the prompt itself; the detail quotes it
 
 
 def test_a_different_token_fails_with_both_tokens() -> None:
