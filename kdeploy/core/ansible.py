@@ -22,13 +22,16 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ruamel.yaml.comments import CommentedMap, TaggedScalar
 from ruamel.yaml.error import YAMLError
+from ruamel.yaml.nodes import ScalarNode
 
 from kdeploy.core import patterns
 from kdeploy.core.errors import InvalidInput
@@ -58,6 +61,20 @@ SCRIPT_TIMEOUT = 60.0  # seconds an inventory script (or ansible-inventory) may 
 # What a directory of inventories skips, as ansible-core (INVENTORY_IGNORE_EXTS' default and IGNORED_ALWAYS).
 _IGNORED = re.compile(r"^\.|^host_vars$|^group_vars$|^vars_plugins$|"
                       r"(\.pyc|\.pyo|\.swp|\.bak|~|\.rpm|\.md|\.txt|\.rst|\.orig|\.cfg|\.retry)$")
+
+
+class Unsafe(str):
+    """A string Ansible never templates (``!unsafe`` in YAML, ``{"__ansible_unsafe": ...}`` in JSON, which is how
+    ``ansible-inventory --list`` writes ``constructed``'s ``compose:`` values and cloud plugins' data): a plain
+    string, ``{{`` included, that :func:`_plain` takes verbatim instead of refusing it as a template."""
+
+
+@dataclass(frozen=True)
+class Vaulted:
+    """A value encrypted with Ansible Vault (``!vault``, ``{"__ansible_vault": ...}``). kdeploy holds no vault
+    password, so it stays opaque: harmless in a variable kdeploy ignores, refused by :func:`_plain` in one it reads."""
+
+    ciphertext: str = field(repr=False)
 
 
 @dataclass
@@ -181,17 +198,83 @@ def _vars_dir(folder: Path, name: str) -> dict:
                             if p.is_file() and p.suffix in ("", ".yml", ".yaml", ".json"))
     for path in candidates:
         if path.is_file():
-            data = parse_yaml(read_text(path, "variables file"), path,
-                                        "a variables file must be a mapping")
-            found.update(data)
+            text = _not_vaulted(path, read_text(path, "variables file"))
+            found.update(_decode(parse_yaml(text, path, "a variables file must be a mapping"), str(path)))
     return found
 
 
+_VAULT_HEADER = "$ANSIBLE_VAULT;"
+
+
+def _not_vaulted(path: Path, text: str) -> str:
+    """``text``, unless the whole file is vault-encrypted: its variables are out of kdeploy's sight, and one of
+    them may be a connection variable, so it is refused rather than skipped (ansible-inventory refuses it too
+    without a vault password)."""
+    if text.startswith(_VAULT_HEADER):
+        raise InvalidInput(f"{path}: encrypted with Ansible Vault, which kdeploy does not decrypt (ansible-vault "
+                           "decrypt it; a value encrypted alone, with `ansible-vault encrypt_string`, is refused "
+                           "only in a variable kdeploy reads)")
+    return text
+
+
+_UNSAFE, _VAULT = "__ansible_unsafe", "__ansible_vault"  # how Ansible's JSON profiles write those values
+
+
+def _decode(data: Any, source: str) -> Any:
+    """A loaded inventory or variables document as Ansible reads it, changed in place (its line numbers kept):
+    unsafe values (``!unsafe``, ``{"__ansible_unsafe": "..."}``) at any depth are their plain value, strings
+    :class:`Unsafe`; vaulted ones (``!vault``, ``{"__ansible_vault": "..."}``) :class:`Vaulted`. ``source``: the
+    file (its lines are added) or program named in errors. Iterative: a deep document is no recursion."""
+    root = [data]
+    todo: list[tuple[Any, Any, bool]] = [(root, 0, False)]
+    while todo:
+        parent, key, unsafe = todo.pop()
+        value, tag = parent[key], getattr(getattr(parent[key], "tag", None), "value", None)
+        if tag is not None and tag.startswith("!") and not tag.startswith("!!"):
+            value, unsafe = _tagged(value, tag, parent, key, source), unsafe or tag == "!unsafe"
+        elif isinstance(value, dict) and (_UNSAFE in value or _VAULT in value):
+            marker = _UNSAFE if _UNSAFE in value else _VAULT  # as Ansible's decoder: the first of its keys wins
+            if not isinstance(value[marker], str):
+                raise InvalidInput(f"{_at(source, parent, key)}: {marker} must be a string, not "
+                                   f"{type(value[marker]).__name__}")
+            value = Unsafe(value[marker]) if marker == _UNSAFE else Vaulted(value[marker])
+        if unsafe and isinstance(value, str) and not isinstance(value, Unsafe):
+            value = Unsafe(value)
+        if value is not parent[key]:  # a CommentedMap's own setitem would give a string back its quoted type
+            (super(CommentedMap, parent) if isinstance(parent, CommentedMap) else parent).__setitem__(key, value)
+        if isinstance(value, dict):
+            todo += [(value, k, unsafe) for k in value]
+        elif isinstance(value, list):
+            todo += [(value, i, unsafe) for i in range(len(value))]
+    return root[0]
+
+
+def _tagged(value: Any, tag: str, parent: Any, key: Any, source: str) -> Any:
+    """A YAML value with one of Ansible's tags, as its loader constructs it: ``!unsafe X`` is X read as an untagged
+    plain scalar (so ``!unsafe 5`` is 5, as in Ansible) or the collection itself; ``!vault`` a string's ciphertext."""
+    scalar = value.value if isinstance(value, TaggedScalar) else None
+    if tag == "!unsafe":
+        if scalar is None:
+            return value
+        loader = yaml_loader()
+        node = ScalarNode(loader.resolver.resolve(ScalarNode, scalar, (True, False)), scalar)
+        return loader.constructor.construct_object(node, deep=True)
+    if tag in ("!vault", "!vault-encrypted"):
+        if scalar is None:
+            raise InvalidInput(f"{_at(source, parent, key)}: the {tag} tag requires a string value")
+        return Vaulted(scalar)
+    raise InvalidInput(f"{_at(source, parent, key)}: unknown YAML tag {tag!r} (Ansible's are !unsafe and !vault)")
+
+
+def _at(source: str, parent: Any, key: Any) -> str:
+    line = line_of(parent, (key,))
+    return f"{source}{f':{line}' if line else ''}"
+
+
 def detect(path: Path, text: str) -> tuple[Format | None, Any]:
-    """The Ansible format of an inventory file, None for a kdeploy one (top-level ``hosts:``/``defaults:``;
-    an Ansible YAML inventory has groups at the top, each a mapping of ``hosts``/``children``/``vars``;
-    ``ansible-inventory --list`` JSON has ``_meta`` or groups whose ``hosts`` are a list; a YAML file with a
-    top-level ``plugin:`` and ``.toml`` are for Ansible's plugins).
+    """The Ansible format of an inventory file, None for a kdeploy one (:func:`_mapping_format` tells a YAML
+    mapping's; a YAML file with a top-level ``plugin:`` and ``.toml`` are for Ansible's plugins, a file that is
+    no YAML mapping is INI).
 
     Also the YAML document as parsed on the way (round trip; None where it is no YAML): parsing is most of
     an inventory's load time, so a kdeploy inventory's loader takes it from here rather than parse twice."""
@@ -200,6 +283,7 @@ def detect(path: Path, text: str) -> tuple[Format | None, Any]:
         return "ini", None
     if suffix == ".toml":
         return "plugin", None
+    _not_vaulted(path, text)
     try:
         data: Any = yaml_loader().load(text)
     except YAMLError:
@@ -207,16 +291,31 @@ def detect(path: Path, text: str) -> tuple[Format | None, Any]:
     if isinstance(data, dict):
         if "plugin" in data and suffix in (".yaml", ".yml"):
             return "plugin", data
-        groups = [v for v in data.values() if v is not None]
-        kdeploy_keys = bool({"defaults", "groups", "hosts"} & set(data))  # `groups: {kimi: [ct200]}` is kdeploy's
-        if "_meta" in data or (not kdeploy_keys and any(_listed(v) for v in groups)):
-            return "list", data
-        if groups and all(isinstance(v, dict) and v and set(v) <= _SECTIONS for v in groups):
-            return "yaml", data
-        return None, data
+        return _mapping_format(data), data
     if data is None or suffix in (".yaml", ".yml", ".json"):
         return None, data
     return "ini", None
+
+
+KDEPLOY_KEYS = ("defaults", "groups", "hosts")  # a kdeploy inventory's top level, by which detect() tells it
+
+
+def _mapping_format(data: dict) -> Format | None:
+    """A YAML mapping's format. kdeploy's has ``defaults``/``groups``/``hosts`` at the top (``groups: {kimi:
+    [ct200]}`` is kdeploy's); ``--list`` JSON has ``_meta`` or groups that list their hosts; an Ansible YAML
+    inventory has groups at the top, told by ``all`` or by a group with a section (``hosts``, ``children``,
+    ``vars``, or a misspelling of one, so that ``all: {chilren: ...}`` is refused as Ansible's, naming the
+    key). Anything else is kdeploy's, whose error names a misspelt top-level key (``host:``)."""
+    keys = {str(key) for key in data}
+    bodies = [value for value in data.values() if value is not None]
+    if "_meta" in keys or (not keys & set(KDEPLOY_KEYS) and any(_listed(body) for body in bodies)):
+        return "list"
+    if keys & set(KDEPLOY_KEYS):
+        return None
+    sections = {str(key) for body in bodies if isinstance(body, dict) for key in body}
+    if "all" in keys or any(key in _SECTIONS or patterns.suggest(key, sorted(_SECTIONS)) for key in sections):
+        return "yaml"
+    return None
 
 
 def _listed(group: Any) -> bool:
@@ -322,51 +421,104 @@ def timeout() -> float:
     return seconds
 
 
-def run_json(argv: list[str], what: str, deadline: float, cwd: Path | None = None,
-             env: dict[str, str] | None = None) -> Any:
-    """The JSON an inventory program prints (None for no output at all), run in its own process group so that
-    a hang kills it and its children; every failure one line naming ``what``."""
-    try:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, cwd=cwd, env=env)
-    except OSError as exc:
-        raise InvalidInput(f"{what}: cannot run it: {exc.strerror}") from None
-    try:
-        out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.01))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):  # a child that left the group may hold the pipes
-            proc.communicate(timeout=1)
-        raise InvalidInput(f"{what}: did not finish within {timeout():g} s (killed; KDEPLOY_INVENTORY_TIMEOUT "
-                           "sets the bound)") from None
-    last = next((line.strip() for line in reversed(err.decode(errors="replace").splitlines()) if line.strip()), "")
-    if proc.returncode != 0:
-        raise InvalidInput(f"{what}: exited {proc.returncode}{f': {last}' if last else ''}")
-    try:
-        text = out.decode()
-        return json.loads(text) if text.strip() else None
-    except UnicodeDecodeError:
-        raise InvalidInput(f"{what}: its output is not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise InvalidInput(f"{what}: its output is not JSON: {exc.msg} (line {exc.lineno})") from None
+def run_json(argv: list[str], what: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> Any:
+    """The JSON an inventory program prints (None for no output at all), within :func:`timeout`, run in its own
+    process group so that a hang kills it and its children; every failure one line naming ``what``."""
+    return _Programs().run(argv, what, cwd, env)
+
+
+class _Programs:
+    """Inventory programs run by several threads at once (a script's ``--host`` calls), each in its own process
+    group: :meth:`stop` kills those still running and starts no more, so that a failure or Ctrl-C is not held up
+    by the others' time bounds."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: list[subprocess.Popen] = []
+        self._stopped = False
+
+    def run(self, argv: list[str], what: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> Any:
+        """:func:`run_json`: each program has its own time bound."""
+        bound = timeout()
+        with self._lock:
+            if self._stopped:
+                raise InvalidInput(f"{what}: not run (another inventory program failed)")
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, start_new_session=True, cwd=cwd, env=env)
+            except OSError as exc:
+                raise InvalidInput(f"{what}: cannot run it: {exc.strerror}") from None
+            self._running.append(proc)
+        try:
+            out, err = proc.communicate(timeout=bound)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a child that left the group may hold the pipes
+                proc.communicate(timeout=1)
+            raise InvalidInput(f"{what}: did not finish within {bound:g} s (killed; KDEPLOY_INVENTORY_TIMEOUT "
+                               "sets the bound)") from None
+        finally:
+            with self._lock:
+                self._running.remove(proc)
+        last = next((line.strip() for line in reversed(err.decode(errors="replace").splitlines()) if line.strip()),
+                    "")
+        if proc.returncode != 0:
+            raise InvalidInput(f"{what}: exited {proc.returncode}{f': {last}' if last else ''}")
+        try:
+            text = out.decode()
+            return json.loads(text) if text.strip() else None
+        except UnicodeDecodeError:
+            raise InvalidInput(f"{what}: its output is not UTF-8 text") from None
+        except json.JSONDecodeError as exc:
+            raise InvalidInput(f"{what}: its output is not JSON: {exc.msg} (line {exc.lineno})") from None
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            for proc in self._running:
+                _kill(proc)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Its process group; not once it is reaped (its pid, the group's id, may then be another's)."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+HOST_CALLS = 8  # a script's --host calls run at once (Ansible runs them one by one: a cloud API call each)
 
 
 def _run_script(path: Path) -> Any:
     """An inventory script's ``--list`` output; without ``_meta.hostvars`` in it, each host's ``--host`` output
-    as its variables (as Ansible does), all within one time bound."""
-    deadline = time.monotonic() + timeout()
+    as its variables (as Ansible does), :data:`HOST_CALLS` calls at a time, each within the time bound."""
     program = str(path.absolute())  # a bare name would be looked up on PATH
-    data = run_json([program, "--list"], f"{path} --list (inventory script)", deadline)
-    if isinstance(data, dict) and "_meta" not in data:
-        hosts = AnsibleInventory(path)
-        _read_list(hosts, data, path, None)
-        hostvars = {}
-        for host in hosts.hosts:
-            what = f"{path} --host {host} (inventory script)"
-            hostvars[host] = run_json([program, "--host", host], what, deadline) or {}
-            if not isinstance(hostvars[host], dict):
-                raise InvalidInput(f"{what}: its output must be a JSON object of the host's variables")
-        data["_meta"] = {"hostvars": hostvars}
+    data = run_json([program, "--list"], f"{path} --list (inventory script)")
+    if not isinstance(data, dict) or "_meta" in data:
+        return data
+    hosts = AnsibleInventory(path)
+    _read_list(hosts, data, path, None)
+    programs = _Programs()
+
+    def host_vars(host: str) -> dict:
+        what = f"{path} --host {host} (inventory script)"
+        found = _decode(programs.run([program, "--host", host], what) or {}, what)
+        if not isinstance(found, dict):
+            raise InvalidInput(f"{what}: its output must be a JSON object of the host's variables")
+        return found
+
+    pool = ThreadPoolExecutor(max_workers=HOST_CALLS, thread_name_prefix="inventory-host")
+    try:
+        calls = {host: pool.submit(host_vars, host) for host in hosts.hosts}
+        done, _ = wait(calls.values(), return_when=FIRST_EXCEPTION)
+        # Of the calls that failed first, the first in host order (not one that stop() then ended).
+        error = next((call.exception() for call in calls.values() if call in done and call.exception()), None)
+        if error is not None:
+            raise error
+        data["_meta"] = {"hostvars": {host: call.result() for host, call in calls.items()}}
+    finally:
+        programs.stop()
+        pool.shutdown(cancel_futures=True)
     return data
 
 
@@ -391,8 +543,7 @@ def _ansible_inventory(path: Path, what: str) -> AnsibleInventory:
     source = str(path.absolute() if folder else path)
     # A source its plugin cannot parse is a warning and an empty inventory for ansible-inventory, unless asked.
     env = {"ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED": "true", **os.environ}
-    data = run_json([command, "-i", source, "--list"], f"{path}: ansible-inventory -i {path} --list",
-                    time.monotonic() + timeout(), folder, env)
+    data = run_json([command, "-i", source, "--list"], f"{path}: ansible-inventory -i {path} --list", folder, env)
     found = AnsibleInventory(path)
     _read_list(found, data, path, None)
     found.reconcile()
@@ -444,7 +595,7 @@ def to_kdeploy(host: str, variables: dict, line: int | None, path: Path) -> tupl
     where = f"{path}{f':{line}' if line else ''}: {host}"
     settings: dict = {"address": host}
     sources: dict[str, str] = {}
-    connection = variables.get("ansible_connection")
+    connection = _plain(variables.get("ansible_connection"), f"{where}: ansible_connection")
     if connection not in (None, "ssh", "paramiko", "smart"):
         raise InvalidInput(f"{where}: ansible_connection={connection}: kdeploy reaches hosts over SSH only")
     for key, names in CONNECTION_VARS.items():
@@ -487,11 +638,18 @@ def proxy_jump(args: str, where: str) -> str | None:
 
 
 def _plain(value: Any, where: str) -> Any:
-    """Ansible would render ``{{ ... }}`` with Jinja and its facts; kdeploy cannot, so it refuses them."""
+    """A variable kdeploy reads, as plain data. Ansible would render ``{{ ... }}`` with Jinja and its facts;
+    kdeploy cannot, so it refuses them, but in an :class:`Unsafe` string, which Ansible never renders either.
+    A :class:`Vaulted` value is refused: kdeploy has no vault password."""
     if isinstance(value, dict):
         return {k: _plain(v, where) for k, v in value.items()}
     if isinstance(value, list):
         return [_plain(v, where) for v in value]
+    if isinstance(value, Unsafe):
+        return str(value)
+    if isinstance(value, Vaulted):
+        raise InvalidInput(f"{where}: is encrypted with Ansible Vault, which kdeploy does not decrypt: a variable "
+                           "kdeploy reads must be in plain text")
     if isinstance(value, str) and ("{{" in value or "{%" in value):
         raise InvalidInput(f"{where}: {value!r} is a Jinja template: kdeploy does not render templates, "
                            "put the value itself")
@@ -581,19 +739,30 @@ def _literal(value: str) -> Any:
 
 def _read_yaml(found: AnsibleInventory, path: Path, text: str) -> None:
     """ansible-core's ``yaml`` plugin: top-level groups, each ``{hosts: {NAME: vars}, children: {...}, vars}``."""
-    data = parse_yaml(text, path)
+    data = _decode(parse_yaml(text, path), str(path))
     known = list(found.hosts)
     for name, body in data.items():
-        _yaml_group(found, path, str(name), body)
+        _yaml_group(found, path, str(name), body, (data, name))
     # The plugin reads a group's children before its hosts; the hosts keep the order they are written in.
     new = sorted((h for h in found.hosts if h not in set(known)), key=lambda h: found.where(h)[1] or 0)
     found.hosts = {h: found.hosts[h] for h in [*known, *new]}
 
 
-def _yaml_group(found: AnsibleInventory, path: Path, name: str, body: Any) -> None:
+def _yaml_group(found: AnsibleInventory, path: Path, name: str, body: Any, where: tuple[Any, Any]) -> None:
+    """One group and its children; ``where``: the mapping and key it is under (its line in errors). Stricter than
+    Ansible, which warns and skips what it cannot read: a group that is no mapping, or a key of it that is no
+    section, is refused, naming it and its line."""
     found.group(name)
-    if not isinstance(body, dict):
+    if body is None:
         return
+    if not isinstance(body, dict):
+        shown = "a list" if isinstance(body, list) else repr(body)
+        raise InvalidInput(f"{path}:{line_of(where[0], (where[1],))}: {name}: a group is a mapping of hosts, "
+                           f"children and vars, not {shown}")
+    for key in body:
+        if key not in _SECTIONS:
+            raise InvalidInput(f"{path}:{line_of(body, (key,))}: {name}: unknown key {str(key)!r}"
+                               f"{patterns.suggest(str(key), sorted(_SECTIONS))}")
     for section in ("vars", "children", "hosts"):
         value = body.get(section)
         if isinstance(value, str):
@@ -604,7 +773,7 @@ def _yaml_group(found: AnsibleInventory, path: Path, name: str, body: Any) -> No
             found.group(name).vars.update(value or {})
         elif section == "children":
             for child, child_body in (value or {}).items():
-                _yaml_group(found, path, str(child), child_body)
+                _yaml_group(found, path, str(child), child_body, (value, child))
                 found.add_child(name, str(child))
         else:
             for pattern, variables in (value or {}).items():
@@ -629,6 +798,7 @@ def _read_list(found: AnsibleInventory, data: Any, path: Path, text: str | None)
 
     if not isinstance(data, dict):
         raise InvalidInput(f"{where()}: an inventory's --list JSON must be an object of groups")
+    _decode(data, where())
     hostvars: Any = {}
     if "_meta" in data:
         meta = data["_meta"]

@@ -37,6 +37,7 @@ from kdeploy.core.yamlsource import WEEK, line_of, parse_yaml, read_text
 DEFAULT_INVENTORY = Path("inventory.yaml")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+SSH_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}\Z")  # a DNS name (253 at most) or an ssh_config alias
 USER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\Z")  # what useradd accepts (without a trailing $)
 UNIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9:_.@-]*\Z")
 MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
@@ -65,6 +66,20 @@ def _bind_address(value: str) -> str:
         except ValueError:
             raise ValueError("must be an IP address (127.0.0.1, 0.0.0.0, ::, an address of the host) or "
                              "'localhost': the gate reaches the server through SSH at the address it binds") from None
+    return value
+
+
+def _ssh_address(value: str) -> str:
+    """``address`` (``ansible_host``): what SSH dials, or looks up as an ssh_config ``Host``. Checked at load, so
+    that what would fail only at connect (empty, blank, ``user@host``, ``host:port``) or be read as more than a
+    name (a leading ``-`` as an ssh option, shell or control characters) stops every command before any host."""
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if not SSH_NAME.match(value):
+            raise ValueError(f"{value!r} is no host name, IP address or ssh_config Host alias (letters, digits, "
+                             "'_', '.', '-', not starting with '-' or '.'; a user goes in `user`, a port in "
+                             "`port`)") from None
     return value
 
 
@@ -449,7 +464,9 @@ class HostConfig(_Strict):
     """One host with every layer merged in: what kdeploy acts on."""
 
     name: str = _doc("the host's name (its key under `hosts`)")
-    address: SafeStr = _doc("IP address, DNS name or ssh_config `Host` alias that SSH connects to (host level only)")
+    address: Annotated[str, AfterValidator(_ssh_address)] = _doc(
+        "IP address, DNS name or ssh_config `Host` alias that SSH connects to (letters, digits, `_.-`, not starting "
+        "with `-` or `.`; host level only)")
     port: int = _doc("SSH port (not the SGLang port, that is `service.sglang.port`)", 22, gt=0, lt=65536)
     user: SafeStr = _doc("SSH user: root, or a user with passwordless sudo and `become: true` (docs/ssh.md, become)",
                          "root")
@@ -560,9 +577,12 @@ def load(path: Path | str = DEFAULT_INVENTORY, service: Path | str | None = None
     if fmt is not None:
         ansible.require_service(path, service_path)
         return replace(from_ansible(ansible.read(path, text, fmt), service_path), source=path)
+    raw = checked(document, text, path)
     if service is not None:
+        if not set(map(str, raw)) <= set(ansible.KDEPLOY_KEYS):  # no kdeploy inventory either: its error says why
+            parse(raw, path)
         raise service_without_ansible(path)
-    return parse(checked(document, text, path), path)
+    return parse(raw, path)
 
 
 def from_ansible(found: ansible.AnsibleInventory, service: Path | None, service_text: str | None = None) -> Inventory:
@@ -593,8 +613,8 @@ def parse(raw: dict, path: Path, locate: typing.Callable[[tuple], str] | None = 
     path into that ``file:line: key.path`` for a document not read from one YAML file)."""
     errors = _Errors(path, raw, locate)
     for key in raw:
-        if key not in ("defaults", "groups", "hosts"):
-            errors.fail((key,), f"unknown key{_suggest(str(key), ['defaults', 'groups', 'hosts'])}")
+        if key not in ansible.KDEPLOY_KEYS:
+            errors.fail((key,), f"unknown key{_suggest(str(key), ansible.KDEPLOY_KEYS)}")
     defaults = _mapping(raw.get("defaults"), ("defaults",), errors)
     raw_groups = _mapping(raw.get("groups"), ("groups",), errors)
     raw_hosts = _mapping(raw.get("hosts"), ("hosts",), errors)

@@ -11,9 +11,13 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from ansible._internal._json._profiles._inventory_legacy import Decoder
+from ansible.parsing.vault import EncryptedString, VaultHelper
 
 from kdeploy.cli import app as cli
 from kdeploy.core import ansible, inventory
@@ -251,6 +255,9 @@ def test_service_file_is_the_defaults_level_and_ansible_vars_override(tmp_path):
     ("[a:hostz]\n", "", r"hosts\.ini:1: section \[a:hostz\] has unknown type 'hostz'"),
     ("[a]\ngpu[1:]\n", "", r"hosts\.ini:2: host pattern 'gpu\[1:\]': a range needs an end"),
     ("[a]\ng1 novalue\n", "", r"hosts\.ini:2: expected key=value"),
+    ("[a]\ng1\ng2 ansible_host='-oProxyCommand=x'\n", "",
+     r"hosts\.ini:3: g2: ansible_host: '-oProxyCommand=x' is no host name, IP address or ssh_config Host alias"),
+    ("g1 ansible_host=''\n", "", r"hosts\.ini:1: g1: ansible_host: '' is no host name"),
 ])
 def test_bad_input_is_one_line_with_file_and_line(tmp_path, text, service_extra, message):
     path, service = write(tmp_path, "hosts.ini", text)
@@ -361,16 +368,31 @@ def ansible_env(home: Path) -> dict[str, str]:
             "ANSIBLE_CONFIG": str(home / "ansible.cfg")}
 
 
-def ansible_list(source: str, tmp: Path, *extra: str) -> dict:
+def ansible_list(source: str, tmp: Path, *extra: str, raw: bool = False) -> Any:
     """``ansible-inventory -i SOURCE --list`` (any source: a directory, a script, a host list), run in an empty
-    directory: ansible-inventory also reads the group_vars/ of the current directory, as a playbook's."""
+    directory: ansible-inventory also reads the group_vars/ of the current directory, as a playbook's. Read with
+    ansible-core's own decoder of that output (an unsafe value is its string, a vaulted one :class:`Vaulted`);
+    ``raw``: the text it printed."""
     cwd = tmp / "cwd"
     cwd.mkdir(exist_ok=True)
     env = {**os.environ, **ansible_env(tmp / ".ansible"), "ANSIBLE_INVENTORY_UNPARSED_FAILED": "true"}
     done = subprocess.run([str(Path(sys.executable).with_name("ansible-inventory")), "-i", source, "--list", *extra],
                           capture_output=True, text=True, env=env, cwd=cwd, timeout=60)
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    return done.stdout if raw else ansible_reads(done.stdout)
+
+
+def ansible_reads(text: str) -> Any:
+    """--list JSON as ansible-core's own decoder of it reads it, its EncryptedString as kdeploy's Vaulted."""
+    def vaulted(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: vaulted(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [vaulted(v) for v in value]
+        if isinstance(value, EncryptedString):
+            return ansible.Vaulted(VaultHelper.get_ciphertext(value, with_tags=False))
+        return value
+    return vaulted(json.loads(text, cls=Decoder))
 
 
 def read_any(path: Path) -> ansible.AnsibleInventory:
@@ -585,3 +607,175 @@ def test_set_env_with_a_limit_that_names_no_changed_host_writes_and_rolls_out_to
     assert json.loads(out.out)["inventory"]["rolled_out_to"] == []
     assert "outside --limit 'gpu:&edge', not rolled out (they drift until `kdeploy push`): g1, g2, e1" in out.err
     assert "nothing to roll out" not in out.err and "X: '1'" in service.read_text()
+
+
+# -- unsafe and vaulted values (issue 39, item 5) ----------------------------------------------------------------
+
+VAULT = "$ANSIBLE_VAULT;1.1;AES256\n61626364\n"
+UNSAFE_YAML = f"""\
+all:
+  vars:
+    ansible_become: !unsafe true
+    tags: !unsafe [a, {{b: "{{{{ c }}}}"}}]
+  children:
+    edge:
+      hosts:
+        h1:
+          ansible_user: !unsafe "u{{{{x}}}}"
+          ansible_port: !unsafe 2222
+          ansible_ssh_common_args: !unsafe -J ops@jump
+          db_password: !vault |
+            {VAULT.replace(chr(10), chr(10) + "            ").rstrip()}
+    gpu:
+      hosts:
+        h2:
+          nested: !unsafe {{k: v, n: 3}}
+"""
+
+
+def test_unsafe_and_vaulted_values_read_as_ansible_reads_them(tmp_path):
+    """`!unsafe` (in the inventory and in group_vars/) is the plain value, `{{` taken verbatim as Ansible never
+    templates it; `!vault` in a variable kdeploy ignores is harmless. ansible-inventory writes both as
+    `__ansible_unsafe`/`__ansible_vault` objects, and its saved --list JSON reads the same."""
+    path, service = write(tmp_path, "fleet.yml", UNSAFE_YAML, {"group_vars/gpu.yml": "ansible_host: !unsafe 10.0.0.2"})
+    text = ansible_list(str(path), tmp_path, raw=True)
+    assert '"__ansible_unsafe": "u{{x}}"' in text and '"__ansible_vault": ' in text
+    listing = ansible_reads(text)
+    loaded = assert_resolves_as_ansible(path, service, listing)
+    h1, h2 = loaded.hosts["h1"], loaded.hosts["h2"]
+    assert (h1.user, h1.port, h1.become, h1.proxy_jump, h2.address) == ("u{{x}}", 2222, True, "ops@jump", "10.0.0.2")
+    assert read_any(path).host_vars("h1")["db_password"] == ansible.Vaulted(VAULT)
+    saved = tmp_path / "saved.json"
+    saved.write_text(text)
+    again = assert_resolves_as_ansible(saved, service, listing)
+    assert again.hosts == loaded.hosts
+
+
+def test_constructed_compose_values_come_through_ansible_inventory(tmp_path, monkeypatch):
+    """ansible-core 2.19 writes `constructed`'s `compose:` results as `__ansible_unsafe`: they are plain values."""
+    inv = tmp_path / "inv"
+    _, service = write(tmp_path, "unused.ini", "", {
+        "inv/01-hosts.ini": "[gpu]\ng1 num=11\ng2 num=12\n",
+        "inv/02-constructed.yml": "plugin: ansible.builtin.constructed\nstrict: true\ncompose:\n"
+                                  "  ansible_host: \"'10.0.0.' ~ num\"\n  ansible_user: \"'deploy' ~ num\"\n"})
+    for key, value in ansible_env(tmp_path / ".ansible").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    text = ansible_list(str(inv), tmp_path, raw=True)
+    assert '"__ansible_unsafe": "10.0.0.11"' in text
+    loaded = assert_resolves_as_ansible(inv, service, ansible_reads(text))
+    assert [(h.address, h.user) for h in loaded.hosts.values()] == [("10.0.0.11", "deploy11"),
+                                                                     ("10.0.0.12", "deploy12")]
+
+
+LIST_JSON = {"gpu": {"hosts": ["g1"], "vars": {"ansible_user": {"__ansible_unsafe": "ops"}}},
+             "_meta": {"hostvars": {"g1": {"ansible_host": {"__ansible_unsafe": "10.0.0.1"},
+                                           "kdeploy_service": {"sglang": {"extra_args": [
+                                               {"__ansible_unsafe": "--x={{y}}"}]}},
+                                           "secret": {"__ansible_vault": "$ANSIBLE_VAULT;1.1;AES256\n00\n"}}}}}
+
+
+def test_unsafe_values_nested_in_list_json_and_script_output(tmp_path):
+    """The same JSON as a saved file and as a script's --list (and a --host call's) output; Ansible's decoder
+    reads it so too."""
+    path, service = write(tmp_path, "fleet.json", json.dumps(LIST_JSON))
+    expected = ansible_reads(json.dumps(LIST_JSON))
+    assert read_any(path).host_vars("g1") == {**expected["gpu"]["vars"], **expected["_meta"]["hostvars"]["g1"]}
+    no_meta = {"gpu": LIST_JSON["gpu"]}
+    host = LIST_JSON["_meta"]["hostvars"]["g1"]
+    script(tmp_path, "fleet.py", f"import json, sys\nprint(json.dumps({no_meta!r} if sys.argv[1] == '--list' "
+                                 f"else {host!r}))\n")
+    for source in (path, tmp_path / "fleet.py"):
+        g1 = inventory.load(source, service).hosts["g1"]
+        assert (g1.address, g1.user, g1.service.sglang.extra_args) == ("10.0.0.1", "ops", ["--x={{y}}"])
+
+
+@pytest.mark.parametrize(("name", "text", "files", "message"), [
+    ("fleet.yml", "all:\n  hosts:\n    h1:\n      ansible_user: !vault |\n        $ANSIBLE_VAULT;1.1;AES256\n"
+                  "        00\n", {},
+     r"fleet\.yml:3: h1: ansible_user: is encrypted with Ansible Vault, which kdeploy does not decrypt"),
+    ("fleet.json", '{"g": {"hosts": ["h1"]}, "_meta": {"hostvars": {"h1": {"ansible_host": '
+                   '{"__ansible_vault": "x"}}}}}', {},
+     r"fleet\.json:1: h1: ansible_host: is encrypted with Ansible Vault"),
+    ("fleet.json", '{"g": {"hosts": ["h1"], "vars": {"x": {"__ansible_unsafe": 5}}}}', {},
+     r"fleet\.json:1: __ansible_unsafe must be a string, not int"),
+    ("fleet.yml", "all:\n  hosts:\n    h1:\n      x: !vault [a]\n", {},
+     r"fleet\.yml:4: the !vault tag requires a string value"),
+    ("fleet.yml", "all:\n  hosts:\n    h1:\n      x: !secret y\n", {},
+     r"fleet\.yml:4: unknown YAML tag '!secret' \(Ansible's are !unsafe and !vault\)"),
+    ("hosts.ini", "[gpu]\nh1\n", {"group_vars/gpu/vault.yml": VAULT},
+     r"group_vars/gpu/vault\.yml: encrypted with Ansible Vault, which kdeploy does not decrypt \(ansible-vault"),
+    ("hosts", VAULT, {}, r"hosts: encrypted with Ansible Vault"),
+])
+def test_a_vaulted_or_malformed_value_is_one_line_naming_where(tmp_path, capsys, name, text, files, message):
+    path, service = write(tmp_path, name, text, files)
+    assert cli.main(["check", "-i", str(path), "--service", str(service)]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"kdeploy: \S*{message}.*\n", err), err
+
+
+# -- a script without _meta: its --host calls (issue 39, item 6) -------------------------------------------------
+
+def host_script(tmp_path: Path, hosts: int, slow: str = "", fail: str = "") -> Path:
+    """A shell inventory script of ``hosts`` hosts whose every --host call takes 0.2 s; host ``slow`` hangs,
+    host ``fail`` exits 3."""
+    names = ", ".join(f'\\"n{i:02d}\\"' for i in range(hosts))
+    path = tmp_path / "fleet.sh"
+    path.write_text(f"""#!/bin/sh
+if [ "$1" = --list ]; then echo "{{\\"gpu\\": [{names}]}}"; exit 0; fi
+sleep 0.2
+[ "$2" = "{slow}" ] && sleep 60
+[ "$2" = "{fail}" ] && {{ echo "cloud API: 403" >&2; exit 3; }}
+echo "{{\\"ansible_host\\": \\"10.0.0.${{2#n}}\\"}}"
+""")
+    path.chmod(0o755)
+    return path
+
+
+def test_host_calls_run_at_once_each_within_the_bound_in_host_order(tmp_path, monkeypatch):
+    """30 calls of 0.2 s each take 6 s one after another; a bound of 3 s holds for each call, not for all."""
+    _, service = write(tmp_path, "unused.ini", "")
+    monkeypatch.setenv("KDEPLOY_INVENTORY_TIMEOUT", "3")
+    loaded = inventory.load(host_script(tmp_path, 30), service)
+    assert [(h.name, h.address) for h in loaded.hosts.values()] == [(f"n{i:02d}", f"10.0.0.{i:02d}")
+                                                                     for i in range(30)]
+
+
+@pytest.mark.parametrize(("bound", "slow", "fail", "message"), [
+    (1, "n07", "", r"fleet\.sh --host n07 \(inventory script\): did not finish within 1 s \(killed"),
+    (5, "n02", "n11", r"fleet\.sh --host n11 \(inventory script\): exited 3: cloud API: 403"),
+])
+def test_a_failed_host_call_names_its_host_and_stops_the_others(tmp_path, monkeypatch, capsys, bound, slow, fail,
+                                                                message):
+    """The first call to fail is reported at once: a call still running (n02's hang) is killed, its bound not
+    waited out."""
+    _, service = write(tmp_path, "unused.ini", "")
+    monkeypatch.setenv("KDEPLOY_INVENTORY_TIMEOUT", str(bound))
+    start = time.monotonic()
+    assert cli.main(["render", "-i", str(host_script(tmp_path, 20, slow, fail)), "--service", str(service)]) == 2
+    assert time.monotonic() - start < 4
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"kdeploy: \S*{message}.*\n", err), err
+
+
+# -- which format a YAML file is (issue 39, item 7) --------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("# the fleet\nall:\n  chilren:\n    gpu:\n      hosts: {g1: }\n",
+     "inv.yaml:3: all: unknown key 'chilren' (did you mean 'children'?)"),
+    ("gpu:\n  hostz:\n    g1:\n", "inv.yaml:2: gpu: unknown key 'hostz' (did you mean 'hosts'?)"),
+    ("all:\n  children:\n    gpu:\n      hosts: {g1: }\n      varz: {ansible_user: x}\n",
+     "inv.yaml:5: gpu: unknown key 'varz' (did you mean 'vars'?)"),
+    ("gpu:\n  hosts: {g1: }\nedge: g2\n", "inv.yaml:3: edge: a group is a mapping of hosts, children and vars, "
+                                          "not 'g2'"),
+    ("all:\n  children:\n    gpu: [g1]\n", "inv.yaml:3: gpu: a group is a mapping of hosts, children and vars, "
+                                            "not a list"),
+    ("host:\n  h1: {address: x}\n", "inv.yaml:1: host: unknown key (did you mean 'hosts'?)"),  # kdeploy's typo
+])
+def test_a_typo_is_named_in_the_format_the_file_is_in(tmp_path, capsys, text, message):
+    """An Ansible YAML inventory is told by `all` or a group's section (or a misspelling of one): its typo is
+    named with its line, never taken for a kdeploy inventory (`--service ... goes with an Ansible inventory
+    only`); a kdeploy inventory's top-level typo stays kdeploy's error, with --service or without."""
+    path, service = write(tmp_path, "inv.yaml", text)
+    assert cli.main(["check", "-i", str(path), "--service", str(service)]) == 2
+    assert capsys.readouterr().err == f"kdeploy: {tmp_path}/{message}\n"

@@ -246,6 +246,28 @@ def test_sglang_host_accepts_ip_literals_and_localhost(tmp_path, bind):
     assert load(write(tmp_path, text)).hosts["ct200"].service.sglang.host == bind
 
 
+@pytest.mark.parametrize("address", ["10.0.0.1", "fe80::1", "fe80::1%eth0", "gpu-07", "gpu_07.example.com.", "h1"])
+def test_address_takes_a_name_an_ip_literal_or_an_ssh_config_alias(tmp_path, address):
+    text = BASE.replace("address: 10.0.0.1", f"address: '{address}'")
+    assert load(write(tmp_path, text)).hosts["ct200"].address == address
+
+
+ADDRESS = "is no host name, IP address or ssh_config Host alias"
+
+
+@pytest.mark.parametrize("address", ["''", "' '", "'a b'", "'-oProxyCommand=x'", "'.x'", "'root@h1'", "'h1:2222'",
+                                     "'[::1]'", '"h1\\t"', "'h1;id'", "'$(id)'", '"h1\\u2028"'])
+def test_check_refuses_an_address_ssh_would_refuse_or_misread(tmp_path, capsys, address):
+    """Empty, blank, an ssh option, user@host, host:port, shell or control characters: refused at load (`kdeploy
+    check` included), naming the line, not at connect."""
+    text = BASE.replace("address: 10.0.0.1", f"address: {address}  # <-")
+    path = write(tmp_path, text)
+    assert cli.main(["check", "-i", str(path)]) == ExitCode.INVALID
+    match = ERROR_LINE.match(capsys.readouterr().err.removesuffix("\n"))
+    assert match and match["key"] == "hosts.ct200.address" and ADDRESS in match["reason"], match
+    assert int(match["line"]) == marked_line(text)
+
+
 # --- bad files: one line `<file>:<line>: <key.path>: <reason>`, exit code 2 --------------------------------
 
 BAD = [
