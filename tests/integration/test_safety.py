@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -363,6 +364,18 @@ def test_full_disk_is_refused_and_leaves_the_host_unchanged(deployment: Deployme
     finally:
         deployment.fleet.exec("h1", ["sh", "-c", f"systemctl stop {deployment.service}; umount {small}; "
                                                  f"rmdir {small}"], check=False)
+
+
+@contextmanager
+def small_releases(dep: Deployment, options: str) -> Iterator[str]:
+    """A tmpfs (``size=``, ``nr_inodes=``) mounted on the host's ``releases/`` before the first push: the
+    filesystem the releases land on is not the one of the service directory. Yields its path."""
+    releases = f"{dep.service_dir}/releases"
+    dep.sh("h1", f"mkdir -p {releases} && mount -t tmpfs -o {options} tmpfs {releases}")
+    try:
+        yield releases
+    finally:
+        dep.sh("h1", f"systemctl stop {dep.service}; umount {releases} || umount -l {releases}", check=False)
 
 
 def _blackholed_while_staging(deployment: Deployment, capsys: pytest.CaptureFixture[str], rev: str) -> dict:
