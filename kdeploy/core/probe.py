@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kdeploy import onhost
+from kdeploy.core import disk
 from kdeploy.core.layout import PROBE_CACHE
 from kdeploy.core.step import Step
 
@@ -30,8 +32,6 @@ SECTION = "@@kdeploy "
 GIB = 1024**3
 GB = 1e9
 HICACHE_RESERVE_BYTES = 10 * GIB     # SGLang 0.5.23: HICACHE_HOST_MEMORY_RESERVE_BYTES
-DISK_MARGIN_BYTES = 64 * 1024**2      # besides the payload: unit file, release metadata, logs
-INODE_MARGIN = 64                     # besides the release's entries: its metadata files, history, lock
 
 PROBE_CODE = onhost.source("probe_sglang.py")  # runs on the host: kdeploy/onhost/probe_sglang.py
 
@@ -142,30 +142,6 @@ class Check:
     @property
     def ok(self) -> bool:
         return self.status != "fail"
-
-
-def _gb(n_bytes: float) -> str:
-    return f"{n_bytes / GB:.1f} GB" if n_bytes >= 0.1 * GB else f"{n_bytes / 1e6:.1f} MB"
-
-
-def check_disk(free_bytes: int | None, payload_bytes: int, where: str = "remote root", *,
-               free_inodes: int | None = None, entries: int = 0) -> Check:
-    """The upload (plus a margin for unit, metadata and logs) must fit; warn under twice that. The files
-    hard-linked from the current release take no data blocks, but the new release's ``entries`` (its
-    files and directories) need inodes where the filesystem counts them (ext4, tmpfs)."""
-    need = payload_bytes + DISK_MARGIN_BYTES
-    text = f"needs {_gb(need)} (upload {_gb(payload_bytes)} + {_gb(DISK_MARGIN_BYTES)} margin)"
-    if free_bytes is None:
-        return Check("disk", "warn", f"{text}; free space on {where} unknown")
-    text += f", {where} has {_gb(free_bytes)} free"
-    if free_inodes is not None and free_inodes < entries + INODE_MARGIN:
-        return Check("disk", "fail", f"{text}; needs {entries + INODE_MARGIN} inodes, {free_inodes} free: "
-                                     "not enough")
-    if free_bytes < need:
-        return Check("disk", "fail", f"{text}: not enough")
-    if free_bytes < 2 * need:
-        return Check("disk", "warn", f"{text}: tight")
-    return Check("disk", "pass", f"{text}: ok")
 
 
 _GPU_RE = re.compile(r"^GPU (\d+): (.+?)(?: \(UUID: [^)]*\))?$")
@@ -284,11 +260,13 @@ def check_environment_file(path: str | None, stat_line: str | None, written: boo
 
 # ----------------------------------------------------------------------------------------------- one round trip
 
-def preflight_command(*, python: str, unit: str, port: int, remote_root: str,
+def preflight_command(*, python: str, unit: str, port: int, places: Sequence[disk.Need],
                       environment_file: str | None = None, probe_cache: str | None = None,
                       kv_from_journal: bool = True) -> str:
     """ONE shell command for every preflight check (and the probe): sections ``@@kdeploy NAME`` each
     followed by its output and ``@@kdeploy rc N``. Parse with :func:`parse_preflight`.
+
+    ``places``: where the push writes (``disk.needs``), each measured where it is.
 
     ``kv_from_journal``: the HiCache check needs the device KV size from the service's journal. It is read
     from the running invocation's first lines (the line comes at start-up), else backwards to the last run's
@@ -298,9 +276,7 @@ def preflight_command(*, python: str, unit: str, port: int, remote_root: str,
     unit_q = q(unit if unit.endswith(".service") else f"{unit}.service")
     parts = [
         f"echo '{SECTION}probe'; {probe_command(python, probe_cache)} 2>&1; echo \"{SECTION}rc $?\"",
-        f"echo '{SECTION}df'; d={q(remote_root)}; while [ ! -e \"$d\" ]; do d=$(dirname \"$d\"); done; "
-        f"df -PB1 \"$d\" 2>&1; echo \"{SECTION}rc $?\"; echo '{SECTION}inodes'; df -Pi \"$d\" 2>&1; "
-        f"echo \"{SECTION}rc $?\"",
+        *(f"echo '{SECTION}{_place(n)}'; {disk.measure(n.path)}; echo \"{SECTION}rc $?\"" for n in places),
         f"echo '{SECTION}nvidia-smi'; if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>&1; "
         f"echo \"{SECTION}rc $?\"; else echo \"{SECTION}rc 127\"; fi",
         f"echo '{SECTION}meminfo'; grep -E '^Mem(Total|Available):' /proc/meminfo; echo \"{SECTION}rc $?\"",
@@ -351,24 +327,6 @@ def parse_sections(stdout: str) -> dict[str, Section]:
     return sections
 
 
-def parse_df_free(df_output: str) -> int | None:
-    """Available bytes of ``df -PB1 DIR`` (last line, 4th column)."""
-    rows = [ln.split() for ln in df_output.splitlines() if ln.strip() and not ln.startswith("Filesystem")]
-    try:
-        return int(rows[-1][3])
-    except (IndexError, ValueError):
-        return None
-
-
-def parse_inodes_free(df_output: str) -> int | None:
-    """Free inodes of ``df -Pi DIR``; None where the filesystem does not count them (btrfs: 0 in all)."""
-    rows = [ln.split() for ln in df_output.splitlines() if ln.strip() and not ln.startswith("Filesystem")]
-    try:
-        return None if int(rows[-1][1]) == 0 else int(rows[-1][3])
-    except (IndexError, ValueError):
-        return None
-
-
 def parse_listeners(text: str) -> list[Listener]:
     out = []
     for line in text.splitlines():
@@ -392,7 +350,7 @@ class Preflight:
         return (Check("sglang", status, self.probe.summary()), *self.checks)
 
 
-def parse_preflight(stdout: str, *, unit: str, port: int, tp: int, payload_bytes: int, entries: int = 0,
+def parse_preflight(stdout: str, *, unit: str, port: int, tp: int, places: Sequence[disk.Need],
                     hicache_enabled: bool = False, hicache_ratio: float | None = None,
                     hicache_size_gb: float | None = None, device_kv_gb_per_rank: float | None = None,
                     environment_file: str | None = None, secrets_written: bool = False) -> Preflight:
@@ -402,8 +360,6 @@ def parse_preflight(stdout: str, *, unit: str, port: int, tp: int, payload_bytes
     empty = Section("", None)
     probe_s = s.get("probe", empty)
     probe = parse_probe(probe_s.text, "", probe_s.rc if probe_s.rc is not None else 1)
-    df = s.get("df", empty)
-    inodes = s.get("inodes", empty)
     nv = s.get("nvidia-smi", empty)
     mem = s.get("meminfo", empty)
     port_s = s.get("port", empty)
@@ -412,8 +368,7 @@ def parse_preflight(stdout: str, *, unit: str, port: int, tp: int, payload_bytes
         device_kv_gb_per_rank = parse_kv_cache_gb(s.get("journal", empty).text)
         kv_source = "the last run's journal"
     checks = (
-        check_disk(parse_df_free(df.text) if df.rc == 0 else None, payload_bytes,
-                   free_inodes=parse_inodes_free(inodes.text) if inodes.rc == 0 else None, entries=entries),
+        Check("disk", *disk.verdict(places, [_measured(s.get(_place(n), empty)) for n in places])),
         check_gpus(nv.text if nv.rc is not None else None, nv.rc if nv.rc is not None else 127, tp),
         check_hicache(enabled=hicache_enabled, ranks=tp, mem_available_bytes=parse_mem_available(mem.text),
                       ratio=hicache_ratio, size_gb=hicache_size_gb, device_kv_gb_per_rank=device_kv_gb_per_rank,
@@ -423,6 +378,15 @@ def parse_preflight(stdout: str, *, unit: str, port: int, tp: int, payload_bytes
     envfile = check_environment_file(environment_file, s.get("envfile", empty).text.strip() or None,
                                      secrets_written)
     return Preflight(probe, (*checks, envfile) if envfile else checks)
+
+
+def _place(need: disk.Need) -> str:
+    """The preflight's section of one place: disk:releases, disk:units, ..."""
+    return f"disk:{need.what}"
+
+
+def _measured(section: Section) -> disk.Filesystem | None:
+    return disk.parse(section.text) if section.rc == 0 else None
 
 
 def probe_step(python: str) -> Step[ProbeReport]:

@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 
 from kdeploy import onhost
+from kdeploy.core import disk
 from kdeploy.core.errors import InvalidInput
 from kdeploy.core.layout import CURRENT, META, RELEASES, STAGING
 from kdeploy.core.step import Step
@@ -311,12 +312,13 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
     lines = [
         "set -eu",
         "umask 022",
+        # On any failure: no staging dir is left, and what the filesystem of releases/ had left when it failed
+        # (blocks and inodes, before the staging dir is removed) is said: a full disk is the usual cause.
+        f"failed() {{ rc=$?; ( {disk.measure(f'{service_dir}/{RELEASES}')} ) 2>/dev/null | "
+        f"sed 's/^/{FREE_MARK}/' >&2 || :; rm -rf {staging}; exit $rc; }}",
+        "trap failed EXIT",
         f"rm -rf {d}/{RELEASES}/{STAGING}*",
         f"mkdir -p {staging}",
-        # On any failure: no staging dir is left, and the free space is said (a full disk is the usual cause).
-        f"failed() {{ rc=$?; rm -rf {staging}; echo \"{FREE_MARK}$(df -PB1 {d}/{RELEASES} 2>/dev/null | "
-        "awk 'NR==2 {print $4}')\" >&2; exit $rc; }",
-        "trap failed EXIT",
     ]
     if has_current:
         lines.append(f"cp -al {d}/{CURRENT}/. {staging}/")
@@ -349,7 +351,7 @@ def stage_script(service_dir: str, release: str, has_current: bool, delta: Delta
     return "\n".join(lines) + "\n"
 
 
-FREE_MARK = "kdeploy-free-bytes: "
+FREE_MARK = "kdeploy-free: "  # each line of the stage failure's measure of releases/ (disk.measure)
 
 
 _STAGE_CAUSES = ("No space left", "Disk quota exceeded", "Read-only file system")
@@ -357,18 +359,25 @@ _STAGE_CAUSES = ("No space left", "Disk quota exceeded", "Read-only file system"
 
 @dataclass(frozen=True)
 class StageFailure:
-    """Why staging failed (the host is unchanged: the staging directory is gone) and the space left."""
+    """Why staging failed (the host is unchanged: the staging directory is gone) and what the filesystem of
+    ``releases/`` had left then."""
 
     error: str
-    free_bytes: int | None = None
+    room: disk.Filesystem | None = None
 
     @property
     def disk_full(self) -> bool:
         return any(c in self.error for c in _STAGE_CAUSES[:2])
 
     def describe(self, where: str) -> str:
-        free = f", {self.free_bytes} bytes free" if self.free_bytes is not None else ""
+        """One line; a full disk says which ran out, inodes (a filesystem with bytes free can still refuse a
+        new file: ENOSPC either way) or blocks, with its number."""
+        room = self.room
+        if self.disk_full and room is not None and room.free_inodes == 0:
+            return (f"out of inodes on the host at {where}, 0 inodes free ({room.free_bytes} bytes free), host "
+                    f"unchanged (staging removed): {self.error}")
         if self.disk_full:
+            free = f", {room.free_bytes} bytes free" if room is not None else ""
             return f"disk full on the host at {where}{free}, host unchanged (staging removed): {self.error}"
         if _STAGE_CAUSES[2] in self.error:
             return f"read-only file system at {where}, host unchanged: {self.error}"
@@ -377,17 +386,16 @@ class StageFailure:
 
 def parse_stage_failure(stderr: str, rc: int) -> StageFailure:
     """The stage script's error (the last line naming a cause, else its last line but tar's closing one), and
-    the free bytes its failure handler printed."""
-    free, lines = None, []
+    the measure of releases/ its failure handler printed."""
+    measured, lines = [], []
     for line in stderr.splitlines():
         if line.startswith(FREE_MARK):
-            value = line.removeprefix(FREE_MARK).strip()
-            free = int(value) if value.isdigit() else None
+            measured.append(line.removeprefix(FREE_MARK))
         elif line.strip():
             lines.append(line.strip())
     causes = [line for line in lines if any(c in line for c in _STAGE_CAUSES)]
     said = causes or [line for line in lines if not line.startswith("tar: Exiting with failure status")] or lines
-    return StageFailure(said[-1] if said else f"exit status {rc}", free)
+    return StageFailure(said[-1] if said else f"exit status {rc}", disk.parse("\n".join(measured)))
 
 
 def entries(files: Mapping[str, object]) -> int:

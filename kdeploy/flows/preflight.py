@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kdeploy.core import probe
+from kdeploy.core import disk, probe
 from kdeploy.core.errors import PreflightRefused
 from kdeploy.core.inventory import HostConfig
 from kdeploy.core.layout import service_dir
@@ -18,7 +18,7 @@ def preflight_step(host: HostConfig) -> Step[str]:
 def preflight_command(host: HostConfig) -> str:
     sv = host.service
     return probe.preflight_command(python=sv.python, unit=unit_filename(sv), port=sv.sglang.port,
-                                   remote_root=sv.remote_root, environment_file=sv.environment_file,
+                                   places=disk.needs(sv), environment_file=sv.environment_file,
                                    probe_cache=f"{service_dir(sv)}/{probe.CACHE}",
                                    kv_from_journal=(sv.hicache.enabled and sv.hicache.size_gb is None
                                                     and sv.hicache.device_kv_gb_per_rank is None))
@@ -30,8 +30,8 @@ def preflight_checks(host: HostConfig, output: str, upload_bytes: int, entries: 
     sv = host.service
     hc = sv.hicache
     checks = list(probe.parse_preflight(
-        output, unit=unit_filename(sv), port=sv.sglang.port, tp=sv.sglang.tp, payload_bytes=upload_bytes,
-        entries=entries,
+        output, unit=unit_filename(sv), port=sv.sglang.port, tp=sv.sglang.tp,
+        places=disk.needs(sv, upload_bytes, entries),
         hicache_enabled=hc.enabled, hicache_ratio=hc.ratio, hicache_size_gb=hc.size_gb,
         device_kv_gb_per_rank=hc.device_kv_gb_per_rank, environment_file=sv.environment_file,
         secrets_written=sv.secrets.configured).all_checks())

@@ -6,8 +6,10 @@ import re
 
 import pytest
 
+from kdeploy.core import release
+from kdeploy.flows.preflight import preflight_checks, preflight_step
 from tests.conftest import Deployment
-from tests.integration.test_safety import _snapshot
+from tests.integration.test_safety import _connect, _snapshot, small_releases
 
 
 def _refused(dep: Deployment, capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -32,6 +34,40 @@ def test_preflight_passes_and_reports_each_check(deployment: Deployment, capsys:
     assert code == 0 and doc["hosts"][0]["result"] == "unchanged"
     detail = next(p for p in doc["hosts"][0]["phases"] if p["name"] == "preflight")["detail"]
     assert "lock taken" in detail and "preflight" not in detail and "disk" not in detail, detail
+
+
+def test_disk_is_measured_where_the_releases_land(deployment: Deployment,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A small filesystem mounted on releases/ refuses the push, though the service directory's has room; on a
+    larger one the check passes with each filesystem's numbers, the places on one summed."""
+    with small_releases(deployment, "size=32m") as releases:
+        error = _refused(deployment, capsys)
+        said = f"h1: preflight refused: disk: releases {releases} (tmpfs at {releases}): 32.0 MiB, "
+        assert error.startswith(said), error
+        assert re.search(r"inodes free; need 64\.0 MiB, \d+ inodes: not enough space$", error), error
+        deployment.sh("h1", f"mount -o remount,size=1g {releases}")
+        host = deployment.load().hosts["h1"]
+        with _connect(deployment) as remote:
+            output = remote.ask(preflight_step(host))
+        entries = release.entries(release.scan_payload(deployment.payload).files)
+        disk = next(c for c in preflight_checks(host, output, 0, entries) if c.name == "disk")
+        assert disk.status == "pass", disk
+        places = disk.detail.split(" | ")
+        assert places[0].startswith(f"releases {releases} (tmpfs at {releases}): 1.0 GiB, "), disk
+        assert places[1].startswith(f"service {deployment.service_dir}"), disk   # another filesystem: /srv's
+        assert all(re.search(r": [\d.]+ [KMGT]iB, [\d.]+[kM]? inodes free; need [\d.]+ MiB, \d+ inodes$", p)
+                   for p in places), disk
+        assert deployment.kdeploy("push", "test") == 0
+
+
+def test_few_inodes_on_releases_refuse_the_push_by_inodes(deployment: Deployment,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Blocks to spare, inodes not: a tmpfs of 256 MiB with 20 inodes (the release needs its files and
+    directories, and its metadata)."""
+    with small_releases(deployment, "size=256m,nr_inodes=20") as releases:
+        error = _refused(deployment, capsys)
+        assert re.fullmatch(rf"h1: preflight refused: disk: releases {releases} \(tmpfs at {releases}\): "
+                            r"256\.0 MiB, 19 inodes free; need 64\.0 MiB, \d+ inodes: not enough inodes", error), error
 
 
 def test_port_held_by_another_process_is_refused(deployment: Deployment,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ import pytest
 from kdeploy.core import release, state
 from kdeploy.core.errors import RemoteTimeout
 from kdeploy.core.layout import service_dir
-from kdeploy.flows import fleet
+from kdeploy.flows import fleet, push
 from kdeploy.flows.options import Options
 from kdeploy.host import lock
 from kdeploy.ssh import sshconfig
@@ -363,6 +365,46 @@ def test_full_disk_is_refused_and_leaves_the_host_unchanged(deployment: Deployme
     finally:
         deployment.fleet.exec("h1", ["sh", "-c", f"systemctl stop {deployment.service}; umount {small}; "
                                                  f"rmdir {small}"], check=False)
+
+
+@contextmanager
+def small_releases(dep: Deployment, options: str) -> Iterator[str]:
+    """A tmpfs (``size=``, ``nr_inodes=``) mounted on the host's ``releases/`` before the first push: the
+    filesystem the releases land on is not the one of the service directory. Yields its path."""
+    releases = f"{dep.service_dir}/releases"
+    dep.sh("h1", f"mkdir -p {releases} && mount -t tmpfs -o {options} tmpfs {releases}")
+    try:
+        yield releases
+    finally:
+        dep.sh("h1", f"systemctl stop {dep.service}; umount {releases} || umount -l {releases}", check=False)
+
+
+def test_running_out_of_inodes_mid_upload_says_inodes(deployment: Deployment, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The preflight passed, then something took the last inodes of releases/ before the upload (a filler
+    between the two): staging fails with ENOSPC although bytes are free, and says inodes ran out."""
+    with small_releases(deployment, "size=256m,nr_inodes=200") as releases:
+        assert deployment.kdeploy("push", "test") == 0
+        before = _snapshot(deployment)
+        fill = f"mkdir {releases}/.filler; i=0; while touch {releases}/.filler/$i 2>/dev/null; do i=$((i+1)); done"
+
+        def verdict_then_fill(*args: object, **kwargs: object) -> str:
+            said = preflight_verdict(*args, **kwargs)
+            deployment.sh("h1", fill)
+            return said
+
+        preflight_verdict = push.preflight_verdict
+        monkeypatch.setattr(push, "preflight_verdict", verdict_then_fill)
+        (deployment.payload / "rev.txt").write_text("2")
+        code, doc = deployment.json(capsys, "push", "test")
+        host = doc["hosts"][0]
+        assert (code, host["result"]) == (7, "preflight_refused"), doc
+        assert "disk pass" in next(p for p in host["phases"] if p["name"] == "preflight")["detail"]
+        error = host["error"]
+        assert error.startswith(f"out of inodes on the host at {releases}, 0 inodes free ("), error
+        assert re.search(r"\(\d+ bytes free\), host unchanged \(staging removed\): .*No space left on device$", error)
+        deployment.sh("h1", f"rm -rf {releases}/.filler")
+        assert _after_failed_staging(deployment, _snapshot(deployment)) == _after_failed_staging(deployment, before)
 
 
 def _blackholed_while_staging(deployment: Deployment, capsys: pytest.CaptureFixture[str], rev: str) -> dict:

@@ -3,7 +3,9 @@
 tests/sglang/data/probe/ holds what the commands printed: the probe with the CPU SGLang venv's python (real
 sglang 0.5.23), with Debian's /usr/bin/python3 (no sglang) and with a missing interpreter; the combined
 preflight command on a sandbox host running the demo service (port 30000 held by sglang-demo, journal with
-its "KV Cache is allocated" line, no nvidia-smi) and for another unit on the same host.
+its "KV Cache is allocated" line, no nvidia-smi) and for another unit on the same host (their disk sections
+captured again on a fresh sandbox host when the check came to measure each place: /srv a bind mount, /etc
+the container's overlay).
 """
 
 from __future__ import annotations
@@ -13,10 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy.core import probe
+from kdeploy.core import disk, probe
+from kdeploy.core.disk import Need
 from kdeploy.core.probe import Check, Listener
 
 DATA = Path(__file__).resolve().parent / "data" / "probe"
+MIB = 1024**2
+
+
+def places(service: str) -> tuple[Need, ...]:
+    """Where a push of ``service`` writes on the sandbox host (``disk.needs``), for a 50 kB release of 10 entries."""
+    d = f"/srv/kdeploy/{service}"
+    return (Need("releases", f"{d}/releases", 50_000 + 64 * MIB, 26), Need("service", d, MIB, 16),
+            Need("units", "/etc/systemd/system", MIB, 8))
 
 
 def captured(name: str) -> tuple[str, str, int]:
@@ -78,19 +89,6 @@ def test_probe_command_is_one_quoted_command():
 
 # ----------------------------------------------------------------------------------------------- checks
 
-def test_disk():
-    assert probe.check_disk(10 * 10**9, 5 * 10**6).status == "pass"
-    assert probe.check_disk(100 * 10**6, 5 * 10**6).status == "warn"
-    check = probe.check_disk(10 * 10**6, 5 * 10**6)
-    assert check.status == "fail" and "needs 72.1 MB (upload 5.0 MB + 67.1 MB margin)" in check.detail
-    assert probe.check_disk(None, 1).status == "warn"
-    # Space for the upload, but not an inode for each of the new release's entries (hard links need none).
-    short = probe.check_disk(10 * 10**9, 5 * 10**6, free_inodes=100, entries=40)
-    assert short.status == "fail" and "needs 104 inodes, 100 free" in short.detail
-    assert probe.check_disk(10 * 10**9, 5 * 10**6, free_inodes=104, entries=40).status == "pass"
-    assert probe.check_disk(10 * 10**9, 5 * 10**6, free_inodes=None, entries=10**9).status == "pass"
-
-
 NVIDIA_SMI_L = """\
 GPU 0: NVIDIA RTX PRO 6000 Blackwell Server Edition (UUID: GPU-1b5c1b6a-0f0e-4a43-8e2b-0c5c8e1d2f01)
 GPU 1: NVIDIA RTX PRO 6000 Blackwell Server Edition (UUID: GPU-1b5c1b6a-0f0e-4a43-8e2b-0c5c8e1d2f02)
@@ -149,21 +147,20 @@ def test_parse_helpers():
                                    "V size: 5.21 GB\n") == pytest.approx(10.42)
     assert probe.parse_kv_cache_gb("nothing") is None
     assert probe.parse_mem_available("MemTotal: 1 kB\nMemAvailable:   2048 kB\n") == 2 * 1024 * 1024
-    assert probe.parse_df_free("Filesystem 1-blocks Used Available Capacity Mounted on\n/dev/x 10 5 5 50% /\n") == 5
-    assert probe.parse_inodes_free("Filesystem Inodes IUsed IFree IUse% Mounted on\ntmpfs 256 17 239 7% /s\n") == 239
-    # btrfs counts no inodes (0 in every column): no inode check there
-    assert probe.parse_inodes_free("Filesystem Inodes IUsed IFree IUse% Mounted on\n/dev/b 0 0 0 - /\n") is None
 
 
 # ----------------------------------------------------------------------------------------------- round trip
 
 def test_preflight_on_a_sandbox_host_running_the_service():
     out = (DATA / "preflight_sandbox_demo.stdout").read_text()
-    pre = probe.parse_preflight(out, unit="sglang-demo", port=30000, tp=8, payload_bytes=50_000,
+    pre = probe.parse_preflight(out, unit="sglang-demo", port=30000, tp=8, places=places("sglang-demo"),
                                 hicache_enabled=True, hicache_ratio=2.0)
     checks = {c.name: c for c in pre.all_checks()}
     assert checks["sglang"].status == "pass" and "sglang 0.5.23" in checks["sglang"].detail
-    assert checks["disk"].status == "pass"
+    assert checks["disk"] == Check("disk", "pass", (
+        "releases /srv/kdeploy/sglang-demo/releases, service /srv/kdeploy/sglang-demo (ext4 at /srv): 79.6 GiB, "
+        "16.4M inodes free; need 65.0 MiB, 42 inodes | units /etc/systemd/system (overlay at /etc): 79.6 GiB, "
+        "16.4M inodes free; need 1.0 MiB, 8 inodes"))
     assert checks["gpus"].status == "warn"                       # no nvidia-smi in the sandbox
     assert checks["port"].status == "pass" and "held by sglang-demo" in checks["port"].detail
     hicache = checks["hicache"]                                  # 10.42 GB per rank from the journal line
@@ -174,7 +171,7 @@ def test_preflight_on_a_sandbox_host_running_the_service():
 
 def test_preflight_for_another_service_on_that_host():
     out = (DATA / "preflight_sandbox_other.stdout").read_text()
-    pre = probe.parse_preflight(out, unit="kdtx1", port=30000, tp=1, payload_bytes=50_000,
+    pre = probe.parse_preflight(out, unit="kdtx1", port=30000, tp=1, places=places("kdtx1"),
                                 device_kv_gb_per_rank=1.0)
     checks = {c.name: c for c in pre.all_checks()}
     assert checks["sglang"].status == "fail" and "sglang not installed" in checks["sglang"].detail
@@ -183,18 +180,19 @@ def test_preflight_for_another_service_on_that_host():
 
 
 def test_preflight_sections_survive_a_cut_off_output():
-    sections = probe.parse_sections("@@kdeploy df\nFilesystem x\n@@kdeploy rc 0\n@@kdeploy port\n123 py /x")
-    assert sections["df"].rc == 0 and sections["port"] == probe.Section("123 py /x", None)
-    pre = probe.parse_preflight("", unit="u", port=1, tp=1, payload_bytes=1)
+    sections = probe.parse_sections("@@kdeploy meminfo\nMemTotal: 1 kB\n@@kdeploy rc 0\n@@kdeploy port\n123 py /x")
+    assert sections["meminfo"].rc == 0 and sections["port"] == probe.Section("123 py /x", None)
+    pre = probe.parse_preflight("", unit="u", port=1, tp=1, places=places("u"))
     assert not pre.ok and [c.status for c in pre.checks] == ["warn", "warn", "pass", "warn"]
 
 
 def test_preflight_command_is_one_command_with_every_section():
     cmd = probe.preflight_command(python="/opt/v/bin/python", unit="sglang-k26", port=30000,
-                                  remote_root="/srv/kdeploy/sglang-k26")
-    for name in ("probe", "df", "inodes", "nvidia-smi", "meminfo", "port", "journal"):
-        assert f"@@kdeploy {name}" in cmd
+                                  places=places("sglang-k26"))
+    for name in ("probe", "disk:releases", "disk:service", "disk:units", "nvidia-smi", "meminfo", "port", "journal"):
+        assert f"@@kdeploy {name}\n" in cmd.replace("'; ", "\n")
+    assert disk.measure("/srv/kdeploy/sglang-k26/releases") in cmd
     assert "journalctl -u sglang-k26.service -r" in cmd and ":30000$" in cmd
     lean = probe.preflight_command(python="/opt/v/bin/python", unit="sglang-k26", port=30000,
-                                   remote_root="/srv/kdeploy/sglang-k26", kv_from_journal=False)
+                                   places=(), kv_from_journal=False)
     assert "@@kdeploy journal" not in lean and "journalctl" not in lean

@@ -24,8 +24,8 @@ def test_environment_file_check(stat, status, words):
 
 def test_no_environment_file_no_check_and_no_command():
     assert probe.check_environment_file(None, None) is None
-    cmd = probe.preflight_command(python="/p", unit="u", port=1, remote_root="/r")
+    cmd = probe.preflight_command(python="/p", unit="u", port=1, places=())
     assert "envfile" not in cmd
-    cmd = probe.preflight_command(python="/p", unit="u", port=1, remote_root="/r", environment_file="/etc/a b")
+    cmd = probe.preflight_command(python="/p", unit="u", port=1, places=(), environment_file="/etc/a b")
     assert cmd.endswith("echo '@@kdeploy envfile'; stat -L -c '%u %a %F' '/etc/a b' 2>/dev/null; "
                         "echo \"@@kdeploy rc 0\"")

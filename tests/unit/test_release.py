@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kdeploy.core import release as release_module
+from kdeploy.core.disk import Filesystem
 from kdeploy.core.errors import InvalidInput
 from kdeploy.core.release import (
     META,
@@ -551,7 +552,7 @@ def test_stage_checks_every_byte_before_the_release_appears(tmp_path, verifier):
     failed = run_script(script, corrupted, env)
     assert failed.returncode != 0
     failure = parse_stage_failure(failed.stderr.decode(), failed.returncode)
-    assert failure.free_bytes is not None and failure.free_bytes > 0  # what the filesystem of releases/ has left
+    assert failure.room is not None and failure.room.free_bytes > 0  # what the filesystem of releases/ has left
     if kind == "python3":
         assert failure.error == "1 staged file(s) differ from the manifest (sha256): ./d/big.bin"
     else:
@@ -562,18 +563,43 @@ def test_stage_checks_every_byte_before_the_release_appears(tmp_path, verifier):
     assert (tmp_path / "svc" / "releases" / rid / "d" / "big.bin").read_bytes() == big
 
 
+# The stage script's stderr when releases/ ran out mid-upload, captured on tmpfs: size=1m with 1000 inodes (a 3 MiB
+# file), and nr_inodes=40 with 64 MiB (60 files); tar's lines abridged.
+OUT_OF_BLOCKS = """\
+tar: weights.bin: Wrote only 1536 of 10240 bytes
+tar: .kdeploy/manifest.sha256: Cannot write: No space left on device
+tar: .kdeploy/unit.name: Cannot write: No space left on device
+tar: Exiting with failure status due to previous errors
+kdeploy-free: 42
+kdeploy-free: tmpfs          tmpfs  1048576 1048576         0     100% /tmp/kdcap/blk
+kdeploy-free: tmpfs            1000    13   987    2% /tmp/kdcap/blk
+"""
+OUT_OF_INODES = """\
+tar: m58.py: Cannot open: No space left on device
+tar: m59.py: Cannot open: No space left on device
+tar: .kdeploy: Cannot mkdir: No space left on device
+tar: .kdeploy/unit.name: Cannot open: No such file or directory
+tar: Exiting with failure status due to previous errors
+kdeploy-free: 41
+kdeploy-free: tmpfs          tmpfs 67108864 147456  66961408       1% /tmp/kdcap/ino
+kdeploy-free: tmpfs              40    40     0  100% /tmp/kdcap/ino
+"""
+
+
 def test_a_stage_failure_names_a_full_or_read_only_disk_and_the_space_left():
-    """stderr of the stage script on a host whose releases/ filled up mid-upload (captured on a 1 MB tmpfs)."""
-    full = parse_stage_failure("tar: ./weights.bin: Wrote only 3584 of 10240 bytes\n"
-                               "tar: ./w2.bin: Cannot write: No space left on device\n"
-                               "tar: Exiting with failure status due to previous errors\n"
-                               "kdeploy-free-bytes: 0\n", 2)
-    assert full == StageFailure("tar: ./w2.bin: Cannot write: No space left on device", 0) and full.disk_full
+    """A full disk says which ran out, blocks or inodes (ENOSPC either way), with the number left."""
+    full = parse_stage_failure(OUT_OF_BLOCKS, 2)
+    assert full == StageFailure("tar: .kdeploy/unit.name: Cannot write: No space left on device",
+                                Filesystem(42, "tmpfs", "/tmp/kdcap/blk", 0, 987)) and full.disk_full
     assert full.describe("/srv/x/releases") == (
         "disk full on the host at /srv/x/releases, 0 bytes free, host unchanged (staging removed): "
-        "tar: ./w2.bin: Cannot write: No space left on device")
+        "tar: .kdeploy/unit.name: Cannot write: No space left on device")
+    inodes = parse_stage_failure(OUT_OF_INODES, 2)
+    assert inodes.describe("/srv/x/releases") == (
+        "out of inodes on the host at /srv/x/releases, 0 inodes free (66961408 bytes free), host unchanged "
+        "(staging removed): tar: .kdeploy: Cannot mkdir: No space left on device")
     readonly = parse_stage_failure("mkdir: cannot create directory '/srv/x/releases/.staging-1': Read-only file "
-                                   "system\nkdeploy-free-bytes: 1048576\n", 1)
+                                   "system\n", 1)
     assert readonly.describe("/srv/x/releases").startswith("read-only file system at /srv/x/releases, host unchanged")
     assert parse_stage_failure("", 9) == StageFailure("exit status 9", None)
 

@@ -19,8 +19,10 @@ def test_a_stage_reads_staged_or_the_failure() -> None:
     step = release.stage_step("/srv/k/s", "r1", True, Delta())
     assert step.timeout == 600 and step.fails is None
     assert step.parse(RunResult(0, "STAGED\n", "")) is None
-    failure = step.parse(RunResult(1, "", "kdeploy-free-bytes: 12\ntar: x: No space left on device\n"))
-    assert failure is not None and failure.disk_full and failure.free_bytes == 12
+    failure = step.parse(RunResult(1, "", "tar: x: No space left on device\nkdeploy-free: 40\n"
+                                          "kdeploy-free: tmpfs tmpfs 1048576 1048564 12 100% /srv/k\n"
+                                          "kdeploy-free: tmpfs 1000 13 987 2% /srv/k\n"))
+    assert failure is not None and failure.disk_full and failure.room is not None and failure.room.free_bytes == 12
 
 
 def test_an_activation_fails_with_its_target_named() -> None:
