@@ -20,9 +20,11 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -33,9 +35,9 @@ from ruamel.yaml.comments import CommentedMap, TaggedScalar
 from ruamel.yaml.error import YAMLError
 from ruamel.yaml.nodes import ScalarNode
 
-from kdeploy.core import patterns
+from kdeploy.core import files, patterns
 from kdeploy.core.errors import InvalidInput
-from kdeploy.core.yamlsource import WEEK, line_of, parse_yaml, read_text, yaml_loader
+from kdeploy.core.yamlsource import WEEK, line_of, load_yaml, parse_yaml, read_text, yaml_loader
 
 # ini, yaml: Ansible's own file formats; list: ansible-inventory --list JSON; plugin: only Ansible's plugins read it
 Format = Literal["ini", "yaml", "list", "plugin"]
@@ -98,6 +100,7 @@ class AnsibleInventory:
     origin: dict[str, tuple[Path, int | None]] = field(default_factory=dict)  # host -> file, line it is first in
     groups_of: dict[str, list[Group]] = field(default_factory=dict)  # host -> its groups, ``all``'s children on
     files: dict[Path, dict] = field(default_factory=dict)  # group_vars/host_vars read so far
+    links: dict[tuple[str, str], str] = field(default_factory=dict)  # (parent, child) -> file:line that said so
 
     def group(self, name: str) -> Group:
         return self.groups.setdefault(name, Group(name))
@@ -109,10 +112,12 @@ class AnsibleInventory:
         if name not in members:
             members.append(name)
 
-    def add_child(self, parent: str, child: str) -> None:
+    def add_child(self, parent: str, child: str, where: str) -> None:
+        """``where``: the file:line that makes ``child`` a child of ``parent``, for the error if it closes a loop."""
         if child not in self.group(parent).children:
             self.groups[parent].children.append(child)
             self.group(child).parents.append(parent)
+            self.links[(parent, child)] = where
 
     def reconcile(self) -> None:
         """What ansible-core does after parsing: top groups under ``all``, lone hosts in ``ungrouped``, depths."""
@@ -120,7 +125,7 @@ class AnsibleInventory:
             self.group(name)
         for group in list(self.groups.values()):
             if group.name != "all" and not group.parents:
-                self.add_child("all", group.name)
+                self.add_child("all", group.name, str(self.path))
         ungrouped = self.groups["ungrouped"]
         for host in self.hosts:
             others = [g for g in self.groups.values() if host in g.hosts and g.name not in ("all", "ungrouped")]
@@ -128,28 +133,52 @@ class AnsibleInventory:
                 ungrouped.hosts.remove(host)
             elif not others and host not in ungrouped.hosts:
                 ungrouped.hosts.append(host)
-        self._deepen("all", 0, ())
+        for name in self._ordered():  # depth: the longest path from ``all``, as ansible-core counts it
+            for child in self.groups[name].children:
+                self.groups[child].depth = max(self.groups[child].depth, self.groups[name].depth + 1)
         self.groups_of = {h: [] for h in self.hosts}
         for group in self.groups.values():
             for host in self.members(group.name) if group.name != "all" else ():
                 self.groups_of[host].append(group)
 
-    def _deepen(self, name: str, depth: int, seen: tuple[str, ...]) -> None:
-        if name in seen:
-            raise InvalidInput(f"{self.path}: group {name!r} is its own descendant")
-        group = self.groups[name]
-        group.depth = max(group.depth, depth)
-        for child in group.children:
-            self._deepen(child, depth + 1, (*seen, name))
+    def _ordered(self) -> list[str]:
+        """The groups, each before its children. The one check that no group is its own descendant, for every
+        source (INI, YAML, --list JSON, scripts, directories, ansible-inventory): a loop would make every walk
+        down the groups endless. One depth-first walk without recursion, so a chain of any length is fine."""
+        state: dict[str, bool] = {}  # False: on the path being walked; True: done
+        done: list[str] = []
+        for root in ("all", *self.groups):  # from ``all`` first: a loop through it is named at its own line
+            if root in state:
+                continue
+            path, todo = [root], [iter(self.groups[root].children)]
+            state[root] = False
+            while todo:
+                child = next(todo[-1], None)
+                if child is None:
+                    state[path[-1]] = True
+                    done.append(path.pop())
+                    todo.pop()
+                elif child not in state:
+                    state[child] = False
+                    path.append(child)
+                    todo.append(iter(self.groups[child].children))
+                elif not state[child]:
+                    loop = " > ".join([*path[path.index(child):], child])
+                    raise InvalidInput(f"{self.links[(path[-1], child)]}: group {child!r} is its own descendant "
+                                       f"({loop})")
+        return done[::-1]
 
     def members(self, name: str) -> list[str]:
-        """Every host of a group, its children's included, in host order."""
+        """Every host of a group, its children's included, in host order (each group walked once: groups may
+        share children many times over)."""
         found: set[str] = set()
+        seen = {name}
         todo = [name]
         while todo:
             group = self.groups[todo.pop()]
             found.update(group.hosts)
-            todo.extend(group.children)
+            todo += [child for child in group.children if child not in seen]
+            seen.update(group.children)
         return [h for h in self.hosts if h in found]
 
     def host_vars(self, host: str) -> dict:
@@ -192,15 +221,34 @@ def _vars_dir(folder: Path, name: str) -> dict:
     """Ansible's host_group_vars plugin: ``<folder>/<name>`` with no extension, .yml, .yaml or .json, or a
     directory of such files (read in sorted order)."""
     found: dict = {}
-    candidates = [folder / f"{name}{ext}" for ext in ("", ".yml", ".yaml", ".json")]
-    if (folder / name).is_dir():
-        candidates = sorted(p for p in (folder / name).rglob("*")
-                            if p.is_file() and p.suffix in ("", ".yml", ".yaml", ".json"))
-    for path in candidates:
-        if path.is_file():
-            text = _not_vaulted(path, read_text(path, "variables file"))
-            found.update(_decode(parse_yaml(text, path, "a variables file must be a mapping"), str(path)))
+    for path in _vars_files(folder / name):
+        text = _not_vaulted(path, read_text(path, "variables file"))
+        found.update(_decode(parse_yaml(text, path, "a variables file must be a mapping"), str(path)))
     return found
+
+
+def _vars_files(base: Path) -> list[Path]:
+    """``base`` with no extension, .yml, .yaml or .json, or the files of the directory ``base`` (sorted; its
+    subdirectories too, each once however symlinks lead back to it)."""
+    kinds = ("", ".yml", ".yaml", ".json")
+    if not files.is_dir(base, "variables directory"):
+        return [path for path in (base.with_name(base.name + ext) for ext in kinds)
+                if files.status(path, "variables file") is not None and not files.is_dir(path, "variables file")]
+    found: list[Path] = []
+    seen: set[tuple[int, int]] = set()
+    todo = [base]
+    while todo:
+        folder = todo.pop()
+        st = files.status(folder, "variables directory")
+        if st is None or (st.st_dev, st.st_ino) in seen:
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        for entry in (folder / name for name in files.listdir(folder, "variables directory")):
+            if files.is_dir(entry, "variables directory"):
+                todo.append(entry)
+            elif entry.suffix in kinds:
+                found.append(entry)
+    return sorted(found)
 
 
 _VAULT_HEADER = "$ANSIBLE_VAULT;"
@@ -285,7 +333,7 @@ def detect(path: Path, text: str) -> tuple[Format | None, Any]:
         return "plugin", None
     _not_vaulted(path, text)
     try:
-        data: Any = yaml_loader().load(text)
+        data: Any = load_yaml(text, path)
     except YAMLError:
         return (None if suffix in (".yaml", ".yml", ".json") else "ini"), None
     if isinstance(data, dict):
@@ -327,12 +375,13 @@ def _listed(group: Any) -> bool:
 def is_source(path: Path) -> bool:
     """An inventory that is no file of text to read: a directory, an executable inventory script, or a
     ``host1,host2`` list (Ansible's ``host_list``)."""
-    return path.is_dir() or _is_script(path) or (not path.exists() and "," in str(path))
+    st = files.status(path, "inventory")
+    return (st is None and "," in str(path)) or (st is not None and stat.S_ISDIR(st.st_mode)) or _is_script(path)
 
 
 def _is_script(path: Path) -> bool:
     """Executable, and a script or a program: an INI file left executable by a copy is still read as INI."""
-    if not path.is_file() or not os.access(path, os.X_OK):
+    if not files.is_file(path, "inventory") or not os.access(path, os.X_OK):
         return False
     try:
         with open(path, "rb") as fh:
@@ -354,7 +403,7 @@ def read(path: Path, text: str, fmt: Format) -> AnsibleInventory:
 
 def read_source(path: Path) -> AnsibleInventory:
     """The hosts, groups and variables of a directory, an inventory script or a host list (:func:`is_source`)."""
-    if path.is_dir():
+    if files.is_dir(path, "inventory"):
         entries = _scan(path)
         plugin = next((entry for entry, fmt, _ in entries if fmt == "plugin"), None)
         if plugin is not None:  # then Ansible reads the whole directory, as it would
@@ -374,18 +423,19 @@ def read_source(path: Path) -> AnsibleInventory:
     return found
 
 
-def _scan(folder: Path) -> list[tuple[Path, Format | None, str]]:
+def _scan(folder: Path, seen: frozenset[tuple[int, int]] = frozenset()) -> list[tuple[Path, Format | None, str]]:
     """The inventories of a directory, in the order Ansible reads them (sorted, subdirectories in place, the
     names it ignores skipped): each file's format and text, or None and "" for a script. Read into one, a
-    group or host named in several files is one, and a later file's variables win."""
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError as exc:
-        raise InvalidInput(f"{folder}: cannot read the inventory directory: {exc.strerror}") from None
+    group or host named in several files is one, and a later file's variables win. ``seen``: the directories
+    it is in, which a symlink leading back to one of them does not read again."""
+    st = files.status(folder, "the inventory directory")
+    if st is None or (st.st_dev, st.st_ino) in seen:
+        return []
     found: list[tuple[Path, Format | None, str]] = []
-    for entry in (folder / name for name in names if not _IGNORED.search(name)):
-        if entry.is_dir():
-            found += _scan(entry)
+    for entry in (folder / name for name in files.listdir(folder, "the inventory directory")
+                  if not _IGNORED.search(name)):
+        if files.is_dir(entry, "inventory"):
+            found += _scan(entry, seen | {(st.st_dev, st.st_ino)})
         elif _is_script(entry):
             found.append((entry, None, ""))
         else:
@@ -438,8 +488,9 @@ class _Programs:
         self._stopped = False
 
     def run(self, argv: list[str], what: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> Any:
-        """:func:`run_json`: each program has its own time bound."""
+        """:func:`run_json`: each program has its own time bound, and its output a size bound (kdeploy's)."""
         bound = timeout()
+        deadline = time.monotonic() + bound
         with self._lock:
             if self._stopped:
                 raise InvalidInput(f"{what}: not run (another inventory program failed)")
@@ -449,24 +500,32 @@ class _Programs:
             except OSError as exc:
                 raise InvalidInput(f"{what}: cannot run it: {exc.strerror}") from None
             self._running.append(proc)
+        assert proc.stdout is not None and proc.stderr is not None
+        stdout, stderr = proc.stdout.fileno(), proc.stderr.fileno()
         try:
-            out, err = proc.communicate(timeout=bound)
-        except subprocess.TimeoutExpired:
+            with proc.stdout, proc.stderr:
+                streams = files.drain({stdout: files.MAX_BYTES, stderr: 0}, deadline)
+                proc.wait(max(deadline - time.monotonic(), 0.01))
+        except (TimeoutError, subprocess.TimeoutExpired, files.TooLarge) as exc:
             _kill(proc)
             with contextlib.suppress(subprocess.TimeoutExpired):  # a child that left the group may hold the pipes
-                proc.communicate(timeout=1)
+                proc.wait(timeout=1)
+            if isinstance(exc, files.TooLarge):
+                raise InvalidInput(f"{what}: printed more than {files.size(files.MAX_BYTES)} (killed; "
+                                   "kdeploy's bound)") from None
             raise InvalidInput(f"{what}: did not finish within {bound:g} s (killed; KDEPLOY_INVENTORY_TIMEOUT "
                                "sets the bound)") from None
         finally:
             with self._lock:
                 self._running.remove(proc)
+        out, err = streams[stdout], streams[stderr]
         last = next((line.strip() for line in reversed(err.decode(errors="replace").splitlines()) if line.strip()),
                     "")
         if proc.returncode != 0:
             raise InvalidInput(f"{what}: exited {proc.returncode}{f': {last}' if last else ''}")
         try:
             text = out.decode()
-            return json.loads(text) if text.strip() else None
+            return files.parsed(lambda: json.loads(text), what) if text.strip() else None
         except UnicodeDecodeError:
             raise InvalidInput(f"{what}: its output is not UTF-8 text") from None
         except json.JSONDecodeError as exc:
@@ -539,7 +598,8 @@ def _ansible_inventory(path: Path, what: str) -> AnsibleInventory:
     if command is None:
         raise InvalidInput(f"{path}: {what} is read by Ansible's inventory plugins: kdeploy runs `ansible-inventory "
                            "-i PATH --list` for it, and ansible-inventory is not installed (pip install ansible-core)")
-    folder = path if path.is_dir() else path.parent if path.exists() else None
+    st = files.status(path, "inventory")
+    folder = None if st is None else path if stat.S_ISDIR(st.st_mode) else path.parent
     source = str(path.absolute() if folder else path)
     # A source its plugin cannot parse is a warning and an empty inventory for ansible-inventory, unless asked.
     env = {"ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED": "true", **os.environ}
@@ -712,18 +772,18 @@ def _read_ini(found: AnsibleInventory, path: Path, text: str) -> None:
                 raise InvalidInput(f"{where}: expected a group name, got {line!r}")
             child = m.group(1)
             if child in defined:
-                found.add_child(group, child)
+                found.add_child(group, child, where)
             else:
-                pending.setdefault(child, (number, "children", []))[2].append(group)
+                pending.setdefault(child, (number, "children", []))[2].append((group, where))
     for name, (number, state, parents) in pending.items():
         if state == "vars":
             raise InvalidInput(f"{path}:{number}: section [{name}:vars] for undefined group {name!r}")
-        raise InvalidInput(f"{path}:{number}: section [{parents[-1]}:children] names undefined group {name!r}")
+        raise InvalidInput(f"{path}:{number}: section [{parents[-1][0]}:children] names undefined group {name!r}")
 
 
 def _resolve_pending(found: AnsibleInventory, group: str, pending: dict) -> None:
-    for parent in pending[group][2]:
-        found.add_child(parent, group)
+    for parent, where in pending[group][2]:
+        found.add_child(parent, group, where)
         if parent in pending and pending[parent][1] == "children":
             _resolve_pending(found, parent, pending)
     del pending[group]
@@ -774,7 +834,7 @@ def _yaml_group(found: AnsibleInventory, path: Path, name: str, body: Any, where
         elif section == "children":
             for child, child_body in (value or {}).items():
                 _yaml_group(found, path, str(child), child_body, (value, child))
-                found.add_child(name, str(child))
+                found.add_child(name, str(child), f"{path}:{line_of(value, (child,))}")
         else:
             for pattern, variables in (value or {}).items():
                 line = line_of(value, (pattern,))
@@ -824,9 +884,9 @@ def _read_list(found: AnsibleInventory, data: Any, path: Path, text: str | None)
             found.add_host(str(host), group, {}, (path, line_of(data, (name, "hosts", index))))
             named.append(str(host))
         found.group(group).vars.update(variables)
-        for child in children:
+        for index, child in enumerate(children):
             found.group(str(child))
-            found.add_child(group, str(child))
+            found.add_child(group, str(child), where(name, "children", index))
     for host in dict.fromkeys(named):
         own = hostvars.get(host, {})
         if not isinstance(own, dict):

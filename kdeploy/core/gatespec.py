@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kdeploy.core import files
 from kdeploy.core.errors import InvalidInput
 from kdeploy.core.inventory import ParitySet, Service
 from kdeploy.core.render import unit_filename
@@ -93,16 +94,11 @@ def load_payload_gate(payload_dir: Path) -> PayloadGate | None:
     """The manifest of a payload directory; None when it has none (the gate then checks only what the
     inventory's ``gate.markers`` lists)."""
     path = payload_dir / MANIFEST
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
+    if files.status(path, "payload gate manifest") is None:
         return None
-    except OSError as exc:
-        raise InvalidInput(f"{path}: cannot read: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise InvalidInput(f"{path}: invalid payload gate manifest: not UTF-8 text") from None
+    text = files.read_text(path, "payload gate manifest")
     try:
-        gate = PayloadGate.model_validate(json.loads(text))
+        gate = PayloadGate.model_validate(files.parsed(lambda: json.loads(text), str(path)))
     except (ValueError, ValidationError) as exc:
         first = str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else (
             f"{'.'.join(map(str, exc.errors()[0]['loc']))}: {exc.errors()[0]['msg']}")

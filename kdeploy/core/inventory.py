@@ -29,7 +29,7 @@ from pydantic import (
 )
 from ruamel.yaml.comments import CommentedMap
 
-from kdeploy.core import ansible, patterns
+from kdeploy.core import ansible, files, patterns
 from kdeploy.core.analysis import Bounds
 from kdeploy.core.errors import InvalidInput
 from kdeploy.core.yamlsource import WEEK, line_of, parse_yaml, read_text
@@ -541,7 +541,8 @@ class Inventory:
         ``--limit``; ``@FILE`` reads patterns from FILE, one a line). Checked here, before any host is touched."""
         if limit is None:
             return self
-        parts = tuple(patterns.limit_parts(limit, lambda path: read_text(path, "--limit file", "--limit @FILE")))
+        parts = tuple(patterns.limit_parts(limit, lambda path: files.read_text(
+            path, "--limit file", limit=files.LIST_BYTES, missing="--limit file not found (pass --limit @FILE)")))
         patterns.Selector(self.hosts, self.groups).evaluate(parts, "--limit")
         return replace(self, limit=parts)
 

@@ -103,6 +103,13 @@ def scan_payload(root: Path) -> Payload:
     user change the service's code, a setuid one would stay setuid. Those are refused; every other file
     gets 0644, or 0755 when its owner may execute it.
     """
+    try:
+        return _scan(root)
+    except OSError as exc:  # a directory or file in it that cannot be read (permissions), named with its reason
+        raise InvalidInput(f"{exc.filename or root}: cannot read the payload: {exc.strerror}") from None
+
+
+def _scan(root: Path) -> Payload:
     if not root.is_dir():
         raise InvalidInput(f"{root}: payload directory not found")
     files: dict[str, LocalFile] = {}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jinja2
 
+from kdeploy.core import files
 from kdeploy.core.errors import InvalidInput
 from kdeploy.core.inventory import HostConfig, Inventory, Service
 from kdeploy.core.layout import current_path, service_dir
@@ -107,11 +108,7 @@ def render_unit(inventory: Inventory, host: HostConfig) -> str:
     service = host.service
     path = inventory.local_path(service.template)
     try:
-        template = _template(path.read_text())
-    except OSError as exc:
-        raise InvalidInput(f"{path}: cannot read unit template: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise InvalidInput(f"{path}: unit template is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        template = _template(files.read_text(path, "unit template"))
     except jinja2.TemplateSyntaxError as exc:
         raise InvalidInput(f"{path}:{exc.lineno}: unit template: {exc.message}") from None
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kdeploy.core import files
 from kdeploy.core.errors import InvalidInput
 from kdeploy.core.inventory import ENV_NAME, HostConfig, Inventory
 from kdeploy.core.layout import SECRETS_PREVIOUS as PREVIOUS  # the confirmation and the host's revert know it too
@@ -118,11 +119,10 @@ def resolve(inventory: Inventory, host: HostConfig, environ: Mapping[str, str] |
     if wanted.file is not None:
         path = inventory.local_path(wanted.file)
         try:
-            values = parse_file(Path(path).read_text(), str(path))
-        except (OSError, UnicodeDecodeError) as exc:
+            values = parse_file(files.read_text(Path(path), "the secrets file"), str(path))
+        except InvalidInput:
             if strict:
-                raise InvalidInput(f"{path}: cannot read the secrets file: "
-                                   f"{getattr(exc, 'strerror', None) or 'not UTF-8 text'}") from None
+                raise
     for name in wanted.env:
         if name not in environ:
             if strict:

@@ -8,38 +8,56 @@ from typing import Any
 
 from ruamel.yaml import YAML, CommentedMap
 from ruamel.yaml.error import YAMLError
+from ruamel.yaml.scanner import RoundTripScanner, ScannerError
 
+from kdeploy.core import files
 from kdeploy.core.errors import InvalidInput
 
 WEEK = 7 * 24 * 3600  # the longest wait kdeploy or a unit setting takes: a bound that still catches typos and .inf
+
+
+class _TooDeep(ScannerError):
+    """Flow collections nested past the bound: refused by :func:`load_yaml`, never taken for a format hint."""
+
+
+class _Scanner(RoundTripScanner):
+    """ruamel's scanner, refusing flow collections (``[``, ``{``) nested deeper than :data:`files.MAX_DEPTH`: it
+    does work in proportion to the nesting for every token, so 20000 ``[`` would take minutes to parse."""
+
+    def fetch_flow_collection_start(self, TokenClass: Any, to_push: str) -> None:
+        if self.flow_level >= files.MAX_DEPTH:
+            raise _TooDeep(None, None, "too deep", self.reader.get_mark())
+        super().fetch_flow_collection_start(TokenClass, to_push)
 
 
 def yaml_loader() -> YAML:
     """Round trip: the documents keep their comments and line numbers (for edits and error locations)."""
     yaml = YAML(typ="rt")
     yaml.preserve_quotes = True
+    yaml.Scanner = _Scanner
     return yaml
 
 
 def read_text(path: Path, what: str = "inventory", option: str = "--inventory PATH", *, exact: bool = False) -> str:
     """``exact``: with the file's own line endings (``\\r\\n`` stays), for an edit that writes it back."""
+    return files.read_text(path, what, missing=f"{what} not found (pass {option})", exact=exact)
+
+
+def load_yaml(text: str, path: Path) -> Any:
+    """``text`` (the content of ``path``) as a round-trip document, no deeper than :data:`files.MAX_DEPTH`; a
+    YAML error is left to the caller (:func:`parse_yaml` reports it, format detection takes it as a hint)."""
     try:
-        with open(path, newline="" if exact else None) as fh:
-            return fh.read()
-    except FileNotFoundError:
-        raise InvalidInput(f"{path}: {what} not found (pass {option})") from None
-    except OSError as exc:
-        raise InvalidInput(f"{path}: cannot read {what}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        line = path.read_bytes()[:exc.start].count(b"\n") + 1
-        raise InvalidInput(f"{path}:{line}: {what} is not UTF-8 text ({exc.reason})") from None
+        return files.parsed(lambda: yaml_loader().load(text), str(path))
+    except _TooDeep as exc:  # not a YAML error for format detection to read as a hint: refused here
+        raise InvalidInput(f"{path}:{exc.problem_mark.line + 1}: nested deeper than {files.MAX_DEPTH} levels") \
+            from None
 
 
 def parse_yaml(text: str, path: Path,
                shape: str = "the inventory must be a mapping with defaults/groups/hosts") -> CommentedMap:
     """``text`` (the content of ``path``) as a round-trip document; ``shape``: the error when it is no mapping."""
     try:
-        data = yaml_loader().load(text)
+        data = load_yaml(text, path)
     except YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from kdeploy.core import files
 from kdeploy.core import secrets as secret
-from kdeploy.core.errors import KdeployError
+from kdeploy.core.errors import InvalidInput, KdeployError
 from kdeploy.core.gatespec import gate_spec, load_payload_gate
 from kdeploy.core.inventory import HostConfig, Inventory
 from kdeploy.core.release import scan_payload
@@ -92,8 +93,11 @@ def hook_script(command: str, base: Path) -> str | None:
         return None
     path = Path(first).expanduser()
     path = path if path.is_absolute() else base / path
-    if not path.is_file():
-        return f"{path}: not found"
+    try:
+        if not files.is_file(path, "hook script"):
+            return f"{path}: not found"
+    except InvalidInput as exc:
+        return str(exc)
     if not os.access(path, os.X_OK):
         return f"{path}: not executable (chmod +x it, or start the hook with `sh {first}`)"
     return None
@@ -119,8 +123,12 @@ class Checker:
 
     def _unit(self, host: HostConfig, view: CheckView) -> list[str]:
         template = self.inventory.local_path(host.service.template)
-        if not template.is_file():
-            return [f"{self.inventory.where(host.name, 'service', 'template')}: {template}: unit template not found"]
+        try:
+            if not files.is_file(template, "unit template"):
+                return [f"{self.inventory.where(host.name, 'service', 'template')}: {template}: unit template "
+                        "not found"]
+        except InvalidInput as exc:
+            return [str(exc)]
         try:
             text = render_unit(self.inventory, host)
         except KdeployError as exc:

@@ -152,7 +152,7 @@ def _scalar(text: str) -> object:
     given (YAML's reading of it could differ: it folds line breaks, drops quotes and ``# comments``)."""
     try:
         value = YAML(typ="safe").load(text)
-    except YAMLError:
+    except (YAMLError, RecursionError):  # `[[[...]]]` nested past Python's stack is no scalar either
         return text
     return value if isinstance(value, int | float | bool) else text
 

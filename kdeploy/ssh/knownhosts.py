@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kdeploy.core import files
+from kdeploy.core.errors import InvalidInput
 from kdeploy.core.filecache import FileCache
 from kdeploy.ssh import hostcert
 
@@ -86,11 +88,12 @@ def load(paths: list[Path]) -> tuple[list[Entry], list[str]]:
     entries, warnings = [], []
     for path in paths:
         try:
-            text = path.read_text(errors="replace")  # a line that is not UTF-8 is a bad line, as in OpenSSH
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise OSError(f"cannot read known_hosts {path}: {exc.strerror}") from None
+            if files.status(path, "known_hosts") is None:
+                continue
+            # bounded like every file kdeploy reads; a line that is not UTF-8 is a bad line, as in OpenSSH
+            text = files.read_bytes(path, "known_hosts").decode(errors="replace")
+        except InvalidInput as exc:  # the connect's failure (unreachable), as any other known_hosts refusal
+            raise OSError(str(exc)) from None
         more, bad = parse(text, str(path))
         entries += more
         warnings += bad

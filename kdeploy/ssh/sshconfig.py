@@ -9,6 +9,7 @@ Include, Match, tokens, canonicalisation exactly as ``ssh`` does); without one, 
 
 from __future__ import annotations
 
+import errno
 import getpass
 import glob
 import hashlib
@@ -29,6 +30,7 @@ from typing import TypeVar
 
 import paramiko
 
+from kdeploy.core import files
 from kdeploy.core.errors import InvalidInput
 from kdeploy.core.filecache import FileCache, stamp
 from kdeploy.core.inventory import HostConfig, Inventory
@@ -158,7 +160,7 @@ def target_for(inventory: Inventory, host: HostConfig, cli_value: str | None = N
     ssh = ssh_binary()
     if ssh is not None:
         for path in paths if paths != default_paths() else []:
-            if not path.is_file():
+            if not files.is_file(path, "ssh_config"):
                 raise InvalidInput(f"ssh_config {path}: not found")
         lookup = OpenSSH(ssh, paths).lookup
     else:
@@ -365,7 +367,9 @@ def _include_base(top: Path) -> Path:
 def _read(path: Path, base: Path, stack: tuple[tuple[Path, int], ...], out: _Read) -> None:
     """``path``'s lines with every Include replaced by the included files' (globs sorted, as OpenSSH), the
     enclosing Host/Match line repeated after them so that the lines after the Include keep their block."""
-    text = path.read_text()
+    if files.status(path, "ssh_config") is None:  # a default file may be absent: load_builtin decides
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+    text = files.read_text(path, "ssh_config")
     header = "Host *"
     for number, line in enumerate(text.splitlines(), 1):
         words = _words(line)
@@ -386,7 +390,7 @@ def _read(path: Path, base: Path, stack: tuple[tuple[Path, int], ...], out: _Rea
             expanded = Path(os.path.expanduser(pattern))
             for found in sorted(glob.glob(str(expanded if expanded.is_absolute() else base / expanded))):
                 included = Path(found)
-                if not included.is_file():
+                if not files.is_file(included, "ssh_config"):
                     continue
                 chain = [*stack, (path, number)]
                 if any(included.resolve() == p.resolve() for p, _ in chain):
@@ -407,7 +411,7 @@ def find_include_loop(paths: list[Path]) -> str | None:
     """The Include loop among ``paths`` as a one-line file:line message, or None."""
     try:
         for path in paths:
-            if path.is_file():
+            if files.is_file(path, "ssh_config"):
                 _read(path, _include_base(path), (), _Read())
     except InvalidInput as exc:
         return str(exc) if "Include" in str(exc) else None

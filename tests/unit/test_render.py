@@ -323,7 +323,7 @@ def test_a_broken_template_is_invalid_input(inv, tmp_path, text, error):
 def test_a_template_that_is_not_utf8_is_invalid_input(inv, tmp_path):
     template = tmp_path / "latin1.service.j2"
     template.write_bytes("[Unit]\nDescription=caf\u00e9\n".encode("latin-1"))
-    with pytest.raises(InvalidInput, match=r"latin1\.service\.j2: unit template is not UTF-8 text"):
+    with pytest.raises(InvalidInput, match=r"latin1\.service\.j2:2: unit template is not UTF-8 text"):
         render_unit(inv, with_service(inv.hosts["ct200"], template=str(template)))
 
 
@@ -332,7 +332,7 @@ def test_template_relative_to_inventory_and_missing(inv, tmp_path):
     moved = Inventory(path=tmp_path / "inventory.yaml", hosts=inv.hosts, groups=inv.groups)
     host = with_service(inv.hosts["ct201"], template="t.j2")
     assert render_unit(moved, host) == "X=ct201 t.j2\n"
-    with pytest.raises(InvalidInput, match="cannot read unit template"):
+    with pytest.raises(InvalidInput, match=r"nope\.j2: unit template not found"):
         render_unit(moved, with_service(host, template="nope.j2"))
 
 
