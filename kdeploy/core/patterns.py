@@ -73,9 +73,12 @@ def _ordered(parts: Sequence[str]) -> list[str]:
     return (regular or ["all"]) + [p for p in parts if p[0] == "&"] + [p for p in parts if p[0] == "!"]
 
 
+MAX_RANGE = 100_000  # names one host pattern may stand for: far beyond a fleet, far below a typo that fills memory
+
+
 def expand_ranges(pattern: str) -> list[str]:
     """The names of an inventory host range: ``gpu[01:16]`` (zero-padded), ``node[a:f]``, steps ``[1:9:2]``,
-    several ranges in one name. ValueError says what is wrong."""
+    several ranges in one name, at most :data:`MAX_RANGE` names. ValueError says what is wrong."""
     if "[" not in pattern:
         return [pattern]
     head, rest = pattern.split("[", 1)
@@ -94,10 +97,18 @@ def expand_ranges(pattern: str) -> list[str]:
         i, j = string.ascii_letters.index(beg), string.ascii_letters.index(end)
         if i > j:
             raise ValueError("a range must have begin <= end")
-        seq = list(string.ascii_letters[i:j + 1:step])
+        seq: Sequence[str | int] = string.ascii_letters[i:j + 1:step]
     else:
-        seq = [str(n).zfill(width) for n in range(int(beg), int(end) + 1, step)]
-    return [name for s in seq for name in expand_ranges(f"{head}{s}{tail}")]
+        seq = range(int(beg), int(end) + 1, step)
+    too_many = ValueError(f"stands for more than {MAX_RANGE} hosts")
+    if len(seq) > MAX_RANGE:
+        raise too_many
+    names: list[str] = []
+    for item in seq:
+        names += expand_ranges(f"{head}{str(item).zfill(width)}{tail}")
+        if len(names) > MAX_RANGE:
+            raise too_many
+    return names
 
 
 class Selector:
