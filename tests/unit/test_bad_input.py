@@ -496,10 +496,10 @@ def check_cases() -> list[Case]:
 
     return [
         Case("check-evil-payload-name", ("check", "all", "-i", "inv.yaml"),
-             {"inv.yaml": inventory(service=SERVICE_BODY.replace(PAYLOAD, "pl")), "pl": payload_with(evil)},
+             {"inv.yaml": inventory(service=SERVICE_BODY.replace(PAYLOAD, "{d}/pl")), "pl": payload_with(evil)},
              expect="report", unprivileged=True),
         Case("check-evil-payload-dir", ("check", "all", "-i", "inv.yaml"),
-             {"inv.yaml": inventory(service=SERVICE_BODY.replace(PAYLOAD, "nope\nkdeploy: FAKE"))},
+             {"inv.yaml": inventory(service=SERVICE_BODY.replace(PAYLOAD, '"./nope\\nkdeploy: FAKE"'))},
              expect="report"),
     ]
 
