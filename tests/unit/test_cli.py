@@ -42,8 +42,8 @@ def captured(monkeypatch) -> list[Options]:
     (["push", "all"], "kdeploy push all"),
     (["push", "ct200,kimi", "--lock-wait", "5", "--canary", "1", "--no-verify", "--batch", "25%", "--json",
       "--debug"], "kdeploy push ct200,kimi --json --no-verify --lock-wait 5.0 --canary 1 --batch 25%"),
-    (["rollback", "ct200", "--to", "r 1", "-i", str(INVENTORY)],
-     f"kdeploy rollback ct200 --inventory {INVENTORY} --to 'r 1'"),
+    (["rollback", "ct200", "--to", "20261206T020000.000Z-1a2b3c4d", "-i", str(INVENTORY), "-l", "ct200 kimi"],
+     f"kdeploy rollback ct200 --inventory {INVENTORY} --to 20261206T020000.000Z-1a2b3c4d --limit 'ct200 kimi'"),
 ])
 def test_the_cli_records_its_own_command_not_sys_argv(captured, capsys, argv, recorded):
     assert cli.main(argv) == 0, capsys.readouterr().err
