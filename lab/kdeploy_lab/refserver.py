@@ -55,12 +55,38 @@ What it reproduces from SGLang, as far as a deploy tool can observe it:
   ``sglang:gen_throughput`` and, with ``--speculative-algorithm``, ``sglang:spec_accept_length``,
   ``sglang:spec_accept_rate`` and the counter ``sglang:spec_verify_calls_total``.
 * Supervision: if a worker dies, the main process logs the rank and exit code, stops the other workers
-  and exits 1. SIGINT: stop the workers and exit 0.
+  and exits 1. SIGINT: stop the workers (the head: and its followers) and exit 0.
 * SIGTERM drains, as SGLang 0.5.23's ``SignalHandler.sigterm_handler`` + ``TokenizerManager.sigterm_watchdog``
   do: ``/health`` answers 503 at once, requests in flight run to their end and new ones are still served;
   a watchdog that wakes every 5 s (``REFSERVER_SHUTDOWN_POLL``) since start logs ``Gracefully exiting...
   Remaining number of requests N`` and, once none remain, stops the workers and exits 0. There is no
   limit of its own: systemd's TimeoutStopSec ends a drain that takes too long.
+* Multi-node (``--nnodes N --node-rank R --dist-init-addr HOST:PORT``, ``--tp`` the total over all nodes and
+  divisible by N; ``--dist-timeout`` seconds bounds the rendezvous, default 600): node R runs the workers of TP
+  ranks R*tp/N .. (R+1)*tp/N-1 (tagged ``TP8``..``TP15`` on node 1 of tp 16), as SGLang's
+  ``_calculate_rank_ranges``. The nodes meet over TCP at dist-init-addr: the head (rank 0) listens on that
+  port on every address; each follower connects (retrying until the head listens) and joins; once all N-1
+  have joined the group is formed and every node starts its workers. The group lives and dies whole, like a
+  torch process group: each side heartbeats every 1 s, and EOF or 3 s of silence from a peer, a worker's
+  death on any node, or a join that cannot be accepted makes the nodes that see it log why and exit 1; a
+  join after the group formed is refused (a node restarted alone cannot rejoin). The head serves the full
+  HTTP API and is ready once its workers and every follower's are; a follower has no tokenizer and no API:
+  once its workers are ready it serves SGLang's dummy health server on ``--port`` (``/health``,
+  ``/health_generate``, ``/ping``: always 200; other paths 404; nothing listens before). SIGTERM: the head
+  drains as above, then sends every follower SGLang's ShutdownReq and waits (up to 15 s) until each has
+  stopped its workers and closed; a follower only logs ``SIGTERM received on node_rank R; waiting for the
+  rank-0 ShutdownReq broadcast to stop the schedulers.`` (systemd's TimeoutStopSec is the backstop) and
+  exits 0 when the head's shutdown comes. The rendezvous protocol is one JSON object per line, ``op`` naming
+  it: follower -> head ``join`` (``node_rank``, ``nnodes``, ``tp_size``, ``pid``) and ``ready``; head ->
+  follower ``welcome``, ``refused`` (``reason``; the head then closes), ``formed`` and ``shutdown``; both ways
+  ``heartbeat``. Log lines for a deploy tool to grep: ``Node R joined from ADDR (k/N-1 follower node(s))``,
+  ``All N nodes joined: the process group is formed``, ``Node R is ready: scheduler(s) TPa..TPb``,
+  ``Refused node_rank R from ADDR: REASON``, ``Sending shutdown to k follower node(s)``, ``Node R shut down``
+  (head); ``Joined the process group at ADDR as node_rank R``, ``Dummy health check server started in
+  background thread at HOST:PORT``, ``Shutdown received from the head (node_rank 0): stopping the
+  scheduler(s)`` (follower); ``ERROR: lost node_rank R (ADDR): WHY; the process group is broken, exiting``,
+  ``ERROR: lost the head (node_rank 0) at ADDR: WHY; ...``, ``ERROR: the rendezvous at ADDR refused node_rank R:
+  REASON``, ``ERROR: rendezvous at ADDR timed out after T s: ...`` (exit 1).
 
 Fault switches (environment variables, read by the main process and inherited by the workers):
 
@@ -69,7 +95,8 @@ Fault switches (environment variables, read by the main process and inherited by
 ``REFSERVER_EXIT_AT_START=<code>``
     Log one line and exit with that code right at start (before plugins, HTTP and workers).
 ``REFSERVER_DIE_RANK=<rank>``
-    That worker exits with status 1 right after logging its ``Load weight end.`` (the server fails).
+    That worker exits with status 1 right after logging its ``Load weight end.`` (the server fails; the rank
+    is the TP rank over all nodes, so on a multi-node server the node that runs it fails, and the group with it).
 ``REFSERVER_NO_PLUGINS_RANK=<rank>``
     That worker does not load entry-point plugins (a worker missing the extension); all else normal.
 ``REFSERVER_PYTHONPATH_RANK=<rank>:<dir>``
@@ -361,6 +388,14 @@ def _build_parser():
 
     non_negative_float.__name__ = "non-negative float"
 
+    def non_negative_int(text: str) -> int:
+        value = int(text)
+        if value < 0:
+            raise ValueError(text)
+        return value
+
+    non_negative_int.__name__ = "non-negative int"
+
     p = _Parser(prog="kdeploy_refserver", allow_abbrev=False,
                 description="GPU-free stand-in for `python -m sglang.launch_server` (see the module docstring).")
     p.add_argument("--model-path", "--model", dest="model_path", required=True)
@@ -404,13 +439,62 @@ def _build_parser():
     p.add_argument("--log-level", default="info")
     p.add_argument("--random-seed", type=int)
     p.add_argument("--watchdog-timeout", type=float)
+    p.add_argument("--nnodes", type=positive_int, default=1)
+    p.add_argument("--node-rank", type=non_negative_int, default=0)
+    p.add_argument("--dist-init-addr", "--nccl-init-addr", type=_dist_init_addr)
+    p.add_argument("--dist-timeout", type=positive_int)
     return p
+
+
+def parse_dist_init_addr(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` as SGLang's ``NetworkAddress.parse`` reads it: an IPv4 address or a hostname, or a
+    bracketed IPv6 address (``[::1]:25000``; a bare one is ambiguous). Port 0 is refused: nothing could meet
+    there."""
+    import argparse
+    import ipaddress
+    import re
+
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an IPv6 address in brackets: {text!r}") from None
+    else:
+        host, sep, port = text.rpartition(":")
+        if ":" in host:
+            raise argparse.ArgumentTypeError(f"an IPv6 address must be bracketed ([{host}]:{port}): {text!r}")
+        if sep and not re.fullmatch(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252}[A-Za-z0-9_])?", host):
+            raise argparse.ArgumentTypeError(f"not a hostname or IPv4 address: {host!r}")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT: {text!r}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 1-65535: {text!r}")
+    return host, int(port)
+
+
+def _dist_init_addr(text: str) -> str:
+    """Checked as ``parse_dist_init_addr`` does, kept as given (SGLang's ServerArgs holds the string)."""
+    parse_dist_init_addr(text)
+    return text
+
+
+_dist_init_addr.__name__ = "HOST:PORT"
 
 
 def parse_args(argv: list[str] | None = None):
     """(namespace, unknown flags). Exits 2 with one line on a bad value."""
     parser = _build_parser()
     args, unknown = parser.parse_known_args(argv)
+    # One line each, as for other bad values (SGLang asserts the tp and dp ones in check_server_args).
+    if args.node_rank >= args.nnodes:
+        parser.error(f"argument --node-rank: {args.node_rank} is not below --nnodes {args.nnodes}")
+    if args.nnodes > 1 and args.dist_init_addr is None:
+        parser.error(f"argument --dist-init-addr: required with --nnodes {args.nnodes}")
+    if args.tp_size % args.nnodes:
+        parser.error(f"argument --tp-size: {args.tp_size} is not divisible by --nnodes {args.nnodes}")
+    if args.nnodes > 1 and args.dp_size > 1:
+        parser.error("argument --dp-size: multi-node data-parallel replicas are not supported")
     if args.served_model_name is None:
         args.served_model_name = args.model_path
     if args.tokenizer_path is None:
@@ -941,6 +1025,364 @@ def _make_handler(state: _State):
     return Handler
 
 
+# ----------------------------------------------------------------------------------------------- multi-node
+
+HEARTBEAT_INTERVAL = 1.0   # each side of a rendezvous connection sends a heartbeat this often
+HEARTBEAT_TIMEOUT = 3.0    # ... and counts its peer dead after this much silence
+HANDSHAKE_TIMEOUT = 5.0    # a connection to the head must say `join` within this
+SHUTDOWN_GRACE = 15.0      # the head waits this long for its followers to close after `shutdown` (SGLang: 15 s)
+DIST_TIMEOUT = 600.0       # the rendezvous bound without --dist-timeout (torch's default for NCCL groups)
+
+
+class _LinkError(Exception):
+    """A rendezvous connection is closed, reset, or spoke out of protocol."""
+
+
+class _Link:
+    """One rendezvous connection: a JSON object per line both ways; knows when it last heard its peer."""
+
+    MAX_LINE = 65536
+
+    def __init__(self, sock, peer: str):
+        self.sock, self.peer = sock, peer
+        self.rank: int | None = None
+        self.buf = b""
+        self.opened = self.last_seen = self.last_sent = time.monotonic()
+        sock.settimeout(2.0)  # a peer that stops reading fails a send instead of hanging the group thread
+
+    def send(self, op: str, **fields) -> None:
+        import json
+
+        self.sock.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
+        self.last_sent = time.monotonic()
+
+    def receive(self) -> list[dict]:
+        """The messages completed by what is readable now (call it when the socket is readable)."""
+        import json
+
+        try:
+            data = self.sock.recv(65536)
+        except OSError as exc:
+            raise _LinkError(f"connection error: {exc}") from None
+        if not data:
+            raise _LinkError("connection closed")
+        self.last_seen = time.monotonic()
+        *lines, self.buf = (self.buf + data).split(b"\n")
+        if len(self.buf) > self.MAX_LINE:
+            raise _LinkError("protocol error: line too long")
+        messages = []
+        for line in lines:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                raise _LinkError(f"protocol error: not JSON: {line[:60]!r}") from None
+            if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+                raise _LinkError(f"protocol error: not a message: {line[:60]!r}")
+            messages.append(msg)
+        return messages
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class _Group:
+    """The nodes of one server (``--nnodes`` > 1) meeting at ``--dist-init-addr``, in a daemon thread.
+
+    The head (node_rank 0) listens there; each follower connects and joins; the group is formed once all
+    have joined, and from then on a member cannot be replaced: like a torch process group, it lives and dies
+    whole. The thread keeps heartbeats going both ways and tells the main loop of every change through
+    ``notify_r`` (readable); the main loop reads ``formed``, ``ready_nodes``, ``shutdown_received`` and
+    ``failure`` (set once: the group is unusable and this node must exit non-zero).
+    """
+
+    def __init__(self, args):
+        import threading
+
+        self.nnodes, self.rank, self.tp_size = args.nnodes, args.node_rank, args.tp_size
+        self.host, self.port = parse_dist_init_addr(args.dist_init_addr)
+        self.addr = _hostport(self.host, self.port)
+        self.timeout = float(args.dist_timeout or DIST_TIMEOUT)
+        self.per_node = args.tp_size // args.nnodes
+        self.formed = threading.Event()
+        self.shutdown_received = threading.Event()
+        self.ready_nodes: set[int] = set()
+        self.failure: str | None = None
+        self.links: dict[int, _Link] = {}  # head: follower node_rank -> link; follower: {0: link to the head}
+        self.listener = None
+        self._send_lock = threading.Lock()
+        self._stop: str | None = None  # "close", or "shutdown" (the head tells its followers first)
+        self.notify_r, self._notify_w = os.pipe()
+        os.set_blocking(self.notify_r, False)
+        os.set_blocking(self._notify_w, False)
+        self._thread = threading.Thread(target=self._run_head if self.rank == 0 else self._run_follower,
+                                        name="rendezvous", daemon=True)
+
+    def ranks(self, node_rank: int) -> str:
+        """The TP ranks of a node, as SGLang's ``_calculate_rank_ranges`` gives them (pp_size 1)."""
+        return f"TP{node_rank * self.per_node}..TP{(node_rank + 1) * self.per_node - 1}"
+
+    def listen(self) -> None:
+        """(head) Bind the rendezvous port on every address, as torch's TCPStore does; raises OSError."""
+        import socket
+
+        try:
+            sock = socket.create_server(("", self.port), family=socket.AF_INET6, dualstack_ipv6=True)
+        except (OSError, ValueError):  # no IPv6 on this machine
+            sock = socket.create_server(("", self.port), family=socket.AF_INET)
+        self.listener = sock
+        _log(f"Rendezvous listening on port {self.port} (dist_init_addr={self.addr}) for {self.nnodes - 1} "
+             f"follower node(s)")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, shutdown: bool = False) -> None:
+        """Ask the thread to end; with ``shutdown`` (head) it first tells every follower to shut down."""
+        self._stop = "shutdown" if shutdown else "close"
+
+    def join(self) -> None:
+        """Wait for the thread (the head's shutdown: until the followers closed, at most SHUTDOWN_GRACE) and
+        close what is left."""
+        self._thread.join(SHUTDOWN_GRACE + 2.0)
+        for link in self.links.values():
+            link.close()
+        os.close(self._notify_w)
+        os.close(self.notify_r)
+
+    def drain_notify(self) -> None:
+        with contextlib.suppress(OSError):
+            while os.read(self.notify_r, 512):
+                pass
+
+    def send_ready(self) -> None:
+        """(follower) This node's schedulers are all ready."""
+        head = self.links.get(0)
+        if head is not None:
+            with self._send_lock, contextlib.suppress(OSError):  # a lost head is the thread's to report
+                head.send("ready", node_rank=self.rank)
+
+    def _notify(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._notify_w, b"!")
+
+    def _fail(self, message: str) -> None:
+        self.failure = message
+        self._notify()
+
+    def _heartbeat(self, links) -> str | None:
+        """Send due heartbeats and check the silences; the first broken link's description, or None."""
+        now = time.monotonic()
+        for link in links:
+            if now - link.last_seen > HEARTBEAT_TIMEOUT:
+                return f"no heartbeat for {now - link.last_seen:.1f} s"
+            if now - link.last_sent >= HEARTBEAT_INTERVAL:
+                try:
+                    with self._send_lock:
+                        link.send("heartbeat")
+                except OSError as exc:
+                    return f"connection error: {exc}"
+        return None
+
+    # The head ---------------------------------------------------------------------------------------
+
+    def _refusal(self, msg: dict) -> str | None:
+        """Why a join cannot be accepted, or None."""
+        rank, nnodes, tp_size = msg.get("node_rank"), msg.get("nnodes"), msg.get("tp_size")
+        if nnodes != self.nnodes:
+            return f"nnodes {nnodes} differs from the head's {self.nnodes}"
+        if tp_size != self.tp_size:
+            return f"tp_size {tp_size} differs from the head's {self.tp_size}"
+        if not isinstance(rank, int) or not 1 <= rank < self.nnodes:
+            return f"node_rank {rank} is not in 1..{self.nnodes - 1}"
+        if self.formed.is_set():
+            return "the process group is already formed"
+        if rank in self.links:
+            return f"node_rank {rank} already joined from {self.links[rank].peer}"
+        return None
+
+    def _run_head(self) -> None:
+        import select
+
+        deadline = time.monotonic() + self.timeout
+        pending: list[_Link] = []  # connected, not joined yet
+        try:
+            while self._stop is None:
+                members = list(self.links.values())
+                socks = [self.listener] + [link.sock for link in pending + members]
+                readable = select.select(socks, [], [], 0.2)[0]
+                if self.listener in readable:
+                    with contextlib.suppress(OSError):
+                        conn, peer = self.listener.accept()
+                        host = peer[0].removeprefix("::ffff:") if "." in peer[0] else peer[0]  # IPv4-mapped
+                        pending.append(_Link(conn, _hostport(host, peer[1])))
+                for link in [x for x in pending + members if x.sock in readable]:
+                    try:
+                        messages = link.receive()
+                    except _LinkError as exc:
+                        if link.rank is None:
+                            _log(f"Rendezvous connection from {link.peer} ended before it joined: {exc}")
+                            pending.remove(link)
+                            link.close()
+                            continue
+                        return self._lost(link, str(exc))
+                    for msg in messages:
+                        if link.rank is None and link in pending:
+                            self._join(link, msg, pending)
+                        elif msg["op"] == "ready" and link.rank is not None:
+                            self.ready_nodes.add(link.rank)
+                            _log(f"Node {link.rank} is ready: scheduler(s) {self.ranks(link.rank)}")
+                            self._notify()
+                for link in [x for x in pending if time.monotonic() - x.opened > HANDSHAKE_TIMEOUT]:
+                    _log(f"Rendezvous connection from {link.peer} did not join within {HANDSHAKE_TIMEOUT:g} s: "
+                         f"closed")
+                    pending.remove(link)
+                    link.close()
+                for link in list(self.links.values()):
+                    broken = self._heartbeat([link])
+                    if broken:
+                        return self._lost(link, broken)
+                if not self.formed.is_set() and time.monotonic() > deadline:
+                    return self._fail(f"rendezvous at {self.addr} timed out after {self.timeout:g} s: "
+                                      f"{len(self.links)} of {self.nnodes - 1} follower node(s) joined")
+            if self._stop == "shutdown":
+                self._shut_followers_down()
+        finally:
+            for link in pending:
+                link.close()
+            self.listener.close()
+            if self.failure:
+                for link in self.links.values():  # the other followers learn at once
+                    link.close()
+
+    def _join(self, link: _Link, msg: dict, pending: list[_Link]) -> None:
+        pending.remove(link)
+        reason = self._refusal(msg) if msg["op"] == "join" else f"protocol error: expected join, got {msg['op']!r}"
+        if reason:
+            _log(f"Refused node_rank {msg.get('node_rank')} from {link.peer}: {reason}")
+            with contextlib.suppress(OSError):
+                link.send("refused", reason=reason)
+            link.close()
+            return
+        link.rank = msg["node_rank"]
+        self.links[link.rank] = link
+        with self._send_lock, contextlib.suppress(OSError):  # a failed send shows as a lost member
+            link.send("welcome", nnodes=self.nnodes)
+        _log(f"Node {link.rank} joined from {link.peer} ({len(self.links)}/{self.nnodes - 1} follower node(s))")
+        if len(self.links) == self.nnodes - 1:
+            self.formed.set()
+            for member in self.links.values():
+                with self._send_lock, contextlib.suppress(OSError):
+                    member.send("formed")
+            _log(f"All {self.nnodes} nodes joined: the process group is formed")
+            self._notify()
+
+    def _lost(self, link: _Link, why: str) -> None:
+        self._fail(f"lost node_rank {link.rank} ({link.peer}): {why}; the process group is broken, exiting")
+
+    def _shut_followers_down(self) -> None:
+        """SGLang's ShutdownReq, which rank 0 broadcasts to every TP rank: tell each follower, then wait
+        until it closed (it stopped its schedulers), at most SHUTDOWN_GRACE."""
+        import select
+
+        open_links = dict(self.links)
+        _log(f"Sending shutdown to {len(open_links)} follower node(s)")
+        for rank, link in list(open_links.items()):
+            try:
+                with self._send_lock:
+                    link.send("shutdown")
+            except OSError as exc:
+                _log(f"WARNING: cannot send the shutdown to node {rank}: {exc}")
+                open_links.pop(rank).close()
+        deadline = time.monotonic() + SHUTDOWN_GRACE
+        while open_links and time.monotonic() < deadline:
+            for sock in select.select([link.sock for link in open_links.values()], [], [], 0.2)[0]:
+                rank = next(r for r, link in open_links.items() if link.sock is sock)
+                try:
+                    open_links[rank].receive()
+                except _LinkError:
+                    _log(f"Node {rank} shut down")
+                    open_links.pop(rank).close()
+        if open_links:
+            _log(f"WARNING: node(s) {sorted(open_links)} still connected {SHUTDOWN_GRACE:g} s after the shutdown")
+
+    # A follower -------------------------------------------------------------------------------------
+
+    def _connect(self):
+        """A socket to the head, retried until the head listens; None (with ``failure`` set) at the deadline
+        or when asked to stop."""
+        import socket
+
+        deadline = time.monotonic() + self.timeout
+        waiting_logged = False
+        while self._stop is None:
+            try:
+                return socket.create_connection((self.host, self.port), timeout=1.0)
+            except OSError as exc:
+                why = exc.strerror or str(exc)
+            if time.monotonic() >= deadline:
+                self._fail(f"rendezvous at {self.addr} timed out after {self.timeout:g} s: cannot connect ({why})")
+                return None
+            if not waiting_logged:
+                _log(f"Waiting for the head at {self.addr} ({why}); retrying for {self.timeout:g} s")
+                waiting_logged = True
+            time.sleep(0.25)
+        return None
+
+    def _run_follower(self) -> None:
+        import select
+
+        start = time.monotonic()
+        _log(f"Joining the process group at {self.addr} as node_rank {self.rank} of {self.nnodes}")
+        sock = self._connect()
+        if sock is None:
+            return
+        head = _Link(sock, self.addr)
+        head.rank = 0
+        try:
+            head.send("join", node_rank=self.rank, nnodes=self.nnodes, tp_size=self.tp_size, pid=os.getpid())
+        except OSError as exc:
+            head.close()
+            return self._fail(f"lost the head (node_rank 0) at {self.addr}: connection error: {exc}; "
+                              f"the process group is broken, exiting")
+        self.links[0] = head
+        joined = False  # no heartbeats before the welcome: a refusal must not meet unread data (a reset)
+        while self._stop is None:
+            if not self.formed.is_set() and time.monotonic() - start > self.timeout:
+                return self._fail(f"rendezvous at {self.addr} timed out after {self.timeout:g} s: "
+                                  f"the process group did not form")
+            broken = None
+            if select.select([head.sock], [], [], 0.2)[0]:
+                try:
+                    messages = head.receive()
+                except _LinkError as exc:
+                    messages, broken = [], str(exc)
+                for msg in messages:
+                    if msg["op"] == "refused":
+                        head.close()
+                        return self._fail(f"the rendezvous at {self.addr} refused node_rank {self.rank}: "
+                                          f"{msg.get('reason')}")
+                    if msg["op"] == "welcome":
+                        joined = True
+                        _log(f"Joined the process group at {self.addr} as node_rank {self.rank}")
+                    elif msg["op"] == "formed":
+                        _log(f"The process group is formed: all {self.nnodes} nodes joined")
+                        self.formed.set()
+                        self._notify()
+                    elif msg["op"] == "shutdown":  # the link stays open until the schedulers stopped
+                        _log("Shutdown received from the head (node_rank 0): stopping the scheduler(s)")
+                        self.shutdown_received.set()
+                        self._notify()
+                        return None
+            if joined and not broken:
+                broken = self._heartbeat([head])
+            if broken:
+                head.close()
+                return self._fail(f"lost the head (node_rank 0) at {self.addr}: {broken}; "
+                                  f"the process group is broken, exiting")
+        return None
+
+
 # ----------------------------------------------------------------------------------------------- main
 
 def _stop_workers(procs: list, conns: list, timeout: float = 3.0) -> None:
@@ -968,9 +1410,9 @@ def _stop_workers(procs: list, conns: list, timeout: float = 3.0) -> None:
             conn.close()
 
 
-def _drain(state: _State, wake_fd: int, received: list[int], clear_wakeup) -> None:
+def _drain(state: _State, wake_fd: int, received: list[int], clear_wakeup, group: _Group | None) -> bool:
     """SGLang's ``sigterm_watchdog``: look every period (counted from the start) until no request is left;
-    a second signal other than SIGTERM (Ctrl-C) ends the wait."""
+    a second signal other than SIGTERM (Ctrl-C) ends the wait. False if the group broke meanwhile."""
     from multiprocessing.connection import wait
 
     state.draining.set()
@@ -978,16 +1420,24 @@ def _drain(state: _State, wake_fd: int, received: list[int], clear_wakeup) -> No
     seen = len(received)
     while True:
         elapsed = time.time() - state.started
-        wait([wake_fd], period - elapsed % period)
-        clear_wakeup()
+        due, signals = time.monotonic() + period - elapsed % period, len(received)
+        while True:  # a group event wakes us too: it is not the watchdog's look
+            wait([wake_fd] + ([group.notify_r] if group else []), max(0.0, due - time.monotonic()))
+            clear_wakeup()
+            if group:
+                group.drain_notify()
+                if group.failure:
+                    return False
+            if len(received) > signals or time.monotonic() >= due:
+                break
         if any(sig != received[0] for sig in received[seen:]):
             _log("Interrupted while draining: exiting now")
-            return
+            return True
         with state.lock:
             remaining = state.running
         _log(f"Gracefully exiting... Remaining number of requests {remaining}.")
         if not remaining:
-            return
+            return True
 
 
 def _hostport(host: str, port: int) -> str:
@@ -997,6 +1447,39 @@ def _hostport(host: str, port: int) -> str:
 def _server_args_line(args) -> str:
     fields = ", ".join(f"{k}={v!r}" for k, v in vars(args).items())
     return f"server_args=ServerArgs({fields})"
+
+
+def _make_health_handler():
+    """A follower's HTTP: SGLang's ``launch_dummy_health_check_server`` (``/health``, ``/health_generate`` and
+    ``/ping`` always 200; FastAPI's 404 elsewhere)."""
+    from http.server import BaseHTTPRequestHandler
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "kdeploy-refserver"
+        sys_version = ""
+
+        def log_message(self, format, *args):
+            pass
+
+        def do_GET(self):
+            if self.path.split("?", 1)[0] in ("/health", "/health_generate", "/ping"):
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            body = b'{"detail":"Not Found"}'
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.close_connection = True  # the body stays unread
+            self.do_GET()
+
+    return Handler
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1021,6 +1504,7 @@ def main(argv: list[str] | None = None) -> int:
     from http.server import ThreadingHTTPServer
     from multiprocessing.connection import wait
 
+    follower = args.node_rank >= 1  # SGLang's node_rank >= 1: its schedulers and a dummy health server only
     state = _State(args, unknown)
 
     class Server(ThreadingHTTPServer):
@@ -1032,15 +1516,50 @@ def main(argv: list[str] | None = None) -> int:
             exc = sys.exc_info()[1]
             _log(f"WARNING: request from {client_address[0]}:{client_address[1]} failed: {exc!r}")
 
+    # A follower binds its port now (a conflict fails at start) but listens only once its schedulers are
+    # ready, as SGLang starts the dummy server after them: until then connections are refused.
     try:
-        httpd = Server((args.host, args.port), _make_handler(state))
+        httpd = Server((args.host, args.port), _make_health_handler() if follower else _make_handler(state),
+                       bind_and_activate=False)
+        try:
+            httpd.server_bind()
+            if not follower:
+                httpd.server_activate()
+        except OSError:
+            httpd.server_close()
+            raise
     except OSError as exc:
         _log(f"ERROR: cannot listen on {_hostport(args.host, args.port)}: {exc}")
         return 1
-    http_thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                   name="http", daemon=True)
-    http_thread.start()
-    _log(f"HTTP server listening on http://{_hostport(*httpd.server_address[:2])} (health: 503 until ready)")
+    serving = False
+
+    def serve() -> None:
+        nonlocal serving
+        if follower:
+            httpd.server_activate()
+        threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="http",
+                         daemon=True).start()
+        serving = True
+
+    def close_http() -> None:
+        if serving:
+            httpd.shutdown()
+        httpd.server_close()
+
+    if not follower:
+        serve()
+        _log(f"HTTP server listening on http://{_hostport(*httpd.server_address[:2])} (health: 503 until ready)")
+
+    group = _Group(args) if args.nnodes > 1 else None
+    if group and not follower:
+        try:
+            group.listen()
+        except OSError as exc:
+            _log(f"ERROR: cannot listen on dist-init-addr port {group.port}: {exc}")
+            close_http()
+            return 1
+    if group:
+        group.start()
 
     # Signals: handlers only note the signal; the wakeup fd interrupts the supervision wait at once.
     received: list[int] = []
@@ -1071,11 +1590,14 @@ def main(argv: list[str] | None = None) -> int:
            "enable_hierarchical_cache": args.enable_hierarchical_cache,
            "hicache_ratio": args.hicache_ratio, "hicache_size": args.hicache_size,
            "disaggregation_mode": args.disaggregation_mode}
+    per_node = args.tp_size // args.nnodes
+    ranks = range(args.node_rank * per_node, (args.node_rank + 1) * per_node)  # SGLang's tp_rank_range
     procs: list = []
     conns: list = []
     t0 = time.monotonic()
-    try:
-        for rank in range(args.tp_size):
+
+    def start_workers() -> None:
+        for rank in ranks:
             if received:
                 break
             parent_conn, child_conn = ctx.Pipe()
@@ -1087,17 +1609,43 @@ def main(argv: list[str] | None = None) -> int:
             conns.append(parent_conn)
             _log(f"Started scheduler process TP{rank} pid={p.pid}")
 
+    def fail(message: str | None = None) -> int:
+        if message:
+            _log(message)
+        _stop_workers(procs, conns)
+        if group:
+            group.stop()
+            group.join()
+        close_http()
+        return 1
+
+    try:
+        if group is None:
+            start_workers()
         slow = _env_float(ENV_SLOW_START) or 0.0
         ready_ranks: set[int] = set()
         ready_at: float | None = None
-        while not received:
+        while True:
+            if group and group.formed.is_set() and not procs and not received:
+                t0 = time.monotonic()
+                start_workers()
             timeout = 0.5
             if ready_at is not None and not state.ready.is_set():
                 timeout = max(0.0, min(timeout, ready_at - time.monotonic()))
             waitables = [wake_r] + [p.sentinel for p in procs] + [c for c in conns if c is not None]
-            fired = wait(waitables, timeout)
+            fired = wait(waitables + ([group.notify_r] if group else []), timeout)
             drain_wakeup()
+            if group:
+                group.drain_notify()
+            if follower and signal.SIGTERM in received:  # SGLang's follower waits for rank 0's ShutdownReq
+                _log(f"SIGTERM received on node_rank {args.node_rank}; waiting for the rank-0 ShutdownReq "
+                     "broadcast to stop the schedulers.")
+                received[:] = [sig for sig in received if sig != signal.SIGTERM]
             if received:
+                break
+            if group and group.failure:
+                return fail(f"ERROR: {group.failure}")
+            if group and group.shutdown_received.is_set():
                 break
             for i, conn in enumerate(conns):
                 if conn is None or conn not in fired:
@@ -1109,27 +1657,32 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 if isinstance(msg, tuple) and msg and msg[0] == "ready":
                     ready_ranks.add(msg[1])
-                    if len(ready_ranks) == args.tp_size and ready_at is None:
-                        _log(f"All {args.tp_size} scheduler(s) ready in {time.monotonic() - t0:.2f} s")
-                        if slow > 0:
-                            _log(f"{ENV_SLOW_START}={slow:g}: becoming ready in {slow:g} s")
-                        ready_at = time.monotonic() + slow
-            dead = [(rank, p) for rank, p in enumerate(procs) if p.sentinel in fired or not p.is_alive()]
+                    if len(ready_ranks) == len(ranks):
+                        _log(f"All {len(ranks)} scheduler(s) ready in {time.monotonic() - t0:.2f} s")
+                        if follower:
+                            group.send_ready()
+                            serve()
+                            _log("Dummy health check server started in background thread at "
+                                 f"{_hostport(*httpd.server_address[:2])}")
+            dead = [(rank, p) for rank, p in zip(ranks, procs, strict=False)
+                    if p.sentinel in fired or not p.is_alive()]
             if dead:
                 # systemd SIGTERMs the whole cgroup at once: a worker may die of it just before we see ours.
                 if wait([wake_r], 0.5):
                     drain_wakeup()
-                if received:
+                if received and not follower:
                     break
-                dead = [(rank, p) for rank, p in enumerate(procs) if not p.is_alive()]
-                for rank, p in dead:
-                    p.join(0.1)
-                    _log(f"ERROR: scheduler TP{rank} (pid {p.pid}) died with exit code {p.exitcode}; "
-                         f"terminating the other scheduler(s) and exiting")
-                _stop_workers(procs, conns)
-                httpd.shutdown()
-                httpd.server_close()
-                return 1
+                for rank, p in zip(ranks, procs, strict=False):
+                    if not p.is_alive():
+                        p.join(0.1)
+                        _log(f"ERROR: scheduler TP{rank} (pid {p.pid}) died with exit code {p.exitcode}; "
+                             f"terminating the other scheduler(s) and exiting")
+                return fail()
+            if (ready_at is None and not follower and len(ready_ranks) == len(ranks)
+                    and (group is None or len(group.ready_nodes) == args.nnodes - 1)):
+                if slow > 0:
+                    _log(f"{ENV_SLOW_START}={slow:g}: becoming ready in {slow:g} s")
+                ready_at = time.monotonic() + slow
             if ready_at is not None and not state.ready.is_set() and time.monotonic() >= ready_at:
                 state.ready.set()
                 _log(READY_MESSAGE)
@@ -1137,15 +1690,20 @@ def main(argv: list[str] | None = None) -> int:
         _stop_workers(procs, conns, timeout=1.0)
         raise
 
-    name = signal.Signals(received[0]).name
-    if received[0] == signal.SIGTERM:
+    if group and group.shutdown_received.is_set():
+        pass  # the group thread logged it
+    elif received[0] == signal.SIGTERM:
         _log(f"SIGTERM received. signum={int(signal.SIGTERM)}. Draining requests and shutting down...")
-        _drain(state, wake_r, received, drain_wakeup)
+        if not _drain(state, wake_r, received, drain_wakeup, group):
+            return fail(f"ERROR: {group.failure}")
     else:
-        _log(f"Received {name}, shutting down")
+        _log(f"Received {signal.Signals(received[0]).name}, shutting down")
+    if group:
+        group.stop(shutdown=not follower)  # the head's ShutdownReq to every follower, while its own stop
     _stop_workers(procs, conns)
-    httpd.shutdown()
-    httpd.server_close()
+    if group:
+        group.join()
+    close_http()
     _log("Shutdown complete")
     return 0
 

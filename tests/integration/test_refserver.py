@@ -6,158 +6,31 @@ plugin (tests/data/testplugin) on PYTHONPATH, and kills whatever is left of it a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from kdeploy.core import analysis
-
-REPO = Path(__file__).resolve().parents[2]
-PLUGIN_DIR = REPO / "tests" / "data" / "testplugin"
-PLUGIN_RE = re.compile(r"^\[kdeploy-testplugin\] loaded pid=(\d+)$")
-STARTED_RE = re.compile(r"Started scheduler process TP(\d+) pid=(\d+)")
-READY = "The server is fired up and ready to roll!"
-FRANCE = "The capital of France is"
-DEBIAN_PYTHON = "/usr/bin/python3"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _alive(pid: int) -> bool:
-    """True while pid runs; a zombie (nobody reaps orphans here) counts as dead."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _wait_dead(pids, timeout: float) -> set[int]:
-    """Poll until every pid is gone; return the survivors."""
-    deadline = time.monotonic() + timeout
-    alive = set(pids)
-    while alive and time.monotonic() < deadline:
-        alive = {p for p in alive if _alive(p)}
-        if alive:
-            time.sleep(0.02)
-    return {p for p in alive if _alive(p)}
-
-
-class RefServer:
-    def __init__(self, tp: int = 8, env: dict | None = None, args: tuple = (), python: str = sys.executable,
-                 module: str = "kdeploy_lab.refserver", cwd: Path = REPO,
-                 pythonpath: tuple = (REPO / "lab", PLUGIN_DIR)):
-        self.port = _free_port()
-        full_env = {k: v for k, v in os.environ.items()
-                    if not k.startswith("REFSERVER_") and k != "SGLANG_PLUGINS"}
-        full_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
-        full_env.update(env or {})
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            [python, "-m", module, "--model-path", "/models/test-model", "--tp-size", str(tp),
-             "--port", str(self.port), *args],
-            cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
-        self.pid = self.proc.pid
-        self.lines: list[tuple[float, str]] = []
-        self._cond = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            with self._cond:
-                self.lines.append((time.monotonic(), line.rstrip("\n")))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    def text(self) -> list[str]:
-        with self._cond:
-            return [line for _, line in self.lines]
-
-    def wait_for(self, pattern: str, timeout: float = 10.0) -> tuple[float, str]:
-        """(arrival time, line) of the first line containing pattern; fails on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for t, line in self.lines:
-                    if pattern in line:
-                        return t, line
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"no {pattern!r} within {timeout} s; log:\n" + "\n".join(
-                        line for _, line in self.lines))
-                self._cond.wait(min(left, 0.05))
-
-    def wait_count(self, regex: re.Pattern, count: int, timeout: float = 10.0) -> list[re.Match]:
-        deadline = time.monotonic() + timeout
-        while True:
-            found = [m for m in map(regex.search, self.text()) if m]
-            if len(found) >= count or time.monotonic() > deadline:
-                return found
-            time.sleep(0.02)
-
-    def wait_exit(self, timeout: float) -> int:
-        rc = self.proc.wait(timeout)
-        self._reader.join(2)
-        return rc
-
-    def worker_pids(self) -> dict[int, int]:
-        return {int(m[1]): int(m[2]) for m in map(STARTED_RE.search, self.text()) if m}
-
-    def plugin_pids(self) -> list[int]:
-        return [int(m[1]) for m in map(PLUGIN_RE.search, self.text()) if m]
-
-    def request(self, method: str, path: str, body=None, raw: bytes | None = None,
-                host: str = "127.0.0.1") -> tuple[int | None, bytes]:
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        req = urllib.request.Request(f"http://{host}:{self.port}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=3) as resp:
-                return resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read()
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return None, b""
-
-    def complete(self, prompt: str = FRANCE, max_tokens: int = 8, temperature: float = 0) -> dict:
-        status, body = self.request("POST", "/v1/completions", {
-            "model": "/models/test-model", "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": temperature})
-        assert status == 200, (status, body)
-        return json.loads(body)
-
-    def cleanup(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, signal.SIGKILL)
-            self.proc.wait(5)
-        for pid in self.worker_pids().values():  # workers orphaned by a failed test
-            if _alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        if self.proc.stdout:
-            self.proc.stdout.close()
+from tests.refserver_proc import (
+    DEBIAN_PYTHON,
+    FRANCE,
+    PLUGIN_DIR,
+    PLUGIN_RE,
+    READY,
+    REPO,
+    RefServer,
+    alive,
+    wait_dead,
+)
 
 
 @pytest.fixture
@@ -247,12 +120,12 @@ def test_sigterm_stops_workers_and_exits_zero(start):
     srv = start(tp=8, env={"REFSERVER_SHUTDOWN_POLL": "0.5"})
     srv.wait_for(READY)
     workers = set(srv.worker_pids().values())
-    assert len(workers) == 8 and all(_alive(p) for p in workers)
+    assert len(workers) == 8 and all(alive(p) for p in workers)
     t0 = time.monotonic()
     os.kill(srv.pid, signal.SIGTERM)
     assert srv.wait_exit(5) == 0
     assert time.monotonic() - t0 < 3.0
-    assert _wait_dead(workers, 1.0) == set()
+    assert wait_dead(workers, 1.0) == set()
 
 
 def test_exit_at_start(start):
@@ -271,7 +144,7 @@ def test_die_rank_fails_the_server(start):
     assert any(re.search(r"TP3\b.*died with exit code 1", line) for line in log), log
     assert any("TP3] Load weight end." in line for line in log)
     assert not any(READY in line for line in log)
-    assert _wait_dead(set(srv.worker_pids().values()), 2.0) == set()
+    assert wait_dead(set(srv.worker_pids().values()), 2.0) == set()
 
 
 def test_no_plugins_rank_skips_one_worker(start):
@@ -334,11 +207,11 @@ def test_ignore_sigterm_then_workers_follow_a_killed_parent(start):
         os.kill(pid, signal.SIGTERM)  # systemd signals the whole cgroup
     time.sleep(1.0)
     assert srv.proc.poll() is None
-    assert all(_alive(p) for p in workers)
+    assert all(alive(p) for p in workers)
     assert srv.request("GET", "/health")[0] == 200
     os.kill(srv.pid, signal.SIGKILL)  # only the parent: the workers must notice and leave
     assert srv.wait_exit(5) == -signal.SIGKILL
-    assert _wait_dead(workers, 3.0) == set()
+    assert wait_dead(workers, 3.0) == set()
 
 
 def test_bad_flag_value_exits_2_with_one_line(start):
@@ -368,7 +241,7 @@ def test_standalone_copy_under_debian_python(start, tmp_path):
     assert "Paris" in srv.complete()["choices"][0]["text"]
     os.kill(srv.pid, signal.SIGTERM)
     assert srv.wait_exit(5) == 0
-    assert _wait_dead(workers, 1.0) == set()
+    assert wait_dead(workers, 1.0) == set()
 
 
 def _stream_lines(srv: RefServer, path: str, body: dict, opened: threading.Event | None = None) -> list[str]:
