@@ -60,9 +60,9 @@ TEST_REPORT ?= test-results/junit.xml
 test: venv lint ci-tools
 	$(BIN)/python -m pytest -q --durations=15 --junitxml=$(TEST_REPORT) tests
 
-# The fast tier: no sandbox hosts, no SGLang venv, no kernel interpreter (under a minute).
+# The fast tier: no sandbox hosts, no SGLang venv, no kernel interpreter (under a minute), one worker per core.
 test-unit: venv
-	$(BIN)/python -m pytest -q -m "not sandbox" tests/unit
+	$(BIN)/python -m pytest -q -n auto -m "not sandbox" tests/unit
 
 demo: venv
 	$(BIN)/python -m kdeploy_lab.sglang_env
