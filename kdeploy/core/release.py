@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 
 from kdeploy import onhost
-from kdeploy.core import disk
+from kdeploy.core import disk, files
 from kdeploy.core.errors import InvalidInput
 from kdeploy.core.layout import CURRENT, META, RELEASES, STAGING
 from kdeploy.core.step import Step
@@ -68,32 +68,35 @@ class Payload:
 
 
 def _walk(root: Path) -> list[Path]:
-    """Every file under ``root``, through symlinked files and directories, caches skipped.
+    """Every file under ``root``, through symlinked files and directories, caches skipped, in the order of
+    their paths. Iterative, so that a payload nested however deep is no recursion, and a directory or file that
+    cannot be read is one line naming it.
 
     A broken symlink or one that leads back to a directory it is in is refused: skipping either would ship
     a payload without something that was put in it.
     """
-    files: list[Path] = []
-
-    def visit(directory: Path, ancestors: dict[tuple[int, int], Path]) -> None:
-        for path in sorted(directory.iterdir()):
+    found: list[Path] = []
+    st = files.status(root, "payload directory")
+    todo = [(root, {(st.st_dev, st.st_ino): root})] if st is not None else []
+    while todo:
+        directory, ancestors = todo.pop()
+        for path in (directory / name for name in files.listdir(directory, "payload directory")):
             if path.name in _SKIP_DIRS:
                 continue
-            if path.is_symlink() and not path.exists():  # exists() is False for a dangling or looping link
+            if os.path.islink(path) and not os.path.exists(path):  # a link that leads nowhere, or to itself
                 raise InvalidInput(f"{path}: broken symlink in the payload (-> {os.readlink(path)})")
-            if path.is_dir():
-                st = path.stat()
+            st = files.status(path, "payload file")
+            if st is None:  # gone since the listing
+                continue
+            if stat.S_ISDIR(st.st_mode):
                 key = (st.st_dev, st.st_ino)
                 if key in ancestors:
                     raise InvalidInput(f"{path}: symlink cycle in the payload (the same directory as "
                                        f"{ancestors[key]}, which contains it)")
-                visit(path, {**ancestors, key: path})
-            elif path.is_file() and path.suffix not in _SKIP_SUFFIXES:
-                files.append(path)
-
-    st = root.stat()
-    visit(root, {(st.st_dev, st.st_ino): root})
-    return files
+                todo.append((path, {**ancestors, key: path}))
+            elif stat.S_ISREG(st.st_mode) and path.suffix not in _SKIP_SUFFIXES:
+                found.append(path)
+    return sorted(found, key=lambda path: path.parts)
 
 
 def scan_payload(root: Path) -> Payload:
@@ -110,9 +113,9 @@ def scan_payload(root: Path) -> Payload:
 
 
 def _scan(root: Path) -> Payload:
-    if not root.is_dir():
+    if not files.is_dir(root, "payload directory"):
         raise InvalidInput(f"{root}: payload directory not found")
-    files: dict[str, LocalFile] = {}
+    found: dict[str, LocalFile] = {}
     for path in _walk(root):
         name = path.relative_to(root).as_posix()
         if any(c in name for c in "\n\r\\") or any(ord(c) < 32 for c in name):
@@ -120,15 +123,18 @@ def _scan(root: Path) -> Payload:
         if any("\udc80" <= c <= "\udcff" for c in name):  # bytes that are not UTF-8 (surrogate escapes)
             raise InvalidInput(f"{root}: payload file name {name.encode(errors='surrogateescape')!r} is not UTF-8 "
                                "(manifests, tar headers and the host's checks are UTF-8): rename it")
-        mode = path.stat().st_mode
+        mode = path.stat().st_mode  # _walk has looked at it already
         if mode & (stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH):
             raise InvalidInput(f"{path}: mode {stat.S_IMODE(mode):04o}: setuid, setgid and world-writable files "
                                "are refused in the payload (chmod it)")
-        sha, size = _sha256_file(path)
-        files[name] = LocalFile(name, sha, size, 0o755 if mode & stat.S_IXUSR else 0o644, path)
-    if not files:
+        try:
+            sha, size = _sha256_file(path)
+        except OSError as exc:
+            raise InvalidInput(f"{path}: cannot read payload file: {exc.strerror}") from None
+        found[name] = LocalFile(name, sha, size, 0o755 if mode & stat.S_IXUSR else 0o644, path)
+    if not found:
         raise InvalidInput(f"{root}: payload directory is empty")
-    return Payload(root, files)
+    return Payload(root, found)
 
 
 def changed_since_scan(payload: Payload, names: list[str]) -> list[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.badinput import REPO, Case, as_json, run_all
+from tests.unit.badinput import REPO, Case, Content, as_json, run_all
 
 TEMPLATE = f"{REPO}/templates/sglang.service.j2"
 PAYLOAD = f"{REPO}/tests/data/testplugin"
@@ -494,7 +494,29 @@ def check_cases() -> list[Case]:
             (path / name).chmod(0)
         return write
 
+    def deep_payload(path: Path) -> None:
+        for _ in range(1500):  # deeper than Python's recursion limit, within PATH_MAX
+            path.mkdir()
+            path = path / "d"
+        path.with_name("x.py").write_text("x = 1\n")
+
+    def unreadable_in_payload(kind: str) -> callable:
+        def write(path: Path) -> None:
+            (path / "sub").mkdir(parents=True)
+            (path / "sub" / "x.py").write_text("x = 1\n")
+            (path / "sub" if kind == "dir" else path / "sub" / "x.py").chmod(0)
+        return write
+
+    def payload(name: str, content: Content) -> dict[str, Content]:
+        return {"inv.yaml": inventory(service=SERVICE_BODY.replace(PAYLOAD, "{d}/pl")), "pl": content}
+
+    check = ("check", "all", "-i", "inv.yaml")
     return [
+        Case("check-payload-nested-1500-deep", check, payload("pl", deep_payload), expect="ok"),
+        Case("check-payload-unreadable-file", check, payload("pl", unreadable_in_payload("file")), expect="report",
+             unprivileged=True, mentions=("x.py",)),
+        Case("check-payload-unreadable-dir", check, payload("pl", unreadable_in_payload("dir")), expect="report",
+             unprivileged=True, mentions=("sub",)),
         Case("check-evil-payload-name", ("check", "all", "-i", "inv.yaml"),
              {"inv.yaml": inventory(service=SERVICE_BODY.replace(PAYLOAD, "{d}/pl")), "pl": payload_with(evil)},
              expect="report", unprivileged=True),
