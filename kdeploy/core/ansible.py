@@ -36,8 +36,9 @@ from ruamel.yaml.error import YAMLError
 from ruamel.yaml.nodes import ScalarNode
 
 from kdeploy.core import files, patterns
+from kdeploy.core.defaults import WEEK
 from kdeploy.core.errors import InvalidInput
-from kdeploy.core.yamlsource import WEEK, line_of, load_yaml, parse_yaml, read_text, yaml_loader
+from kdeploy.core.yamlsource import line_of, load_yaml, parse_yaml, read_text, yaml_loader
 
 # ini, yaml: Ansible's own file formats; list: ansible-inventory --list JSON; plugin: only Ansible's plugins read it
 Format = Literal["ini", "yaml", "list", "plugin"]

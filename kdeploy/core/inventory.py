@@ -31,10 +31,10 @@ from ruamel.yaml.comments import CommentedMap
 
 from kdeploy.core import ansible, files, patterns
 from kdeploy.core.analysis import Bounds
+from kdeploy.core.defaults import DEFAULT_INVENTORY, WEEK
 from kdeploy.core.errors import InvalidInput
-from kdeploy.core.yamlsource import WEEK, line_of, parse_yaml, read_text
+from kdeploy.core.yamlsource import line_of, parse_yaml, read_text
 
-DEFAULT_INVENTORY = Path("inventory.yaml")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 SSH_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}\Z")  # a DNS name (253 at most) or an ssh_config alias

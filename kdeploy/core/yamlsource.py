@@ -13,8 +13,6 @@ from ruamel.yaml.scanner import RoundTripScanner, ScannerError
 from kdeploy.core import files
 from kdeploy.core.errors import InvalidInput
 
-WEEK = 7 * 24 * 3600  # the longest wait kdeploy or a unit setting takes: a bound that still catches typos and .inf
-
 
 class _TooDeep(ScannerError):
     """Flow collections nested past the bound: refused by :func:`load_yaml`, never taken for a format hint."""

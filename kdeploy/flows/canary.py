@@ -21,8 +21,9 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from kdeploy.core import analysis
+from kdeploy.core.defaults import WEEK
 from kdeploy.core.errors import InvalidInput, KdeployError, PreflightRefused
-from kdeploy.core.inventory import WEEK, Inventory
+from kdeploy.core.inventory import Inventory
 from kdeploy.core.report import Cancelled, HostResult, Listener, PhaseFailed, Result
 
 if TYPE_CHECKING:  # the router client imports httpx: only a rollout that analyses pays for it

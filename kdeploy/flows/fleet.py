@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 
 from kdeploy.core import secrets as secret
+from kdeploy.core.defaults import DEFAULT_PARALLEL
 from kdeploy.core.errors import InvalidInput, KdeployError, PreflightRefused
 from kdeploy.core.gatespec import PayloadGate, gate_spec, load_payload_gate
 from kdeploy.core.inventory import HostConfig, Inventory
@@ -30,8 +31,6 @@ from kdeploy.flows.options import Options
 from kdeploy.flows.push import HostPush
 from kdeploy.flows.rollback import rollback_host
 from kdeploy.flows.session import Wanted
-
-DEFAULT_PARALLEL = 16
 
 HostFn = Callable[[HostConfig, HostResult], None]
 

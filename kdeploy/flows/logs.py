@@ -13,9 +13,9 @@ import shlex
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 
 from kdeploy.core import secrets as secret
+from kdeploy.core.defaults import Run
 from kdeploy.core.errors import InvalidInput, KdeployError
 from kdeploy.core.inventory import HostConfig, Inventory
 from kdeploy.core.render import unit_filename
@@ -24,14 +24,6 @@ from kdeploy.core.step import RunResult, Step
 from kdeploy.core.text import one_line
 from kdeploy.flows.options import Options
 from kdeploy.flows.session import connect
-
-
-class Run(StrEnum):
-    """Which run of the service: every line, or one invocation (by ``_SYSTEMD_INVOCATION_ID``)."""
-
-    ALL = "all"
-    CURRENT = "current"
-    PREVIOUS = "previous"
 
 NO_RUN = 3  # exit status of the command when the asked-for run does not exist on the host
 
