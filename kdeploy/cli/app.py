@@ -1,7 +1,9 @@
 """The ``kdeploy`` command: a thin Typer layer over :mod:`kdeploy.flows.fleet` and friends.
 
 Every failure ends as one line on stderr and a documented exit code; ``--debug`` adds the traceback.
-With ``--json`` the only thing on stdout is one JSON document.
+With ``--json`` the only thing on stdout is one JSON document. Every start (``--help``, each TAB of completion)
+declares the whole command line, so this module imports only Typer and light modules at the top; what a command
+needs (the inventory's models, the flows and SSH, rich) it imports when it runs.
 """
 
 import importlib
@@ -18,36 +20,32 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.console import Group as Stack
-from rich.live import Live
-from rich.markup import escape
-from rich.table import Table
-from rich.text import Text
 from typer import completion as typer_completion
 from typer.core import TyperCommand, TyperGroup
 from typer.models import CommandFunctionType
 
 from kdeploy import __version__
-from kdeploy.cli import junit, progress
-from kdeploy.core import ansible, patterns
-from kdeploy.core import inventory as inv
+from kdeploy.cli import progress
+from kdeploy.core.defaults import DEFAULT_INVENTORY, DEFAULT_PARALLEL, WEEK, Run
 from kdeploy.core.errors import ExitCode, InvalidInput, KdeployError
-from kdeploy.core.history import columns as history_columns
-from kdeploy.core.policy import Policy
-from kdeploy.core.probe import ProbeReport
-from kdeploy.core.render import render_unit
 from kdeploy.core.report import HostResult, Listener, Report
 from kdeploy.core.text import one_line
-from kdeploy.flows import canary as canary_analysis
-from kdeploy.flows import fleet, logs, settings
-from kdeploy.flows.options import Options
-from kdeploy.flows.views import History, LockView, Plan, StatusView
+
+# Quoted where used, without `from __future__ import annotations`: Typer would evaluate every command's annotations
+# from their text at every start (~10 ms).
+if TYPE_CHECKING:
+    from rich.console import Group as Stack
+    from rich.table import Table
+    from typer._click import Command as ClickCommand
+
+    from kdeploy.core import inventory as inv
+    from kdeploy.core.policy import Policy
+    from kdeploy.flows import settings
+    from kdeploy.flows.options import Options
 
 
 @dataclass
@@ -130,11 +128,38 @@ class Group(TyperGroup):
         self.params = [*self.params, *GLOBAL_OPTIONS]
 
 
+class Root(Group):
+    """``kdeploy`` itself, whose plugin groups (:func:`_add_plugins`) join its commands only when a word on the line is
+    not a built-in command, or when help or completion lists the commands: reading the installed distributions'
+    entry points and importing a plugin would otherwise be a good part of every ``kdeploy push -h`` and TAB."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.plugged = False
+
+    def _plug(self) -> None:
+        if not self.plugged:
+            self.plugged = True
+            plugins = App(rich_markup_mode=self.rich_markup_mode)
+            _add_plugins(plugins)
+            for name, command in typer.main.get_group(plugins).commands.items():
+                self.commands.setdefault(name, command)
+
+    def list_commands(self, ctx: typer.Context) -> list[str]:
+        self._plug()
+        return super().list_commands(ctx)
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> "ClickCommand | None":
+        if cmd_name not in self.commands:
+            self._plug()
+        return super().get_command(ctx, cmd_name)
+
+
 class App(typer.Typer):
     """Typer whose commands are :class:`Command` and groups :class:`Group` (``-h``, the global options)."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(cls=Group, no_args_is_help=True, context_settings=CONTEXT, **kwargs)
+    def __init__(self, *, cls: type[TyperGroup] = Group, **kwargs: Any) -> None:
+        super().__init__(cls=cls, no_args_is_help=True, context_settings=CONTEXT, **kwargs)
 
     def command(self, name: str | None = None, *, cls: type[TyperCommand] | None = None,
                 context_settings: dict[str, Any] | None = None,
@@ -155,6 +180,8 @@ KNOWN_PLUGINS = {"sandbox": ("local test hosts (the lab)",
 def _add_plugins(parent: typer.Typer) -> None:
     """Adds every installed plugin group with kdeploy's conventions (-h, the global options); a known one that is
     not installed becomes a command that tells how to install it."""
+    from importlib.metadata import entry_points
+
     found = {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
     for name, ep in found.items():
         plugin: typer.Typer = ep.load()
@@ -177,13 +204,12 @@ def _add_missing(parent: typer.Typer, name: str, what: str, how: str) -> None:
                    context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(missing)
 
 
-app = App(pretty_exceptions_enable=False, add_completion=False,
+app = App(cls=Root, pretty_exceptions_enable=False, add_completion=False,
           help="Ship SGLang extensions and serving configs to GPU hosts; prove every deploy healthy.")
 lock_app = App(help="Inspect or clear the per-service deploy lock.")
 router_app = App(help="Hosts' membership in their SGLang router, by hand.")
 app.add_typer(lock_app, name="lock")
 app.add_typer(router_app, name="router")
-_add_plugins(app)
 schema_app = App(help="Print the JSON Schemas of kdeploy's contracts.")
 app.add_typer(schema_app, name="schema")
 
@@ -191,7 +217,10 @@ app.add_typer(schema_app, name="schema")
 def complete_target(ctx: typer.Context, incomplete: str) -> list[str]:
     """Shell completion of TARGET and ``--limit``: ``all``, the inventory's groups and hosts that complete the
     pattern's last part (after its last ``,`` or ``:``, keeping a ``!`` or ``&``)."""
-    path = ctx.params.get("inventory") or os.environ.get("KDEPLOY_INVENTORY") or inv.DEFAULT_INVENTORY
+    from kdeploy.core import inventory as inv
+    from kdeploy.core import patterns
+
+    path = ctx.params.get("inventory") or os.environ.get("KDEPLOY_INVENTORY") or DEFAULT_INVENTORY
     service = ctx.params.get("service") or os.environ.get("KDEPLOY_SERVICE")
     try:
         loaded = inv.load(Path(path), service)
@@ -218,9 +247,9 @@ AcceptOpt = Annotated[bool, typer.Option("--accept-new-host-keys", help="Trust a
 ParallelOpt = Annotated[int, typer.Option("--parallel", min=1, envvar="KDEPLOY_PARALLEL",
                                           help="Hosts worked on at once.")]
 WorkersOpt = Annotated[int | None, typer.Option("--workers", min=1, help="TP workers that must show each marker.")]
-TimeoutOpt = Annotated[float | None, typer.Option("--timeout", min=0.1, max=inv.WEEK,
+TimeoutOpt = Annotated[float | None, typer.Option("--timeout", min=0.1, max=WEEK,
                                                   help="Gate timeout in seconds.")]
-LockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, max=inv.WEEK,
+LockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, max=WEEK,
                                             envvar="KDEPLOY_LOCK_WAIT", help="Wait this long for a held lock.")]
 CanaryOpt = Annotated[int, typer.Option("--canary", min=0, help="Hosts that go first, alone, and must pass.")]
 BatchOpt = Annotated[str | None, typer.Option("--batch", help="N or N%: hosts restarting at once (default: "
@@ -280,9 +309,12 @@ def root(version: Annotated[bool, typer.Option("--version", callback=_version, i
     """
 
 
-def _policy(canary: int, batch: str | None, max_fail: str | None, analysis: str | None = None) -> Policy:
+def _policy(canary: int, batch: str | None, max_fail: str | None, analysis: str | None = None) -> "Policy":
     """The rollout policy of push, set-env, set and rollback; its syntax checked before anything else is read (its
     fit to the hosts selected is checked once they are known: ``Policy.check``)."""
+    from kdeploy.core.policy import Policy
+    from kdeploy.flows import canary as canary_analysis
+
     policy = Policy(canary, batch, max_fail, None if analysis is None else canary_analysis.parse_duration(analysis))
     policy.check(0)
     return policy
@@ -302,12 +334,14 @@ class Ui:
     """Human output on stderr (a live view when it is a TTY, plain lines in CI), JSON on stdout, JUnit to a file."""
 
     def __init__(self, as_json: bool, junit: Path | None = None) -> None:
+        from rich.console import Console
+
         if junit is not None:
             _check_writable(junit, "--junit")
         self.as_json, self.junit, self.quiet = as_json, junit, _flags.quiet
         self.started, self.clock = datetime.now(UTC), time.monotonic()
         # -v writes lines of its own to stderr: a live view would draw over them
-        self.plain = _flags.verbose > 0 or progress.plain_wanted(os.environ, Console(stderr=True).is_terminal)
+        self.plain = _flags.verbose > 0 or progress.plain_wanted(os.environ, progress.is_terminal(sys.stderr))
         self.err = (Console(stderr=True, highlight=False, force_terminal=False, color_system=None, no_color=True,
                             width=160, soft_wrap=True) if self.plain else Console(stderr=True, highlight=False))
         self.live_state: dict[str, tuple[str, float]] = {}
@@ -320,7 +354,9 @@ class Ui:
             elif phase == "done":
                 self.live_state[host] = (status, time.monotonic())
 
-    def _live_table(self) -> Table:
+    def _live_table(self) -> "Table":
+        from rich.table import Table
+
         table = Table(box=None, show_header=False)
         now = time.monotonic()
         with self.lock:
@@ -331,17 +367,24 @@ class Ui:
     def run(self, fn: Callable[[Listener], Report]) -> Report:
         if self.plain or self.quiet:
             return progress.PlainLog(self.err.file, quiet=self.quiet).run(fn)
+        from rich.console import Group as Stack
+        from rich.live import Live
+
+        from kdeploy.flows import canary as canary_analysis
+
         view = canary_analysis.LiveView(self.listener)
 
-        def draw() -> Table | Stack:
+        def draw() -> "Table | Stack":
             window = view.render()
             return self._live_table() if window is None else Stack(self._live_table(), window)
 
         with Live(self._live_table(), console=self.err, refresh_per_second=8, transient=True, get_renderable=draw):
             return fn(view)
 
-    def table(self, title: str, *columns: str) -> Table:
+    def table(self, title: str, *columns: str) -> "Table":
         """A table in the TTY's box drawing, or in plain columns for a CI log."""
+        from rich.table import Table
+
         table = Table(title=title, title_justify="left", **({"box": None} if self.plain else {}))
         for col in columns:
             table.add_column(col, overflow="fold")
@@ -358,7 +401,7 @@ class Ui:
             self.err.rule(cell(text))
 
     def report(self, report: Report, extra: Callable[[Report], None] | None = None, *, table: bool = True,
-               inventory: inv.Inventory | None = None) -> None:
+               inventory: "inv.Inventory | None" = None) -> None:
         """JSON and JUnit, the per-command ``extra`` view, the per-host results (always for a failed host), summary.
 
         ``--quiet`` leaves out the extra view and every host that ended well; so does a command's own view
@@ -366,6 +409,8 @@ class Ui:
         each host, so a host that ended well gets no second line (on a TTY as in a CI log).
         """
         if self.junit:  # before the JSON: a write that still fails must not follow a document that says ok
+            from kdeploy.cli import junit
+
             services = {name: h.service.name for name, h in inventory.hosts.items()} if inventory else {}
             self.junit.write_text(junit.build(report, services, started=self.started,
                                               seconds=time.monotonic() - self.clock))
@@ -415,6 +460,8 @@ def _phases_table(ui: Ui, report: Report) -> None:
 
 def cell(text: str) -> str:
     """A table cell (or rule) from a string kdeploy does not choose: one line, no rich markup read from it."""
+    from rich.markup import escape
+
     return escape(one_line(text))
 
 
@@ -422,9 +469,11 @@ def _exit(report: Report) -> None:
     raise typer.Exit(report.exit_code)
 
 
-def _load(path: Path, service: Path | None, target: str | None = None, limit: str | None = None) -> inv.Inventory:
+def _load(path: Path, service: Path | None, target: str | None = None, limit: str | None = None) -> "inv.Inventory":
     """The inventory narrowed to ``--limit``; TARGET is checked here, before anything else (exit 2), and a
     selection of no host is said (the command then acts on none and exits 0, as for an empty group)."""
+    from kdeploy.core import inventory as inv
+
     loaded = inv.load(path, service).subset(limit)
     if target is not None and not loaded.resolve(target):
         say(f"no hosts matched {target!r}{f' with --limit {limit!r}' if limit else ''}")
@@ -432,15 +481,19 @@ def _load(path: Path, service: Path | None, target: str | None = None, limit: st
 
 
 @app.command()
-def render(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+def render(target: OptTarget = "all", inventory: InventoryOpt = DEFAULT_INVENTORY,
            service: ServiceOpt = None, limit: LimitOpt = None) -> None:
     """Print each host's rendered systemd unit."""
+    from kdeploy.core.render import render_unit
+
     loaded = _load(inventory, service, target, limit)
     for name in loaded.resolve(target):
         sys.stdout.write(f"# ---- {name} ----\n{render_unit(loaded, loaded.hosts[name])}")
 
 
-def _options(**kw: object) -> Options:
+def _options(**kw: object) -> "Options":
+    from kdeploy.flows.options import Options
+
     return Options(**{k: v for k, v in kw.items() if v is not None}, ssh_config=_flags.ssh_config)
 
 
@@ -470,10 +523,10 @@ def command_line(ctx: typer.Context) -> str:
 
 
 @app.command()
-def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = DEFAULT_INVENTORY,
          service: ServiceOpt = None,
          as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
-         parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+         parallel: ParallelOpt = DEFAULT_PARALLEL,
          no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the health gate.")] = False,
          force_restart: Annotated[bool, typer.Option("--force-restart", help="Restart even if unchanged.")] = False,
          dry_run: Annotated[bool, typer.Option("--dry-run", help="Same as `kdeploy plan`.")] = False,
@@ -487,6 +540,8 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
              help="The served model changes: take its answers as the new parity reference.")] = False,
          limit: LimitOpt = None) -> None:
     """Ship the payload and unit, restart, gate; roll back by itself when the gate fails."""
+    from kdeploy.flows import fleet
+
     if dry_run:
         _plan(target, inventory, service, as_json, accept_new_host_keys, parallel, limit)
         return
@@ -504,6 +559,9 @@ def push(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAU
 
 def _plan(target: str, inventory: Path, service: Path | None, as_json: bool, accept: bool, parallel: int,
           limit: str | None) -> None:
+    from kdeploy.flows import fleet
+    from kdeploy.flows.views import Plan
+
     ui = Ui(as_json)
     loaded = _load(inventory, service, target, limit)
     report = fleet.push(loaded, target, _options(accept_new_host_keys=accept), dry_run=True, parallel=parallel)
@@ -528,23 +586,25 @@ def _plan(target: str, inventory: Path, service: Path | None, as_json: bool, acc
 
 
 @app.command()
-def plan(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+def plan(target: Target, inventory: InventoryOpt = DEFAULT_INVENTORY,
          service: ServiceOpt = None, as_json: JsonOpt = False,
-         accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+         accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = DEFAULT_PARALLEL,
          limit: LimitOpt = None) -> None:
     """Show what a push would change (unit diff, files, reload/restart); changes nothing."""
     _plan(target, inventory, service, as_json, accept_new_host_keys, parallel, limit)
 
 
 @app.command()
-def verify(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+def verify(target: OptTarget = "all", inventory: InventoryOpt = DEFAULT_INVENTORY,
            service: ServiceOpt = None, as_json: JsonOpt = False,
            junit_path: JunitOpt = None, workers: WorkersOpt = None, timeout: TimeoutOpt = None,
            accept_new_host_keys: AcceptOpt = False,
            parity: Annotated[bool, typer.Option(
                "--parity", help="Also compare the answers with the release's parity record.")] = False,
-           parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, limit: LimitOpt = None) -> None:
+           parallel: ParallelOpt = DEFAULT_PARALLEL, limit: LimitOpt = None) -> None:
     """Run the health gate against what runs now (exit 4 when unhealthy); changes nothing."""
+    from kdeploy.flows import fleet
+
     ui = Ui(as_json, junit_path)
     opts = _options(workers=workers, timeout=timeout, accept_new_host_keys=accept_new_host_keys, parity=parity)
     loaded = _load(inventory, service, target, limit)
@@ -554,14 +614,16 @@ def verify(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
 
 
 @app.command()
-def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = DEFAULT_INVENTORY,
              service: ServiceOpt = None,
              as_json: JsonOpt = False, junit_path: JunitOpt = None,
              to: Annotated[str | None, typer.Option("--to", help="Release id (default: the previous one).")] = None,
              lock_wait: LockWaitOpt = 0, accept_new_host_keys: AcceptOpt = False,
-             parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, canary: CanaryOpt = 0, batch: BatchOpt = None,
+             parallel: ParallelOpt = DEFAULT_PARALLEL, canary: CanaryOpt = 0, batch: BatchOpt = None,
              max_fail: MaxFailOpt = None, limit: LimitOpt = None) -> None:
     """Re-activate an older release and its unit, restart and gate."""
+    from kdeploy.flows import fleet
+
     ui = Ui(as_json, junit_path)
     from kdeploy.core.release import check_name
 
@@ -575,11 +637,14 @@ def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = inv.D
 
 
 @app.command()
-def probe(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+def probe(target: OptTarget = "all", inventory: InventoryOpt = DEFAULT_INVENTORY,
           service: ServiceOpt = None, as_json: JsonOpt = False,
-          accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+          accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = DEFAULT_PARALLEL,
           limit: LimitOpt = None) -> None:
     """What each host's service python offers the payload: SGLang version, plugin loader, hooks, registry."""
+    from kdeploy.core.probe import ProbeReport
+    from kdeploy.flows import fleet
+
     ui = Ui(as_json)
     loaded = _load(inventory, service, target, limit)
     report = fleet.probe(loaded, target, _options(accept_new_host_keys=accept_new_host_keys), parallel=parallel)
@@ -594,12 +659,18 @@ def probe(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVEN
 
 
 @app.command()
-def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+def history(target: OptTarget = "all", inventory: InventoryOpt = DEFAULT_INVENTORY,
             service: ServiceOpt = None, as_json: JsonOpt = False,
             last: Annotated[int, typer.Option("--last", "-n", min=1, help="Entries per host.")] = 20,
-            accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+            accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = DEFAULT_PARALLEL,
             limit: LimitOpt = None) -> None:
     """Show each host's deploy history."""
+    from rich.text import Text
+
+    from kdeploy.core.history import columns as history_columns
+    from kdeploy.flows import fleet
+    from kdeploy.flows.views import History
+
     ui = Ui(as_json)
     report = fleet.history(_load(inventory, service, target, limit), target,
                            _options(history_limit=last, accept_new_host_keys=accept_new_host_keys), parallel=parallel)
@@ -615,12 +686,15 @@ def history(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INV
     _exit(report)
 
 
-def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[], settings.Edit], ui: Ui,
+def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[], "settings.Edit"], ui: Ui,
           no_apply: bool, accept: bool, parallel: int, lock_wait: float, line: str, limit: str | None,
-          policy: Policy) -> None:
+          policy: "Policy") -> None:
     """Make, check, write and roll out an edit under the lock of the file it edits (the inventory, or the service
     file of an Ansible inventory); a second kdeploy waits or exits 6. ``--limit``: the rollout goes to the changed
     hosts it names only; the others keep their config until a push (``status`` shows their drift)."""
+    from kdeploy.core import ansible
+    from kdeploy.flows import fleet, settings
+
     if service is None and ansible.is_source(inventory):  # a directory or a script: there is no file to lock
         ansible.require_service(inventory, None)
     with settings.locked(service or inventory, lock_wait, f"kdeploy {command}", service is not None):
@@ -665,7 +739,7 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
 
 ScopeOpt = Annotated[str | None, typer.Option("--target", "-t", help="Host or group to write at (default: defaults).")]
 NoApplyOpt = Annotated[bool, typer.Option("--no-apply", help="Only edit the inventory; do not roll out.")]
-EditLockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, max=inv.WEEK, envvar="KDEPLOY_LOCK_WAIT",
+EditLockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, max=WEEK, envvar="KDEPLOY_LOCK_WAIT",
                                                 help="Wait this long for the inventory's and the hosts' locks.")]
 
 
@@ -673,13 +747,15 @@ EditLockWaitOpt = Annotated[float, typer.Option("--lock-wait", min=0, max=inv.WE
 def set_env(ctx: typer.Context,
             assignments: Annotated[list[str] | None, typer.Argument(help="KEY=VALUE ...", show_default=False)] = None,
             unset: Annotated[list[str] | None, typer.Option("--unset", help="Remove KEY at the scope.")] = None,
-            target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+            target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = DEFAULT_INVENTORY,
             service: ServiceOpt = None,
             as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
-            parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0,
+            parallel: ParallelOpt = DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0,
             canary: CanaryOpt = 0, batch: BatchOpt = None, max_fail: MaxFailOpt = None,
             analysis: AnalysisOpt = None, limit: LimitOpt = None) -> None:
     """Set or unset service environment flags in the inventory and roll them out (gated, reverted on failure)."""
+    from kdeploy.flows import settings
+
     pairs = dict(settings.split_assignment(a) for a in assignments or [])
     if not pairs and not unset:
         raise InvalidInput("set-env: give KEY=VALUE or --unset KEY")
@@ -692,13 +768,15 @@ def set_env(ctx: typer.Context,
 def set_(ctx: typer.Context,
          assignments: Annotated[list[str], typer.Argument(help="PATH=VALUE, e.g. hicache.ratio=4.0",
                                                           show_default=False)],
-         target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+         target: ScopeOpt = None, no_apply: NoApplyOpt = False, inventory: InventoryOpt = DEFAULT_INVENTORY,
          service: ServiceOpt = None,
          as_json: JsonOpt = False, junit_path: JunitOpt = None, accept_new_host_keys: AcceptOpt = False,
-         parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0,
+         parallel: ParallelOpt = DEFAULT_PARALLEL, lock_wait: EditLockWaitOpt = 0,
          canary: CanaryOpt = 0, batch: BatchOpt = None, max_fail: MaxFailOpt = None,
          analysis: AnalysisOpt = None, limit: LimitOpt = None) -> None:
     """Change typed service settings (hicache.ratio=4.0, gate.workers=8, ...) and roll them out."""
+    from kdeploy.flows import settings
+
     pairs = dict(settings.split_assignment(a) for a in assignments)
     _edit("set", inventory, service, lambda: settings.set_values(inventory, pairs, target, service),
           Ui(as_json, junit_path), no_apply, accept_new_host_keys, parallel, lock_wait, command_line(ctx), limit,
@@ -706,11 +784,14 @@ def set_(ctx: typer.Context,
 
 
 @app.command()
-def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+def status(target: OptTarget = "all", inventory: InventoryOpt = DEFAULT_INVENTORY,
            service: ServiceOpt = None, as_json: JsonOpt = False,
-           accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+           accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = DEFAULT_PARALLEL,
            limit: LimitOpt = None) -> None:
     """One row per host: state, uptime, release, env flags in effect, last deploy, drift."""
+    from kdeploy.flows import fleet
+    from kdeploy.flows.views import StatusView
+
     ui = Ui(as_json)
     loaded = _load(inventory, service, target, limit)
     report = fleet.status(loaded, target, _options(accept_new_host_keys=accept_new_host_keys), parallel=parallel)
@@ -737,6 +818,9 @@ def status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVE
 
 def _lock(target: str, inventory: Path, service: Path | None, as_json: bool, release: bool, force: bool,
           parallel: int, limit: str | None) -> None:
+    from kdeploy.flows import fleet
+    from kdeploy.flows.views import LockView
+
     ui = Ui(as_json)
     report = fleet.lock(_load(inventory, service, target, limit), target, _options(force=force), release=release,
                         parallel=parallel)
@@ -752,35 +836,37 @@ def _lock(target: str, inventory: Path, service: Path | None, as_json: bool, rel
 
 
 @lock_app.command("status")
-def lock_status(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None,
-                as_json: JsonOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
+def lock_status(target: OptTarget = "all", inventory: InventoryOpt = DEFAULT_INVENTORY, service: ServiceOpt = None,
+                as_json: JsonOpt = False, parallel: ParallelOpt = DEFAULT_PARALLEL,
                 limit: LimitOpt = None) -> None:
     """Who holds each host's deploy lock (free / held / stale)."""
     _lock(target, inventory, service, as_json, False, False, parallel, limit)
 
 
 @lock_app.command("release")
-def lock_release(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+def lock_release(target: Target, inventory: InventoryOpt = DEFAULT_INVENTORY,
                  service: ServiceOpt = None, as_json: JsonOpt = False,
                  force: Annotated[bool, typer.Option("--force", help="Also end a LIVE holder.")] = False,
-                 parallel: ParallelOpt = fleet.DEFAULT_PARALLEL, limit: LimitOpt = None) -> None:
+                 parallel: ParallelOpt = DEFAULT_PARALLEL, limit: LimitOpt = None) -> None:
     """Clear a stale lock (with --force, end a live holder too)."""
     _lock(target, inventory, service, as_json, True, force, parallel, limit)
 
 
 @app.command("logs")
-def logs_(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None,
+def logs_(target: Target, inventory: InventoryOpt = DEFAULT_INVENTORY, service: ServiceOpt = None,
           lines: Annotated[int, typer.Option("--lines", "-n", min=0, help="Last N lines per host (0: all).")] = 50,
           grep: Annotated[str | None, typer.Option("--grep", "-g", help="Only lines matching this extended "
                                                                         "regular expression (grep -E).")] = None,
           since: Annotated[str | None, typer.Option("--since", help="As journalctl --since: '1 hour ago', "
                                                                     "'2026-12-01 02:00', 'today'.")] = None,
-          run: Annotated[logs.Run, typer.Option("--run", help="Only the current or the previous run of the "
-                                                              "service.")] = logs.Run.ALL,
+          run: Annotated[Run, typer.Option("--run", help="Only the current or the previous run of the "
+                                                         "service.")] = Run.ALL,
           follow: Annotated[bool, typer.Option("--follow", "-f", help="Follow every host at once (Ctrl-C ends).")]
           = False,
           accept_new_host_keys: AcceptOpt = False, limit: LimitOpt = None) -> None:
     """The service's journal on each host, every line prefixed by its host."""
+    from kdeploy.flows import logs
+
     query = logs.LogQuery(lines=lines, grep=grep, since=since, run=run, follow=follow)
     query.check()
     loaded = _load(inventory, service, target, limit)
@@ -804,7 +890,7 @@ def logs_(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY, servi
 
 
 @app.command()
-def check(target: OptTarget = "all", inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None,
+def check(target: OptTarget = "all", inventory: InventoryOpt = DEFAULT_INVENTORY, service: ServiceOpt = None,
           as_json: JsonOpt = False, limit: LimitOpt = None) -> None:
     """Check everything a push needs that the controller can see, without SSH: units (and systemd-analyze
     verify), payloads and their gate manifests, secrets set, hook scripts (docs/check.md)."""
@@ -826,9 +912,9 @@ def exec_(target: Target,
           command: Annotated[list[str], typer.Argument(help="The command, after `--`: its words are joined by "
                                                             "spaces and run by /bin/sh on each host (as ssh does).",
                                                        show_default=False)],
-          inventory: InventoryOpt = inv.DEFAULT_INVENTORY, service: ServiceOpt = None, as_json: JsonOpt = False,
-          accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = fleet.DEFAULT_PARALLEL,
-          timeout: Annotated[float | None, typer.Option("--timeout", min=0.1, max=inv.WEEK,
+          inventory: InventoryOpt = DEFAULT_INVENTORY, service: ServiceOpt = None, as_json: JsonOpt = False,
+          accept_new_host_keys: AcceptOpt = False, parallel: ParallelOpt = DEFAULT_PARALLEL,
+          timeout: Annotated[float | None, typer.Option("--timeout", min=0.1, max=WEEK,
                                                         help="Stop the command on a host that runs it longer "
                                                              "than this (seconds; default: no limit).",
                                                         show_default=False)] = None,
@@ -875,6 +961,8 @@ def schema_inventory() -> None:
 
 def _router(action: str, target: str, inventory: Path, service: Path | None, as_json: bool, accept: bool,
             limit: str | None) -> None:
+    from kdeploy.flows import fleet
+
     ui = Ui(as_json)
     loaded = _load(inventory, service, target, limit)
     report = ui.run(lambda listener: fleet.router(loaded, target, action, _options(accept_new_host_keys=accept),
@@ -884,7 +972,7 @@ def _router(action: str, target: str, inventory: Path, service: Path | None, as_
 
 
 @router_app.command("admit")
-def router_admit(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+def router_admit(target: Target, inventory: InventoryOpt = DEFAULT_INVENTORY,
                  service: ServiceOpt = None, as_json: JsonOpt = False,
                  accept_new_host_keys: AcceptOpt = False, limit: LimitOpt = None) -> None:
     """Register hosts' servers in their router again and wait until it lists them healthy."""
@@ -892,7 +980,7 @@ def router_admit(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY
 
 
 @router_app.command("drain")
-def router_drain(target: Target, inventory: InventoryOpt = inv.DEFAULT_INVENTORY,
+def router_drain(target: Target, inventory: InventoryOpt = DEFAULT_INVENTORY,
                  service: ServiceOpt = None, as_json: JsonOpt = False,
                  accept_new_host_keys: AcceptOpt = False, limit: LimitOpt = None) -> None:
     """Take hosts' servers out of their router (new requests go to the others)."""
@@ -947,7 +1035,7 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     # --help in a CI log: click's plain text, not rich's boxes.
-    app.rich_markup_mode = None if progress.plain_wanted(os.environ, Console(stderr=True).is_terminal) else "rich"
+    app.rich_markup_mode = None if progress.plain_wanted(os.environ, progress.is_terminal(sys.stderr)) else "rich"
     try:
         # not standalone: click's usage errors come here (as exceptions) instead of its three lines of usage
         code = app(args=args, prog_name="kdeploy", complete_var=COMPLETE_VAR, standalone_mode=False)

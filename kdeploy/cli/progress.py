@@ -7,6 +7,7 @@ phase becomes one greppable line when it ends, and a phase still waiting says so
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -16,6 +17,20 @@ from kdeploy.core.report import HostResult, PhaseWatcher, Report, Result
 from kdeploy.core.text import one_line
 
 HEARTBEAT_S = 30.0  # CircleCI kills a step silent for 10 min; GitLab's default job timeout is far longer
+
+
+def is_terminal(stream: TextIO, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``stream`` is a terminal as rich's ``Console`` decides it (``TTY_COMPATIBLE``, ``FORCE_COLOR``, else
+    ``isatty``), without importing rich: every start asks it (help's style), and most starts need no rich."""
+    compatible = env.get("TTY_COMPATIBLE", "")
+    if compatible in ("0", "1"):
+        return compatible == "1"
+    if (force := env.get("FORCE_COLOR")) is not None:
+        return force != ""
+    try:
+        return stream.isatty()
+    except ValueError:  # closed (the end of a pytest run)
+        return False
 
 
 def plain_wanted(env: Mapping[str, str], is_tty: bool) -> bool:

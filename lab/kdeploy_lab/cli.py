@@ -1,7 +1,7 @@
 """``kdeploy sandbox``: the lab's commands, plugged into kdeploy's CLI through the ``kdeploy.plugins`` entry point.
 
 kdeploy gives these commands its conventions (``-h``, the global options, one-line errors); the lab's modules are
-imported when a command runs, so ``kdeploy --help`` stays fast.
+imported when a command runs (rich too), so ``kdeploy --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from kdeploy.core.errors import InvalidInput
 
@@ -40,6 +38,8 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
                    "--become-user", metavar="NAME", help="Root may not log in over SSH; NAME logs in and has "
                    "passwordless sudo; the inventory gets `user: NAME` and `become: true`.")] = None) -> None:
     """Boot local hosts (systemd-nspawn) and write an inventory for them."""
+    from rich.console import Console
+
     from kdeploy_lab import demo, sandbox, sandbox_router
 
     box = sandbox.Sandbox(instance=instance, sglang=False if light else None)
@@ -69,6 +69,9 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
 @sandbox_app.command("status")
 def sandbox_status(as_json: JsonOpt = False, instance: InstanceOpt = 0) -> None:
     """Show the sandbox hosts and whether each one's systemd is running."""
+    from rich.console import Console
+    from rich.table import Table
+
     from kdeploy_lab import sandbox
 
     rows = sandbox.Sandbox(instance=instance).status()
@@ -87,6 +90,8 @@ def sandbox_status(as_json: JsonOpt = False, instance: InstanceOpt = 0) -> None:
 def sandbox_reboot(host: Annotated[str, typer.Argument(help="The sandbox host to reset, e.g. h1.")],
                    instance: InstanceOpt = 0) -> None:
     """Hard-reset one host (its processes are killed, it boots again; /etc, /srv and /opt are kept)."""
+    from rich.console import Console
+
     from kdeploy_lab import sandbox
 
     box = sandbox.Sandbox(instance=instance)
@@ -99,6 +104,8 @@ def sandbox_reboot(host: Annotated[str, typer.Argument(help="The sandbox host to
 @sandbox_app.command("down")
 def sandbox_down(instance: InstanceOpt = 0) -> None:
     """Stop every sandbox host and remove everything it created."""
+    from rich.console import Console
+
     from kdeploy_lab import sandbox
 
     box = sandbox.Sandbox(instance=instance)

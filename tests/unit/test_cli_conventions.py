@@ -24,13 +24,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _commands() -> list[list[str]]:
-    """Every command and group of kdeploy, as the words that name it."""
+    """Every command and group of kdeploy, as the words that name it (the plugins' too: a group lists them)."""
     found: list[list[str]] = []
 
     def walk(cmd: object, path: list[str]) -> None:
         found.append(path)
-        for name, sub in getattr(cmd, "commands", {}).items():
-            walk(sub, [*path, name])
+        if isinstance(cmd, typer.core.TyperGroup):
+            ctx = typer.Context(cmd)
+            for name in cmd.list_commands(ctx):
+                walk(cmd.get_command(ctx, name), [*path, name])
 
     walk(typer.main.get_command(cli.app), [])
     return found
@@ -39,7 +41,7 @@ def _commands() -> list[list[str]]:
 def _params(path: list[str]) -> list:
     cmd = typer.main.get_command(cli.app)
     for word in path:
-        cmd = cmd.commands[word]  # type: ignore[attr-defined]
+        cmd = cmd.get_command(typer.Context(cmd), word)  # type: ignore[attr-defined]
     return cmd.params  # type: ignore[attr-defined]
 
 
