@@ -117,5 +117,13 @@ bench-scale: venv
 	@$(BIN)/python -c 'import matplotlib, asyncssh' 2>/dev/null || $(BIN)/pip install -q matplotlib asyncssh || true
 	flock /tmp/sandbox-heavy.lock $(BIN)/python bench/scale.py $(SCALE_ARGS)
 
+# Start-up (issue 39 item 17; docs/benchmarks.md "Start-up"): --help, --version, push -h, TAB completion and render on
+# 200 hosts, each a fresh process, against the interpreter's and Typer's floors; prints a table, writes
+# bench/results/startup.json; ~2 min on 2 cores. STARTUP_ARGS="--baseline DIR" also measures another checkout in the
+# same rounds (git worktree add --detach DIR COMMIT), STARTUP_ARGS="--runs 10" for a quick run.
+.PHONY: bench-startup
+bench-startup: venv
+	$(BIN)/python bench/startup.py $(STARTUP_ARGS)
+
 clean:
 	rm -rf $(VENV) .sandbox .tools
