@@ -34,10 +34,11 @@ main()
 
 
 def _imported(args: list[str], **env: str) -> set[str]:
-    """The modules a start of ``kdeploy ARGS`` imports, off a terminal."""
+    """The modules a start of ``kdeploy ARGS`` imports, off a terminal (help in plain text, without rich)."""
     path = os.pathsep.join([str(REPO), str(REPO / "lab"), os.environ.get("PYTHONPATH", "")])
+    plain = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
     done = subprocess.run([sys.executable, "-c", RUN, *args], cwd=REPO, text=True, capture_output=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": path, **env})
+                          env={**plain, "PYTHONPATH": path, **env})
     assert done.returncode == 0, done.stderr[-2000:]
     return set(done.stderr.splitlines()[-1].split())
 
