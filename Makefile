@@ -60,9 +60,10 @@ TEST_REPORT ?= test-results/junit.xml
 test: venv lint ci-tools
 	$(BIN)/python -m pytest -q --durations=15 --junitxml=$(TEST_REPORT) tests
 
-# The fast tier: no sandbox hosts, no SGLang venv, no kernel interpreter (under a minute), one worker per core.
+# The fast tier: no sandbox hosts, no SGLang venv, no kernel interpreter (under a minute), one worker per core, a
+# file's tests on one worker (the bad-input corpus runs its cases once, for all of them).
 test-unit: venv
-	$(BIN)/python -m pytest -q -n auto -m "not sandbox" tests/unit
+	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not sandbox" tests/unit
 
 demo: venv
 	$(BIN)/python -m kdeploy_lab.sglang_env

@@ -71,6 +71,14 @@ class Holder:
         """SIGKILL the holder's whole process group: sh and its `cat`."""
         os.killpg(self.pid, signal.SIGKILL)
         self.proc.wait(timeout=SAFETY)
+        deadline = time.monotonic() + SAFETY  # `cat` holds the lock's descriptor until it is gone too
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"process group {self.pid} outlived SIGKILL")
 
 
 @pytest.fixture
