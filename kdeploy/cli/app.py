@@ -627,7 +627,7 @@ def rollback(ctx: typer.Context, target: Target, inventory: InventoryOpt = DEFAU
     ui = Ui(as_json, junit_path)
     from kdeploy.core.release import check_name
 
-    opts = _options(to_release=to and check_name(to, "--to"), lock_wait=lock_wait,
+    opts = _options(to_release=None if to is None else check_name(to, "--to"), lock_wait=lock_wait,
                     accept_new_host_keys=accept_new_host_keys, policy=_policy(canary, batch, max_fail),
                     command=command_line(ctx))
     loaded = _load(inventory, service, target, limit)
@@ -710,11 +710,12 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
             outside = [name for name in local if name not in allowed]
             local = {name: step for name, step in local.items() if name in allowed}
             if outside:
-                ui.err.print(f"outside --limit {limit!r}, not rolled out (they drift until `kdeploy push`): "
-                             f"{', '.join(outside)}", markup=False)
+                ui.line(f"outside --limit {limit!r}, not rolled out (they drift until `kdeploy push`): "
+                        f"{', '.join(outside)}")
         if not no_apply:
             policy.check(len(local))  # before the diff: a refused rollout shows no change it will not make
-        ui.err.print(edit.diff(), markup=False, end="")
+        for line in edit.diff().splitlines():  # lines of the inventory file: what it holds may be anything
+            ui.line(line)
         if no_apply:
             settings.write(edit)
             report = Report(command, [], {"inventory": {"path": str(edit.path), "level": edit.level,

@@ -88,6 +88,18 @@ class Group:
     parents: list[str] = field(default_factory=list)
     vars: dict = field(default_factory=dict)
     depth: int = 0
+    members: set[str] = field(default_factory=set, repr=False, compare=False)  # ``hosts`` as a set: a fleet of
+    # thousands of hosts is no list scan per host
+
+    def add(self, host: str) -> None:
+        if host not in self.members:
+            self.members.add(host)
+            self.hosts.append(host)
+
+    def discard(self, host: str) -> None:
+        if host in self.members:
+            self.members.discard(host)
+            self.hosts.remove(host)
 
 
 @dataclass
@@ -109,9 +121,7 @@ class AnsibleInventory:
     def add_host(self, name: str, group: str, variables: dict, where: tuple[Path, int | None]) -> None:
         self.hosts.setdefault(name, {}).update(variables)
         self.origin.setdefault(name, where)
-        members = self.group(group).hosts
-        if name not in members:
-            members.append(name)
+        self.group(group).add(name)
 
     def add_child(self, parent: str, child: str, where: str) -> None:
         """``where``: the file:line that makes ``child`` a child of ``parent``, for the error if it closes a loop."""
@@ -129,11 +139,10 @@ class AnsibleInventory:
                 self.add_child("all", group.name, str(self.path))
         ungrouped = self.groups["ungrouped"]
         for host in self.hosts:
-            others = [g for g in self.groups.values() if host in g.hosts and g.name not in ("all", "ungrouped")]
-            if others and host in ungrouped.hosts:
-                ungrouped.hosts.remove(host)
-            elif not others and host not in ungrouped.hosts:
-                ungrouped.hosts.append(host)
+            if any(host in g.members for g in self.groups.values() if g.name not in ("all", "ungrouped")):
+                ungrouped.discard(host)
+            else:
+                ungrouped.add(host)
         for name in self._ordered():  # depth: the longest path from ``all``, as ansible-core counts it
             for child in self.groups[name].children:
                 self.groups[child].depth = max(self.groups[child].depth, self.groups[name].depth + 1)
@@ -717,6 +726,9 @@ def _plain(value: Any, where: str) -> Any:
     return value
 
 
+INI_LINE = 65536  # characters of an INI line: a host and its variables fit many times; shlex's time grows as its square
+
+
 def _read_ini(found: AnsibleInventory, path: Path, text: str) -> None:
     """ansible-core's ``ini`` plugin: sections ``[g]``, ``[g:children]``, ``[g:vars]``; ``key=value`` values are
     Python literals where they parse as one; hosts before any section are ``ungrouped``."""
@@ -728,6 +740,8 @@ def _read_ini(found: AnsibleInventory, path: Path, text: str) -> None:
         where = f"{path}:{number}"
         if not line or line[0] in "#;":
             continue
+        if len(line) > INI_LINE:
+            raise InvalidInput(f"{where}: a line of {len(line)} characters, more than {INI_LINE}")
         m = _SECTION.match(line)
         if m:
             group, state = m.group(1), m.group(2) or "hosts"
@@ -805,7 +819,8 @@ def _read_yaml(found: AnsibleInventory, path: Path, text: str) -> None:
     for name, body in data.items():
         _yaml_group(found, path, str(name), body, (data, name))
     # The plugin reads a group's children before its hosts; the hosts keep the order they are written in.
-    new = sorted((h for h in found.hosts if h not in set(known)), key=lambda h: found.where(h)[1] or 0)
+    old = set(known)
+    new = sorted((h for h in found.hosts if h not in old), key=lambda h: found.where(h)[1] or 0)
     found.hosts = {h: found.hosts[h] for h in [*known, *new]}
 
 

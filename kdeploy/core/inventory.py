@@ -33,6 +33,7 @@ from kdeploy.core import ansible, files, patterns
 from kdeploy.core.analysis import Bounds
 from kdeploy.core.defaults import DEFAULT_INVENTORY, WEEK
 from kdeploy.core.errors import InvalidInput
+from kdeploy.core.text import first_unsafe
 from kdeploy.core.yamlsource import line_of, parse_yaml, read_text
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -47,14 +48,18 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _no_control(value: str) -> str:
-    """Refuse what would break the unit file: control characters, and any other character ``str.splitlines``
-    breaks at (U+0085, U+2028, U+2029): the unit is read back line by line, so it would never compare equal."""
+    """Refuse what would break the unit file: control characters, any other character ``str.splitlines`` breaks
+    at (U+0085, U+2028, U+2029: the unit is read back line by line, so it would never compare equal), and the
+    characters every human line escapes (C1, bidirectional controls, BOM: :func:`text.first_unsafe`)."""
     if _CONTROL.search(value):
         raise ValueError("contains a newline or control character (it would corrupt the unit file)")
     if value.splitlines() not in ([value], []):
         breaker = next(c for c in value if len(f"a{c}b".splitlines()) > 1)
         raise ValueError(f"contains the line separator U+{ord(breaker):04X} (the unit file would not read back "
                          "as written)")
+    unsafe = first_unsafe(value)
+    if unsafe is not None:  # C1 controls, bidirectional controls, BOM: invisible or reordering in the unit
+        raise ValueError(f"contains the control character U+{ord(unsafe):04X} (the unit file would show it raw)")
     return value
 
 
@@ -652,9 +657,10 @@ def parse(raw: dict, path: Path, locate: typing.Callable[[tuple], str] | None = 
 
     hosts: dict[str, HostConfig] = {}
     host_layers: dict[str, list[tuple[tuple, dict]]] = {}
+    member_sets = {g: set(members) for g, members in groups.items()}  # no list scan per host and group
     for name, host in raw_hosts.items():
         layers = host_layers[str(name)] = [(("defaults",), defaults)]
-        layers += [(("groups", g), group_layers[g]) for g, members in groups.items() if name in members]
+        layers += [(("groups", g), group_layers[g]) for g in groups if name in member_sets[g]]
         layers.append((("hosts", name), host or {}))  # `ct200:` with nothing under it is an empty mapping
         merged: dict = {}
         for _, layer in layers:

@@ -99,10 +99,15 @@ def expand_ranges(pattern: str) -> list[str]:
             raise ValueError("a range must have begin <= end")
         seq: Sequence[str | int] = string.ascii_letters[i:j + 1:step]
     else:
+        if step == 0:
+            raise ValueError("a range's step cannot be 0")
         seq = range(int(beg), int(end) + 1, step)
     too_many = ValueError(f"stands for more than {MAX_RANGE} hosts")
-    if len(seq) > MAX_RANGE:
-        raise too_many
+    try:
+        if len(seq) > MAX_RANGE:
+            raise too_many
+    except OverflowError:  # more than the platform's largest size
+        raise too_many from None
     names: list[str] = []
     for item in seq:
         names += expand_ranges(f"{head}{str(item).zfill(width)}{tail}")

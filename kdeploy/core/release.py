@@ -30,6 +30,7 @@ from kdeploy.core.errors import InvalidInput
 from kdeploy.core.layout import CURRENT, META, RELEASES, STAGING
 from kdeploy.core.step import Step
 from kdeploy.core.systemd import UNIT_DIR, parse_old_run, restart_command, stop_command
+from kdeploy.core.text import first_unsafe
 
 _SKIP_DIRS = {"__pycache__", ".git", ".mypy_cache", ".pytest_cache", ".ruff_cache", META}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
@@ -118,7 +119,7 @@ def _scan(root: Path) -> Payload:
     found: dict[str, LocalFile] = {}
     for path in _walk(root):
         name = path.relative_to(root).as_posix()
-        if any(c in name for c in "\n\r\\") or any(ord(c) < 32 for c in name):
+        if "\\" in name or first_unsafe(name) is not None:
             raise InvalidInput(f"{path}: payload file names may not contain control characters or backslashes")
         if any("\udc80" <= c <= "\udcff" for c in name):  # bytes that are not UTF-8 (surrogate escapes)
             raise InvalidInput(f"{root}: payload file name {name.encode(errors='surrogateescape')!r} is not UTF-8 "

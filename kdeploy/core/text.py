@@ -29,3 +29,10 @@ def one_line(text: str) -> str:
     """``text`` with every character that could break or disguise a line of output escaped (``\\n``,
     ``\\x1b``, ``\\u202e``); a backslash itself is left as it is (regular expressions stay readable)."""
     return _UNSAFE.sub(_escape, text)
+
+
+def first_unsafe(text: str) -> str | None:
+    """The first character of ``text`` that :func:`one_line` would escape, None when there is none: where a string
+    is written somewhere no escaping happens (the unit file), such a string is refused instead."""
+    found = _UNSAFE.search(text)
+    return found.group() if found else None

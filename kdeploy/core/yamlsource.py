@@ -13,19 +13,32 @@ from ruamel.yaml.scanner import RoundTripScanner, ScannerError
 from kdeploy.core import files
 from kdeploy.core.errors import InvalidInput
 
+MAX_ALIASES = 1000  # YAML aliases (*name) in one document: an inventory uses a handful
 
-class _TooDeep(ScannerError):
-    """Flow collections nested past the bound: refused by :func:`load_yaml`, never taken for a format hint."""
+
+class _Refused(ScannerError):
+    """A document past a bound the scanner keeps: refused by :func:`load_yaml` (its ``problem`` says which), never
+    taken for a format hint."""
 
 
 class _Scanner(RoundTripScanner):
     """ruamel's scanner, refusing flow collections (``[``, ``{``) nested deeper than :data:`files.MAX_DEPTH`: it
-    does work in proportion to the nesting for every token, so 20000 ``[`` would take minutes to parse."""
+    does work in proportion to the nesting for every token, so 20000 ``[`` would take minutes to parse; and more
+    than :data:`MAX_ALIASES` aliases: a chain of merge keys (``mN: {<<: *mN-1, ...}``) is built in time and memory
+    that grow as the square of its length, before any count of the values could stop it."""
+
+    aliases = 0
 
     def fetch_flow_collection_start(self, TokenClass: Any, to_push: str) -> None:
         if self.flow_level >= files.MAX_DEPTH:
-            raise _TooDeep(None, None, "too deep", self.reader.get_mark())
+            raise _Refused(None, None, f"nested deeper than {files.MAX_DEPTH} levels", self.reader.get_mark())
         super().fetch_flow_collection_start(TokenClass, to_push)
+
+    def fetch_alias(self) -> None:
+        self.aliases += 1
+        if self.aliases > MAX_ALIASES:
+            raise _Refused(None, None, f"more than {MAX_ALIASES} YAML aliases", self.reader.get_mark())
+        super().fetch_alias()
 
 
 def yaml_loader() -> YAML:
@@ -46,9 +59,8 @@ def load_yaml(text: str, path: Path) -> Any:
     YAML error is left to the caller (:func:`parse_yaml` reports it, format detection takes it as a hint)."""
     try:
         return files.parsed(lambda: yaml_loader().load(text), str(path))
-    except _TooDeep as exc:  # not a YAML error for format detection to read as a hint: refused here
-        raise InvalidInput(f"{path}:{exc.problem_mark.line + 1}: nested deeper than {files.MAX_DEPTH} levels") \
-            from None
+    except _Refused as exc:  # not a YAML error for format detection to read as a hint: refused here
+        raise InvalidInput(f"{path}:{exc.problem_mark.line + 1}: {exc.problem}") from None
 
 
 def parse_yaml(text: str, path: Path,

@@ -20,6 +20,7 @@ import re
 import shlex
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -152,6 +153,18 @@ def _say_once(key: str, text: str) -> None:
     sys.stderr.write(f"kdeploy: note: {text}\n")
 
 
+def _check_for_openssh(path: Path) -> None:
+    """A config named explicitly, before ``ssh -G`` reads it (OpenSSH reads a file whole, without a bound): there,
+    a regular file, and within kdeploy's bound. The files it Includes are OpenSSH's to read."""
+    st = files.status(path, "ssh_config")
+    if st is None:
+        raise InvalidInput(f"ssh_config {path}: not found")
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidInput(f"ssh_config {path}: not a regular file")
+    if st.st_size > files.MAX_BYTES:
+        raise InvalidInput(f"ssh_config {path}: larger than {files.size(files.MAX_BYTES)} (kdeploy's bound)")
+
+
 def target_for(inventory: Inventory, host: HostConfig, cli_value: str | None = None) -> Target:
     """The host's :class:`Target` under the ssh_config that applies, resolved by ``ssh -G`` where OpenSSH is
     installed (cached per run), else by the builtin parser (once per file version). A setting kdeploy
@@ -160,8 +173,7 @@ def target_for(inventory: Inventory, host: HostConfig, cli_value: str | None = N
     ssh = ssh_binary()
     if ssh is not None:
         for path in paths if paths != default_paths() else []:
-            if not files.is_file(path, "ssh_config"):
-                raise InvalidInput(f"ssh_config {path}: not found")
+            _check_for_openssh(path)
         lookup = OpenSSH(ssh, paths).lookup
     else:
         required = paths != default_paths()

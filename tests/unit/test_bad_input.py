@@ -65,6 +65,14 @@ def locked_dir(path: Path) -> None:
     path.chmod(0)
 
 
+def sparse(size: int) -> callable:
+    """A file of ``size`` bytes that takes no disk (a sparse file): a size bound must refuse it unread."""
+    def write(path: Path) -> None:
+        with path.open("wb") as fh:
+            fh.truncate(size)
+    return write
+
+
 def unreadable(text: str) -> callable:
     def write(path: Path) -> None:
         path.write_text(text)
@@ -173,6 +181,10 @@ def kdeploy_yaml_cases() -> list[Case]:
         "yaml-python-tag": "defaults: !!python/object/apply:os.system ['true']\n",
         "yaml-unknown-tag": "defaults: !foo bar\n",
         "deep-yaml": deep_yaml(20000),
+        "yaml-merge-chain": "m0: &m0 {k0: 1}\n" + "".join(f"m{i}: &m{i} {{<<: *m{i - 1}, k{i}: 1}}\n"
+                                                           for i in range(1, 6000)),
+        "env-value-c1-csi": inventory(service=SERVICE_BODY + 'env: {A: "\\x9b2J"}\n'),
+        "env-value-bidi": inventory(service=SERVICE_BODY + 'env: {A: "ok\\u202eevil"}\n'),
         "deep-yaml-mapping": "defaults: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n",
     }
     cases = [Case(f"kdeploy-yaml-{name}", render(), {"inv.yaml": text}) for name, text in bad.items()]
@@ -209,6 +221,9 @@ def ansible_cases() -> list[Case]:
         "range-open": "[a]\nh[1:]\n",
         "range-reversed": "[a]\nh[9:1]\n",
         "range-huge": "[a]\nh[0:99999999]\n",
+        "range-overflow": "[a]\nh[0:99999999999999999999999]\n",
+        "range-step-zero": "[a]\nh[1:9:0]\n",
+        "line-5-mb": "[a]\nh1 x=" + "a" * 5_000_000 + "\n",
         "range-letters-mixed": "[a]\nh[a:9]\n",
         "vars-without-group": "[a:vars]\nx=1\n",
         "var-no-equals": "[a]\nh1 ansible_host\n",
@@ -372,7 +387,10 @@ def path_cases() -> list[Case]:
         Case("ssh-config-dev-zero", ("plan", "all", "-i", "inv.yaml", "--ssh-config", "/dev/zero"),
              {"inv.yaml": inventory()}, expect="report", timeout=20),
         Case("ssh-config-fifo", ("plan", "all", "-i", "inv.yaml", "--ssh-config", "pipe"),
-             {"inv.yaml": inventory(), "pipe": fifo}, expect="report", timeout=10),
+             {"inv.yaml": inventory(), "pipe": fifo}, expect="report", timeout=10, mentions=("not a regular file",)),
+        Case("ssh-config-sparse-3g", ("plan", "all", "-i", "inv.yaml", "--ssh-config", "big"),
+             {"inv.yaml": inventory(), "big": sparse(3 << 30)},
+             expect="report", mentions=("larger than",)),
         Case("ssh-config-bad-line", ("plan", "all", "-i", "inv.yaml", "--ssh-config", "cfg"),
              {"inv.yaml": inventory(), "cfg": "Host *\n  Port notaport\n"}, expect="report"),
         Case("ssh-config-include-loop", ("plan", "all", "-i", "inv.yaml", "--ssh-config", "cfg"),
@@ -436,6 +454,10 @@ def option_cases() -> list[Case]:
         "exec-timeout-zero": ("exec", "all", "-i", "inv.yaml", "--timeout", "0", "--", "true"),
         "rollback-to-bad": ("rollback", "all", "-i", "inv.yaml", "--to", "../../etc"),
         "rollback-to-newline": ("rollback", "all", "-i", "inv.yaml", "--to", "a\nb"),
+        "rollback-to-empty": ("rollback", "all", "-i", "inv.yaml", "--to", ""),
+        "target-range-overflow": ("render", "x[0:99999999999999999999999]", "-i", "inv.yaml"),
+        "set-env-c1-value": ("set-env", "A=\x9b2J", "-i", "inv.yaml"),
+        "set-env-bidi-value": ("set-env", "A=ok\u202eevil", "-i", "inv.yaml"),
         "set-env-no-equals": ("set-env", "A", "-i", "inv.yaml"),
         "set-env-bad-name": ("set-env", "A B=1", "-i", "inv.yaml"),
         "set-env-empty-name": ("set-env", "=1", "-i", "inv.yaml"),

@@ -249,7 +249,7 @@ def test_completion_of_a_pattern_from_the_shell(fleet, monkeypatch, capsys):
     assert capsys.readouterr().out.split() == ["a100"]
 
 
-@pytest.mark.parametrize("pattern", ["h[0:99999999]", "h[0:999][0:999]"])
+@pytest.mark.parametrize("pattern", ["h[0:99999999]", "h[0:999][0:999]", "h[0:99999999999999999999999]"])
 def test_a_host_range_stands_for_at_most_max_range_hosts(pattern):
     with pytest.raises(ValueError, match=f"more than {patterns.MAX_RANGE} hosts"):
         patterns.expand_ranges(pattern)
