@@ -658,7 +658,8 @@ class Remote:
                 opener = _opener(hop)
             transport, recorded, failures = _handshake(hop, opener, accept_new_host_keys)
         except Unreachable as exc:
-            raise Unreachable(f"{host.name}: {exc}" if not str(exc).startswith(f"{host.name} ") else str(exc)) \
+            said = str(exc)
+            raise Unreachable(said if said.startswith((f"{host.name} ", f"{host.name}:")) else f"{host.name}: {said}") \
                 from None
         remote = cls(host, transport, target, recorded, tuple(failures))
         if host.become:
