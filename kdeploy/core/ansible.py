@@ -293,8 +293,9 @@ def _decode(data: Any, source: str) -> Any:
         elif isinstance(value, dict) and (_UNSAFE in value or _VAULT in value):
             marker = _UNSAFE if _UNSAFE in value else _VAULT  # as Ansible's decoder: the first of its keys wins
             if not isinstance(value[marker], str):
-                raise InvalidInput(f"{_at(source, parent, key)}: {marker} must be a string, not "
-                                   f"{type(value[marker]).__name__}")
+                kind = "a list" if isinstance(value[marker], list) else "a mapping" if isinstance(
+                    value[marker], dict) else type(value[marker]).__name__
+                raise InvalidInput(f"{_at(source, parent, key)}: {marker} must be a string, not {kind}")
             value = Unsafe(value[marker]) if marker == _UNSAFE else Vaulted(value[marker])
         if unsafe and isinstance(value, str) and not isinstance(value, Unsafe):
             value = Unsafe(value)
@@ -477,7 +478,7 @@ def timeout() -> float:
     except ValueError:
         seconds = 0
     if not 0 < seconds <= WEEK:
-        raise InvalidInput(f"KDEPLOY_INVENTORY_TIMEOUT={value!r}: expected seconds, a number above 0")
+        raise InvalidInput(f"KDEPLOY_INVENTORY_TIMEOUT={value!r}: expected seconds, a number above 0 and at most {WEEK:g} (a week)")
     return seconds
 
 
