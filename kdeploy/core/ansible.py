@@ -478,7 +478,8 @@ def timeout() -> float:
     except ValueError:
         seconds = 0
     if not 0 < seconds <= WEEK:
-        raise InvalidInput(f"KDEPLOY_INVENTORY_TIMEOUT={value!r}: expected seconds, a number above 0 and at most {WEEK:g} (a week)")
+        raise InvalidInput(f"KDEPLOY_INVENTORY_TIMEOUT={value!r}: expected seconds, a number above 0 and at most "
+                           f"{WEEK:g} (a week)")
     return seconds
 
 
