@@ -326,7 +326,12 @@ def _check_writable(path: Path, option: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InvalidInput(f"{option} {path}: cannot create its directory: {exc.strerror}") from None
-    if path.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    try:
+        usable = not path.is_dir() and os.access(path.parent, os.W_OK) and (
+            not path.exists() or os.access(path, os.W_OK))
+    except OSError as exc:  # a directory on the way that cannot be searched
+        raise InvalidInput(f"{option} {path}: cannot look at it: {exc.strerror}") from None
+    if not usable:
         raise InvalidInput(f"{option} {path}: not a writable file")
 
 
@@ -412,8 +417,11 @@ class Ui:
             from kdeploy.cli import junit
 
             services = {name: h.service.name for name, h in inventory.hosts.items()} if inventory else {}
-            self.junit.write_text(junit.build(report, services, started=self.started,
-                                              seconds=time.monotonic() - self.clock))
+            try:
+                self.junit.write_text(junit.build(report, services, started=self.started,
+                                                  seconds=time.monotonic() - self.clock))
+            except OSError as exc:  # checked writable at the start: a disk that filled since
+                raise InvalidInput(f"--junit {self.junit}: cannot write it: {exc.strerror}") from None
         if self.as_json:
             sys.stdout.write(json.dumps(report.as_json(), indent=2, default=str) + "\n")
         if extra and not self.quiet:
