@@ -136,6 +136,8 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 PLUGIN_GROUP = "sglang.srt.plugins"
 SGLANG_VERSION = "0.5.23"
@@ -358,43 +360,22 @@ def _build_parser():
         def error(self, message: str):  # one line, exit 2, like argparse minus the usage block
             self.exit(2, f"{self.prog}: error: {message}\n")
 
-    def positive_int(text: str) -> int:
-        value = int(text)
-        if value < 1:
-            raise ValueError(text)
-        return value
+    def checked(convert: Callable[[str], Any], ok: Callable[[Any], bool], name: str) -> Callable[[str], Any]:
+        """An argparse type: ``convert`` the text, refused unless ``ok``; argparse names it ``name`` in errors."""
+        def parse(text: str) -> Any:
+            value = convert(text)
+            if not ok(value):
+                raise ValueError(text)
+            return value
 
-    positive_int.__name__ = "positive int"
+        parse.__name__ = name
+        return parse
 
-    def port(text: str) -> int:
-        value = int(text)
-        if not 0 <= value <= 65535:
-            raise ValueError(text)
-        return value
-
-    def fraction(text: str) -> float:
-        value = float(text)
-        if not 0.0 < value <= 1.0:
-            raise ValueError(text)
-        return value
-
-    fraction.__name__ = "fraction in (0, 1]"
-
-    def non_negative_float(text: str) -> float:
-        value = float(text)
-        if value < 0:
-            raise ValueError(text)
-        return value
-
-    non_negative_float.__name__ = "non-negative float"
-
-    def non_negative_int(text: str) -> int:
-        value = int(text)
-        if value < 0:
-            raise ValueError(text)
-        return value
-
-    non_negative_int.__name__ = "non-negative int"
+    positive_int = checked(int, lambda v: v >= 1, "positive int")
+    port = checked(int, lambda v: 0 <= v <= 65535, "port")
+    fraction = checked(float, lambda v: 0.0 < v <= 1.0, "fraction in (0, 1]")
+    non_negative_float = checked(float, lambda v: v >= 0, "non-negative float")
+    non_negative_int = checked(int, lambda v: v >= 0, "non-negative int")
 
     p = _Parser(prog="kdeploy_refserver", allow_abbrev=False,
                 description="GPU-free stand-in for `python -m sglang.launch_server` (see the module docstring).")
