@@ -36,12 +36,17 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
                = False,
                become_user: Annotated[str | None, typer.Option(
                    "--become-user", metavar="NAME", help="Root may not log in over SSH; NAME logs in and has "
-                   "passwordless sudo; the inventory gets `user: NAME` and `become: true`.")] = None) -> None:
+                   "passwordless sudo; the inventory gets `user: NAME` and `become: true`.")] = None,
+               nodes_per_server: Annotated[int, typer.Option(
+                   "--nodes-per-server", metavar="K", min=1, max=200, help="Servers that span K hosts each (a "
+                   "`servers:` section, tp K times a host's); --hosts must be a multiple of K.")] = 1) -> None:
     """Boot local hosts (systemd-nspawn) and write an inventory for them."""
     from rich.console import Console
 
     from kdeploy_lab import demo, sandbox, sandbox_router
 
+    if hosts % nodes_per_server:  # before the boot: checked again on writing, by then the hosts would be wasted
+        raise InvalidInput(f"sandbox up: --hosts {hosts} is not a multiple of --nodes-per-server {nodes_per_server}")
     box = sandbox.Sandbox(instance=instance, sglang=False if light else None)
     service = demo.light_service() if light else demo.demo_service()
     box.check_requirements()
@@ -54,15 +59,21 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
     if router:
         try:
             url = sandbox_router.install(box, booted[-1])
-            sandbox_router.write_inventory(box, inventory_out, service, booted[-1], url)
+            sandbox_router.write_inventory(box, inventory_out, service, booted[-1], url, nodes_per_server)
         except BaseException:
             box.down()
             raise
         err.print(f"router on {booted[-1].name}: {url} (first push: --router-add-missing)")
     else:
-        box.write_inventory(inventory_out, service)
+        box.write_inventory(inventory_out, service, nodes_per_server)
     err.print(f"{len(booted)} hosts up in {time.monotonic() - started:.1f}s: "
               + ", ".join(f"{h.name}={h.address}" for h in booted))
+    if nodes_per_server > 1:
+        nodes = [h.name for h in booted[:hosts]]
+        err.print(f"servers of {nodes_per_server} nodes (the first is the head, rendezvous port "
+                  f"{sandbox.RENDEZVOUS_PORT}): " + ", ".join(
+                      f"s{i // nodes_per_server + 1}=" + "+".join(nodes[i:i + nodes_per_server])
+                      for i in range(0, hosts, nodes_per_server)))
     err.print(f"inventory: {inventory_out}   ssh: ssh -F {box.ssh_config_path} {booted[0].name}")
 
 

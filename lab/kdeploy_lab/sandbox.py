@@ -66,6 +66,9 @@ NSPAWN_RUN = Path("/run/systemd/nspawn")
 NSPAWN_DIRS = (NSPAWN_RUN / "propagate", NSPAWN_RUN / "unix-export")
 PATH_INSIDE = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STOP_GRACE = 30.0    # seconds an orderly poweroff may take before the host is killed
+# --dist-init-addr port of a server that spans hosts: torch's usual MASTER_PORT, clear of SGLang's HTTP port
+# (30000) and of the few ports SGLang takes just above the dist-init port
+RENDEZVOUS_PORT = 29500
 
 
 class SandboxError(KdeployError):
@@ -149,6 +152,31 @@ def edit_inventory(path: Path, change: Callable[[CommentedMap], None]) -> None:
     change(doc)
     with path.open("w") as fh:
         yaml.dump(doc, fh)
+
+
+def span_servers(doc: CommentedMap, nodes_per_server: int) -> None:
+    """Group the inventory's sandbox hosts, in order, into servers of ``nodes_per_server`` nodes each (a
+    ``servers:`` section, s1, s2, ...; the first node is the head) and make the service's ``sglang.tp`` the
+    total over a server's nodes, so each node runs as many workers as a one-host server does. The unit
+    renderer derives ``--nnodes/--node-rank/--dist-init-addr`` from that section. 1 leaves ``doc`` as it is."""
+    if isinstance(nodes_per_server, bool) or not isinstance(nodes_per_server, int) or nodes_per_server < 1:
+        raise SandboxError(f"nodes per server must be a positive integer, got {nodes_per_server!r}")
+    if nodes_per_server == 1:
+        return
+    names = list(doc["groups"]["sandbox"]["hosts"])
+    if len(names) % nodes_per_server:
+        raise SandboxError(f"{len(names)} sandbox hosts do not split into servers of {nodes_per_server} nodes: "
+                           f"the number of hosts must be a multiple of the nodes per server")
+    service = doc["defaults"]["service"]
+    sglang = service.get("sglang") or {}
+    # a copy: the caller's service dict is not changed
+    doc["defaults"]["service"] = {**service, "sglang": {**sglang, "tp": int(sglang.get("tp", 1)) * nodes_per_server}}
+    servers = CommentedMap()
+    for first in range(0, len(names), nodes_per_server):
+        nodes = CommentedSeq(names[first:first + nodes_per_server])
+        nodes.fa.set_flow_style()
+        servers[f"s{first // nodes_per_server + 1}"] = CommentedMap(nodes=nodes, rendezvous_port=RENDEZVOUS_PORT)
+    doc["servers"] = servers
 
 
 def _tail_line(text: str) -> str:
@@ -968,8 +996,9 @@ class Sandbox:
 
     # --- inventory ------------------------------------------------------------------------------------
 
-    def write_inventory(self, path: Path, service: dict[str, Any]) -> None:
-        """Write a kdeploy inventory for the running sandbox (atomically)."""
+    def write_inventory(self, path: Path, service: dict[str, Any], nodes_per_server: int = 1) -> None:
+        """Write a kdeploy inventory for the running sandbox (atomically). ``nodes_per_server`` > 1: the hosts
+        form servers that span that many hosts each (:func:`span_servers`)."""
         hosts = self.hosts()
         if not hosts:
             raise SandboxError(f"sandbox {self.instance} is not up: kdeploy sandbox up first")
@@ -1004,6 +1033,7 @@ class Sandbox:
         doc["defaults"] = defaults
         doc["groups"] = CommentedMap(sandbox=group)
         doc["hosts"] = host_map
+        span_servers(doc, nodes_per_server)
         doc.yaml_set_start_comment(
             f"Written by `kdeploy sandbox up` for sandbox instance {self.instance} ({len(hosts)} hosts).\n"
             "The hosts are local systemd-nspawn containers; this file is valid until `kdeploy sandbox down`.")

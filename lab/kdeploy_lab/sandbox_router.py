@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from kdeploy_lab import router_env
-from kdeploy_lab.sandbox import Sandbox, SandboxError, SandboxHost, edit_inventory
+from kdeploy_lab.sandbox import Sandbox, SandboxError, SandboxHost, edit_inventory, span_servers
 
 PORT = 30080
 PROMETHEUS_PORT = 29000
@@ -76,14 +76,17 @@ def routed_service(service: dict[str, Any]) -> dict[str, Any]:
     return {**service, "sglang": sglang}
 
 
-def write_inventory(box: Sandbox, path: Path, service: dict[str, Any], router_host: SandboxHost, url: str) -> None:
-    """The sandbox inventory without the router host, with a ``router:`` section for it."""
+def write_inventory(box: Sandbox, path: Path, service: dict[str, Any], router_host: SandboxHost, url: str,
+                    nodes_per_server: int = 1) -> None:
+    """The sandbox inventory without the router host, with a ``router:`` section for it; ``nodes_per_server``
+    as in :meth:`Sandbox.write_inventory`, over the hosts without the router's."""
     box.write_inventory(path, routed_service(service))
 
     def without_router_host(doc: dict) -> None:
         del doc["hosts"][router_host.name]
         doc["groups"]["sandbox"]["hosts"].remove(router_host.name)
         doc["defaults"]["router"] = {"url": url, "drain_timeout": 120}
+        span_servers(doc, nodes_per_server)
 
     edit_inventory(path, without_router_host)
 

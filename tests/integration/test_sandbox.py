@@ -13,13 +13,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from ruamel.yaml import YAML
 
-from kdeploy_lab.sandbox import HOST_VENV, Sandbox, SandboxError, SandboxHost
+from kdeploy_lab.demo import light_service
+from kdeploy_lab.sandbox import HOST_VENV, RENDEZVOUS_PORT, Sandbox, SandboxError, SandboxHost
 
 REPO = Path(__file__).resolve().parents[2]
 INOTIFY = Path("/proc/sys/fs/inotify/max_user_instances")
@@ -273,3 +276,72 @@ def test_fault_injection_and_exec(sb9: Sandbox) -> None:
     sb9.start("h2")
     proc = ssh(sb9, h2, "cat /srv/note; echo; systemctl is-system-running")
     assert proc.stdout.split() == ["kept", "running"], (proc.stdout, proc.stderr)
+
+
+def _status(url: str) -> int | None:
+    """The HTTP status of GET url, None while nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def _until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} never came"
+        time.sleep(0.2)
+
+
+@needs_root
+def test_a_server_of_two_nodes_forms_its_group_across_hosts(sb8: Sandbox, tmp_path: Path) -> None:
+    """``--nodes-per-server 2``: the inventory makes h1+h2 one server, and its two nodes, started by hand as the
+    unit renderer will start them (kdeploy push cannot yet), meet over the bridge at the head's rendezvous port."""
+    h1, h2 = sb8.up(2)
+    inventory = tmp_path / "inventory.yaml"
+    sb8.write_inventory(inventory, light_service(), nodes_per_server=2)
+    text = inventory.read_text()
+    doc = YAML(typ="safe").load(text)
+    assert doc["servers"] == {"s1": {"nodes": ["h1", "h2"], "rendezvous_port": 29500}}
+    assert "nodes: [h1, h2]" in text
+    assert doc["defaults"]["service"]["sglang"]["tp"] == 2 and doc["defaults"]["service"]["gate"]["workers"] == 1
+
+    dist = f"{h1.address}:{RENDEZVOUS_PORT}"
+    tp = str(doc["defaults"]["service"]["sglang"]["tp"])
+
+    def start(host: SandboxHost, rank: int) -> None:
+        # --host 0.0.0.0: this machine reads the nodes' health over the bridge (the rendezvous binds every
+        # address whatever --host says)
+        sb8.exec(host.name, ["systemd-run", "--unit=kdmn", "--setenv=REFSERVER_SHUTDOWN_POLL=0.2",
+                             f"{HOST_VENV}/bin/python", "-m", "kdeploy_refserver", "--model-path", "/models/m",
+                             "--tp-size", tp, "--host", "0.0.0.0", "--port", "30000", "--nnodes", "2",
+                             "--node-rank", str(rank), "--dist-init-addr", dist, "--dist-timeout", "60"])
+
+    def log(host: SandboxHost) -> str:
+        return sb8.exec(host.name, ["journalctl", "-u", "kdmn", "-o", "cat", "--no-pager"]).stdout
+
+    start(h1, 0)
+    _until(lambda: "Rendezvous listening on port 29500" in log(h1), "the head's rendezvous listener")
+    assert _status(f"http://{h1.address}:30000/health") == 503  # no follower yet
+    # plain TCP from the follower's host to the head's sandbox address (not loopback, not via this machine)
+    probe = (f"import socket; s = socket.create_connection(('{h1.address}', {RENDEZVOUS_PORT}), timeout=5); "
+             "print(s.getsockname()[0]); s.close()")
+    assert sb8.exec("h2", [f"{HOST_VENV}/bin/python", "-c", probe]).stdout.strip() == h2.address
+    _until(lambda: f"Rendezvous connection from {h2.address}:" in log(h1), "the head seeing the probe")
+
+    start(h2, 1)
+    _until(lambda: _status(f"http://{h1.address}:30000/health") == 200, "the head's health 200")
+    head = log(h1)
+    assert f"Node 1 joined from {h2.address}:" in head and "All 2 nodes joined: the process group is formed" in head
+    assert "Node 1 is ready: scheduler(s) TP1..TP1" in head, head
+    assert f"Joined the process group at {dist} as node_rank 1" in log(h2)
+    assert _status(f"http://{h2.address}:30000/health") == 200  # the follower's dummy health server
+
+    # stopping the head stops the follower on the other host (the head's shutdown crosses the bridge too)
+    sb8.exec("h1", ["systemctl", "stop", "kdmn"])
+    _until(lambda: "Shutdown received from the head (node_rank 0)" in log(h2), "the follower's shutdown")
+    _until(lambda: sb8.exec("h2", ["systemctl", "is-active", "kdmn"], check=False).stdout.strip() == "inactive",
+           "the follower's clean exit (a failed one stays `failed`)", timeout=15)

@@ -478,6 +478,8 @@ def option_cases() -> list[Case]:
         "router-bad-action": ("router", "flush", "all", "-i", "inv.yaml"),
         "schema-bad": ("schema", "nope"),
         "sandbox-bad-hosts": ("sandbox", "up", "--hosts", "0"),
+        "sandbox-hosts-not-multiple": ("sandbox", "up", "--hosts", "3", "--nodes-per-server", "2"),
+        "sandbox-bad-nodes-per-server": ("sandbox", "up", "--nodes-per-server", "0"),
     }
     result = [Case(f"option-{name}", argv, inv) for name, argv in cases.items()]
     env_cases = {
