@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kdeploy.core import files
 from kdeploy.core.errors import InvalidInput
-from kdeploy.core.inventory import ParitySet, Service
+from kdeploy.core.inventory import ONE_NODE, ParitySet, Placement, Service
 from kdeploy.core.render import unit_filename
 
 MANIFEST = "kdeploy-gate.json"
@@ -126,13 +126,25 @@ class GateSpec(_Frozen):
     model: str
     prompts: list[Prompt]
     max_tokens: int
-    workers: int
+    workers: int  # on this node: a node of a server that spans hosts runs tp / nnodes of its ranks
     markers: list[str]
     config_line: str | None = None
     config: dict[str, str] = {}
     timeout: float
     poll_interval: float
     parity: ParitySpec | None = None  # None: no parity phase (turned off, or a release staged before it existed)
+    nnodes: int = 1  # the server's nodes; only its head (node_rank 0) answers HTTP
+    node_rank: int = 0
+
+    @property
+    def serves(self) -> bool:
+        """This node answers the server's HTTP: a follower's /health is a dummy that proves nothing, so a
+        follower is gated on its unit and its own ranks' markers only."""
+        return self.node_rank == 0
+
+    def with_workers(self, workers: int | None) -> GateSpec:
+        """``--workers`` (the server's total) for this node."""
+        return self if not workers else self.model_copy(update={"workers": per_node(workers, self.nnodes)})
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -146,9 +158,18 @@ class GateSpec(_Frozen):
             return None
 
 
+def per_node(workers: int, nnodes: int) -> int:
+    """A server's worker count on each of its nodes (SGLang gives each node tp / nnodes ranks)."""
+    if workers % nnodes:
+        raise InvalidInput(f"--workers {workers} is not divisible by the server's {nnodes} nodes (each node runs "
+                           "as many ranks)")
+    return workers // nnodes
+
+
 def gate_spec(service: Service, payload: PayloadGate | None, *, workers: int | None = None,
-              timeout: float | None = None) -> GateSpec:
-    """The spec for ``service``: ``gate.markers`` in the inventory overrides the payload's markers."""
+              timeout: float | None = None, place: Placement = ONE_NODE) -> GateSpec:
+    """The spec for ``service`` on the node at ``place``: ``gate.markers`` in the inventory overrides the
+    payload's markers; ``workers`` (else the service's) counts the whole server's."""
     config = payload.config(service.env) if payload else {}
     if service.gate.markers is not None:
         markers = list(service.gate.markers)
@@ -159,7 +180,8 @@ def gate_spec(service: Service, payload: PayloadGate | None, *, workers: int | N
         ready_path=service.gate.ready_path,
         model=service.sglang.served_model_name or service.sglang.model_path,
         prompts=[Prompt(prompt=p.prompt, expect=p.expect) for p in service.gate.prompts],
-        max_tokens=service.gate.max_tokens, workers=workers or service.workers, markers=markers,
+        max_tokens=service.gate.max_tokens, workers=per_node(workers or service.workers, place.nnodes),
+        markers=markers, nnodes=place.nnodes, node_rank=place.node_rank,
         config_line=payload.config_line if payload else None, config=config,
         timeout=timeout or service.gate_timeout, poll_interval=service.gate.poll_interval,
         parity=parity_spec(service, payload))

@@ -505,6 +505,60 @@ class HostConfig(_Strict):
         return self.router.worker_url.format(address=self.address, port=self.service.sglang.port, name=self.name)
 
 
+class ServerSettings(_Strict):
+    """One server that spans hosts (``servers.<name>``): SGLang's multi-node mode, one server whose TP ranks
+    run on several nodes (docs/topologies.md)."""
+
+    nodes: list[str] = _doc("the server's hosts in rank order: the first is the head (`--node-rank 0`, the only "
+                            "node that answers HTTP), the next node_rank 1, ...", min_length=1)
+    rendezvous_port: int | None = _doc("the TCP port the nodes meet at on the head: `--dist-init-addr "
+                                       "<rendezvous_address>:<port>`; required with two nodes or more", None,
+                                       gt=0, lt=65536)
+    rendezvous_address: Annotated[str, AfterValidator(_ssh_address)] | None = _doc(
+        "the head's address as the other nodes reach it", None, shown="the head's `address`")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a host's run sits in its server: what the unit's multi-node flags and the node's gate say."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+
+    @property
+    def head(self) -> bool:
+        """The node that answers HTTP for the server (a one-node server's only node)."""
+        return self.node_rank == 0
+
+
+ONE_NODE = Placement()  # a single host: no multi-node flags, every rank its own
+
+
+@dataclass(frozen=True)
+class Server:
+    """The unit of a restart: one SGLang server and its nodes in rank order. A host not named in ``servers``
+    is a one-node server of its own, under its own name, so every command has one code path."""
+
+    name: str
+    nodes: tuple[str, ...]
+    dist_init_addr: str | None = None  # HOST:PORT the nodes meet at; None for one node
+
+    @property
+    def head(self) -> str:
+        return self.nodes[0]
+
+    @property
+    def spans(self) -> bool:
+        """More than one node: the nodes restart, are gated and go back together."""
+        return len(self.nodes) > 1
+
+    def place(self, host: str) -> Placement:
+        if not self.spans:
+            return ONE_NODE
+        return Placement(len(self.nodes), self.nodes.index(host), self.dist_init_addr)
+
+
 # Keys allowed at each settings level (defaults, group, host): everything but the identity fields.
 _LEVEL_EXTRA = {"groups": {"hosts"}, "hosts": {"address"}}
 _NOT_AT_LEVEL = {"name", "address"}
@@ -518,6 +572,39 @@ class Inventory:
     limit: tuple[str, ...] | None = None  # ``--limit``'s patterns: every TARGET is narrowed to them
     source: Path | None = None  # an Ansible inventory: what ``-i`` named (``path`` is then the service file)
     locator: typing.Callable[[str, tuple], str] | None = field(default=None, compare=False, repr=False)
+    spanning: dict[str, Server] = field(default_factory=dict)  # ``servers:``: the servers of two nodes or more
+
+    def server_of(self, host: str) -> Server:
+        """The server ``host`` runs a node of: a declared one, else its own one-node server."""
+        for server in self.spanning.values():
+            if host in server.nodes:
+                return server
+        return Server(host, (host,))
+
+    def servers(self, names: list[str]) -> list[Server]:
+        """The servers of ``names``, each once, in the order their first node comes."""
+        seen: dict[str, Server] = {}
+        for name in names:
+            server = self.server_of(name)
+            seen.setdefault(server.name, server)
+        return list(seen.values())
+
+    def whole(self, names: list[str], command: str) -> list[str]:
+        """``names`` for a command that restarts: a server is restarted, gated and rolled back as one, so a
+        selection of part of a server's nodes is refused, naming the server and its nodes."""
+        chosen = set(names)
+        for server in self.spanning.values():
+            part = [n for n in server.nodes if n in chosen]
+            if part and len(part) < len(server.nodes):
+                raise InvalidInput(f"{command}: TARGET selects {', '.join(part)} of server {server.name} (nodes "
+                                   f"{', '.join(server.nodes)}): its nodes restart together; select the server "
+                                   f"({server.name}) or all of its nodes")
+        return names
+
+    def _selector(self) -> patterns.Selector:
+        """Patterns name hosts, groups and servers (a server is the group of its nodes)."""
+        return patterns.Selector(self.hosts, {**{s.name: list(s.nodes) for s in self.spanning.values()},
+                                              **self.groups})
 
     def where(self, host: str, *key: str) -> str:
         """``file:line: key.path`` of the layer that set ``key`` for ``host`` (the most specific one), for an
@@ -534,7 +621,7 @@ class Inventory:
         """Host names for TARGET, a host pattern in Ansible's language (docs/inventory.md, TARGET), in inventory
         order, narrowed by the ``--limit`` of :meth:`subset`. ``None`` (the library's default) is ``all``; a
         blank TARGET is refused: ``kdeploy push "$UNSET"`` must not reach every host."""
-        selector = patterns.Selector(self.hosts, self.groups)
+        selector = self._selector()
         names = selector.select("all" if target is None else target)
         if self.limit is not None:
             allowed = set(selector.evaluate(self.limit, "--limit"))
@@ -548,7 +635,7 @@ class Inventory:
             return self
         parts = tuple(patterns.limit_parts(limit, lambda path: files.read_text(
             path, "--limit file", limit=files.LIST_BYTES, missing="--limit file not found (pass --limit @FILE)")))
-        patterns.Selector(self.hosts, self.groups).evaluate(parts, "--limit")
+        self._selector().evaluate(parts, "--limit")
         return replace(self, limit=parts)
 
     def local_path(self, value: str) -> Path:
@@ -562,6 +649,7 @@ class Inventory:
 
 
 _suggest = patterns.suggest
+TOP_KEYS = (*ansible.KDEPLOY_KEYS, "servers")  # `servers` alone does not make a file a kdeploy inventory
 
 
 def checked(document: Any, text: str, path: Path) -> CommentedMap:
@@ -619,8 +707,8 @@ def parse(raw: dict, path: Path, locate: typing.Callable[[tuple], str] | None = 
     path into that ``file:line: key.path`` for a document not read from one YAML file)."""
     errors = _Errors(path, raw, locate)
     for key in raw:
-        if key not in ansible.KDEPLOY_KEYS:
-            errors.fail((key,), f"unknown key{_suggest(str(key), ansible.KDEPLOY_KEYS)}")
+        if key not in TOP_KEYS:
+            errors.fail((key,), f"unknown key{_suggest(str(key), TOP_KEYS)}")
     defaults = _mapping(raw.get("defaults"), ("defaults",), errors)
     raw_groups = _mapping(raw.get("groups"), ("groups",), errors)
     raw_hosts = _mapping(raw.get("hosts"), ("hosts",), errors)
@@ -678,8 +766,80 @@ def parse(raw: dict, path: Path, locate: typing.Callable[[tuple], str] | None = 
             errors.fail(_source(("router", "via"), host_layers[name]),
                         f"unknown host {via!r}{_suggest(via, list(hosts))}: the router is reached through a host "
                         "of this inventory")
-    return Inventory(path=path, hosts=hosts, groups=groups,
+    spanning = _servers(_mapping(raw.get("servers"), ("servers",), errors), hosts, groups, errors)
+    return Inventory(path=path, hosts=hosts, groups=groups, spanning=spanning,
                      locator=lambda host, key: errors.locate(_source(key, host_layers[host])))
+
+
+# What every node of a server must agree on: one model, one payload, one launch (only the bind address and
+# the unit's systemd settings may differ per node).
+_AGREE = ("name", "payload", "template", "python", "module", "remote_root", "env", "sglang", "hicache")
+
+
+def _servers(raw: dict, hosts: dict[str, HostConfig], groups: dict[str, list[str]],
+             errors: _Errors) -> dict[str, Server]:
+    """``servers:`` checked (file:line): known hosts, each in one server, TP divisible by the node count, nodes
+    that agree, a rendezvous for every multi-node server and no two at one address and port."""
+    out: dict[str, Server] = {}
+    owner: dict[str, str] = {}
+    meeting: dict[tuple[str, int], str] = {}
+    for name, body in raw.items():
+        at = ("servers", name)
+        if not NAME.match(str(name)) or name == "all":
+            errors.fail(at, "server names use letters, digits and '_.-' (not 'all')")
+        if name in hosts or name in groups:
+            errors.fail(at, f"a server cannot be named like a {'host' if name in hosts else 'group'} (TARGET "
+                            "names all three)")
+        body = _mapping(body, at, errors)
+        _check_keys(body, ServerSettings, at, errors)
+        try:
+            settings = ServerSettings.model_validate(body)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            errors.fail((*at, *err["loc"]), _reason(err))
+        nodes = [str(n) for n in settings.nodes]
+        for node in nodes:
+            if node not in hosts:
+                errors.fail((*at, "nodes"), f"unknown host {node!r}{_suggest(node, list(hosts))}")
+            if node in owner:
+                errors.fail((*at, "nodes"), f"{node} is a node of server {owner[node]} already: a host runs "
+                                            "one server")
+            owner[node] = str(name)
+        head = hosts[nodes[0]]
+        tp = head.service.sglang.tp
+        for node in nodes[1:]:
+            differs = next((k for k in _AGREE if _agreed(head.service, k) != _agreed(hosts[node].service, k)), None)
+            if differs:
+                errors.fail((*at, "nodes"), f"{node} differs from the head {head.name} in service.{differs}: the "
+                                            "nodes of one server run one model, payload and launch")
+        if tp % len(nodes):
+            errors.fail((*at, "nodes"), f"service.sglang.tp {tp} is not divisible by {len(nodes)} nodes (each "
+                                        "node runs tp / nodes ranks)")
+        workers = head.service.gate.workers
+        if workers is not None and workers % len(nodes):
+            errors.fail((*at, "nodes"), f"service.gate.workers {workers} is not divisible by {len(nodes)} nodes")
+        dist = None
+        if len(nodes) > 1:
+            if settings.rendezvous_port is None:
+                errors.fail(at, f"rendezvous_port is required for a server of {len(nodes)} nodes (the head "
+                                "listens there: --dist-init-addr)")
+            address = settings.rendezvous_address or head.address
+            key = (address, settings.rendezvous_port)
+            if key in meeting:
+                errors.fail((*at, "rendezvous_port"), f"{address}:{key[1]} is the rendezvous of server "
+                                                      f"{meeting[key]} too")
+            if settings.rendezvous_port == head.service.sglang.port:
+                errors.fail((*at, "rendezvous_port"), f"{key[1]} is the head's service.sglang.port")
+            meeting[key] = str(name)
+            dist = f"[{address}]:{key[1]}" if ":" in address else f"{address}:{key[1]}"
+        out[str(name)] = Server(str(name), tuple(nodes), dist)
+    return out
+
+
+def _agreed(service: Service, key: str) -> Any:
+    """``service.<key>`` as the nodes of a server must share it (the bind address is each node's own)."""
+    value = getattr(service, key)
+    return value.model_copy(update={"host": ""}) if key == "sglang" else value
 
 
 class _Errors:

@@ -14,7 +14,7 @@ import jinja2
 
 from kdeploy.core import files
 from kdeploy.core.errors import InvalidInput
-from kdeploy.core.inventory import HostConfig, Inventory, Service
+from kdeploy.core.inventory import ONE_NODE, HostConfig, Inventory, Placement, Service
 from kdeploy.core.layout import current_path, service_dir
 
 _BARE = re.compile(r"[A-Za-z0-9_./:=,+@-]+\Z")
@@ -24,13 +24,18 @@ def unit_filename(service: Service) -> str:
     return f"{service.name}.service"
 
 
-def launch_argv(service: Service) -> list[str]:
-    """The ExecStart argv: ``<python> -m <module>`` plus SGLang's flags (HiCache only when enabled)."""
+def launch_argv(service: Service, place: Placement = ONE_NODE) -> list[str]:
+    """The ExecStart argv: ``<python> -m <module>`` plus SGLang's flags (HiCache only when enabled; the
+    multi-node flags only for a node of a server that spans hosts, ``--tp-size`` being the server's total)."""
     sg = service.sglang
     argv = [service.python, "-m", service.module, "--model-path", sg.model_path]
     if sg.served_model_name:
         argv += ["--served-model-name", sg.served_model_name]
     argv += ["--tp-size", str(sg.tp), "--host", sg.host, "--port", str(sg.port)]
+    if place.nnodes > 1:
+        assert place.dist_init_addr is not None
+        argv += ["--nnodes", str(place.nnodes), "--node-rank", str(place.node_rank),
+                 "--dist-init-addr", place.dist_init_addr]
     if sg.attention_backend:
         argv += ["--attention-backend", sg.attention_backend]
     spec = sg.speculative
@@ -115,6 +120,7 @@ def render_unit(inventory: Inventory, host: HostConfig) -> str:
     def value(text: str | None, key: str) -> str | None:
         return None if text is None else unit_value(text, f"{host.name}: service.{key}")
 
+    place = inventory.server_of(host.name).place(host.name)
     description = (value(service.unit.description, "unit.description")
                    or value(f"SGLang {service.sglang.served_model_name or service.name}", "sglang.served_model_name"))
     try:
@@ -126,7 +132,8 @@ def render_unit(inventory: Inventory, host: HostConfig) -> str:
             user=value(service.unit.user, "unit.user"),
             environment_file=value(service.environment_file, "environment_file"),
             environment=[quote_env_assignment(k, v) for k, v in unit_env(service).items()],
-            exec_start=" ".join(quote_exec_arg(a) for a in launch_argv(service)),
+            exec_start=" ".join(quote_exec_arg(a) for a in launch_argv(service, place)),
+            place=place,
             working_directory=value(service_dir(service), "remote_root"),
             template_name=Path(service.template).name,
         )

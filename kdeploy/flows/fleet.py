@@ -28,8 +28,8 @@ from kdeploy.core.report import Cancelled, HostResult, Listener, PhaseFailed, Re
 from kdeploy.flows import canary, hooks, settings, views
 from kdeploy.flows.membership import admit_serving
 from kdeploy.flows.options import Options
-from kdeploy.flows.push import HostPush
-from kdeploy.flows.rollback import rollback_host
+from kdeploy.flows.push import HostPush, ServerPush
+from kdeploy.flows.rollback import rollback_server
 from kdeploy.flows.session import Wanted
 
 HostFn = Callable[[HostConfig, HostResult], None]
@@ -100,31 +100,39 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Wanted], op
     refused = _pre_deploy(inventory, command, names, results, cancel) if pre_deploy else None
     if refused is not None:
         return refused
+    servers = inventory.servers(names)
+    heads = [server.head for server in servers]  # a server is known by its head: router, analysis, batches
     try:
-        analysis = canary.Analysis.plan(inventory, names, opts, results, listener, cancel)
-        routers = open_routers(inventory, names, opts, max(opts.policy.canary,
-                                                           opts.policy.batch_size(len(names), parallel)), results)
+        analysis = canary.Analysis.plan(inventory, heads, opts, results, listener, cancel)
+        routers = open_routers(inventory, heads, opts, max(opts.policy.canary,
+                                                           opts.policy.batch_size(len(heads), parallel)), results)
     except KdeployError as exc:  # refused analysis or router, unreachable router: no host was touched
         for result in results.values():
             result.fail(exc)
         return Report(command, [results[n] for n in names])
     hold = len(names) <= parallel  # every host fits in --parallel: no need to let go between the passes
     steps = {name: HostPush(inventory, inventory.hosts[name], local[name], opts, results[name], cancel,
-                                   router=routers.get(name), hold=hold)
+                            router=routers.get(name), hold=hold)
              for name in names}
+    units = {s.head: ServerPush([steps[n] for n in s.nodes], s.name) for s in servers}
     runner = hooks.Runner(inventory, command, cancel)
 
-    def activate(name: str, batch: int) -> None:
-        step = steps[name]
-        if runner.pre_host(step.host, step.result, step.target, step.state.current if step.state else None, batch):
-            step.activate()
-        runner.post_host(step.host, step.result)
+    def activate(head: str, batch: int) -> None:
+        unit = units[head]
+        if all(runner.pre_host(step.host, step.result, step.target, step.state.current if step.state else None,
+                               batch) for step in unit.nodes):
+            unit.activate()
+        else:
+            unit.skip(f"not restarted: the pre_host hook refused a node of server {unit.name}", "preflight_refused")
+            unit.close()
+        for step in unit.nodes:
+            runner.post_host(step.host, step.result)
 
     try:
-        _rollout(names, steps, results, opts, parallel, cancel, activate, analysis, routers)
+        _rollout(units, results, opts, parallel, cancel, activate, analysis, routers)
         if opts.router_add_missing:  # an unchanged host has no turn, yet it serves: register it if the router lacks it
             run_parallel([(results[n], partial(admit_serving, inventory.hosts[n], results[n], routers[n]))
-                          for n in names if n in routers and results[n].result == Result.UNCHANGED
+                          for n in heads if n in routers and results[n].result == Result.UNCHANGED
                           and results[n].router == "out"], parallel, cancel)
     except KeyboardInterrupt:  # between batches: what has not started is skipped, the report still prints
         cancel.set()
@@ -188,36 +196,40 @@ def close_routers(clients: dict) -> None:
         client.close()
 
 
-def _rollout(names: list[str], steps: dict[str, HostPush], results: dict[str, HostResult], opts: Options,
+def _rollout(units: dict[str, ServerPush], results: dict[str, HostResult], opts: Options,
              parallel: int, cancel: threading.Event, activate: Callable[[str, int], None],
              analysis: canary.Analysis | None = None, routers: dict | None = None) -> None:
-    """``activate(name, batch)``: one host's turn in its batch (numbered from 1, the canary's first);
-    ``analysis``: the canary analysis, checked once the hosts to restart are known, before the first."""
-    run_parallel([(results[n], steps[n].prepare) for n in names], parallel, cancel)
-    failed = sum(1 for r in results.values() if r.done and not r.ok)
-    pending = [n for n in names if steps[n].pending]
+    """``units``: each server's push by its head's name; ``activate(head, batch)``: one server's turn in its
+    batch (numbered from 1, the canary's first); ``analysis``: the canary analysis, checked once the servers
+    to restart are known, before the first."""
+    run_parallel([(results[h], u.prepare) for h, u in units.items()], parallel, cancel)
+    failed = sum(1 for h, u in units.items() if results[h].done and not u.ok)
+    pending = [h for h, u in units.items() if u.pending]
     after = None
     if analysis is not None:
         refused = analysis.before(opts.policy.batches(pending, parallel))
         if refused:  # a required analysis that cannot be done: no host restarts
-            for name in pending:
-                steps[name].skip(refused, "preflight_refused")
+            for head in pending:
+                units[head].skip(refused, "preflight_refused")
             return
-        after = partial(analysis.after, previous=lambda n: steps[n].state.confirmed, routers=routers or {})
+        after = partial(analysis.after, previous=lambda n: units[n].head.state.confirmed, routers=routers or {})
     in_batches(pending, results, opts.policy, parallel, cancel, activate,
-               lambda name, why, result: steps[name].skip(why, result), failed=failed, total=len(names),
-               after_canary=after)
+               lambda head, why, result: units[head].skip(why, result), failed=failed, total=len(units),
+               after_canary=after, ok=lambda head: units[head].ok)
 
 
 def in_batches(names: list[str], results: dict[str, HostResult], policy: Policy, parallel: int,
                cancel: threading.Event, turn: Callable[[str, int], None], skip: Callable[[str, str, str], None],
                *, failed: int = 0, total: int | None = None,
-               after_canary: Callable[[list[str], list[str]], str | None] | None = None) -> None:
+               after_canary: Callable[[list[str], list[str]], str | None] | None = None,
+               ok: Callable[[str], bool] | None = None) -> None:
     """The one batch loop of every command that restarts: ``turn(name, batch)`` for the canary alone, then
     each batch (numbered from 1) in parallel, each finished before the next starts. A failed canary stops
     the rest, and so does ``after_canary(canary, rest)`` (the canary analysis) when it says why; more than
     ``max_fail`` failures (of ``total`` hosts, ``failed`` of them already) stop new batches; Ctrl-C stops them
-    too. ``skip(name, why, result)`` ends a host that gets no turn."""
+    too. ``skip(name, why, result)`` ends a host that gets no turn; ``ok(name)``: how it ended (its result's,
+    unless given: a server is ok only when every node is)."""
+    ok = ok or (lambda name: results[name].ok)
     max_fail = policy.failures_allowed(len(names) if total is None else total)
     batches = policy.batches(names, parallel)
     for index, batch in enumerate(batches):
@@ -230,7 +242,7 @@ def in_batches(names: list[str], results: dict[str, HostResult], policy: Policy,
                 skip(name, f"not restarted: max-fail exceeded ({failed} failed > {max_fail})", "skipped")
             continue
         run_parallel([(results[n], partial(turn, n, index + 1)) for n in batch], min(len(batch), parallel), cancel)
-        batch_failed = sum(1 for n in batch if not results[n].ok)
+        batch_failed = sum(1 for n in batch if not ok(n))
         failed += batch_failed
         if index == 0 and policy.canary and batch_failed:
             for name in (n for later in batches[1:] for n in later):
@@ -256,7 +268,8 @@ def prepare(inventory: Inventory, names: list[str], opts: Options | None = None)
         if path not in payloads:
             payloads[path] = (scan_payload(path), load_payload_gate(path))
         payload, manifest = payloads[path]
-        spec = gate_spec(host.service, manifest, workers=opts.workers, timeout=opts.timeout)
+        spec = gate_spec(host.service, manifest, workers=opts.workers, timeout=opts.timeout,
+                         place=inventory.server_of(name).place(name))
         out[name] = Wanted(render_unit(inventory, host), payload, spec, secret.resolve(inventory, host))
     return out
 
@@ -267,12 +280,14 @@ def push(inventory: Inventory, target: str | None, opts: Options | None = None, 
     """``cancel``: set it (or press Ctrl-C in the main thread) to stop before the next change."""
     opts = opts or Options()
     names = inventory.resolve(target)
+    if not dry_run:
+        inventory.whole(names, "push")
     local = prepare(inventory, names, opts)
     if dry_run:
         return fan_out(inventory, names, "plan",
                        lambda host, result: views.plan_host(inventory, host, local[host.name], opts, result),
                        parallel=parallel, listener=listener, cancel=cancel)
-    opts.policy.check(len(names))
+    opts.policy.check(len(inventory.servers(names)))
     report = rollout(inventory, names, local, opts, parallel=parallel, listener=listener, cancel=cancel)
     hooks.post_rollout(inventory, report)
     return report
@@ -297,8 +312,9 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
     restarted, gated, admitted), after the router preflight. The inventory's hooks run as for a push:
     ``pre_host`` once the target is known, before the host changes."""
     opts = opts or Options()
-    names = inventory.resolve(target)
-    opts.policy.check(len(names))
+    names = inventory.whole(inventory.resolve(target), "rollback")
+    servers = {s.head: s for s in inventory.servers(names)}
+    opts.policy.check(len(servers))
     if opts.policy.analysis is not None:
         raise InvalidInput("rollback: --analysis is for push, set-env and set (a rollout to a new release)")
     cancel = threading.Event()
@@ -307,30 +323,36 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
         hooks.post_rollout(inventory, refused)
         return refused
     opts = replace(opts, policy=rollout_policy(inventory, names, opts.policy))
-    routers = open_routers(inventory, names, opts, max(opts.policy.canary, opts.policy.batch_size(len(names), 1)))
+    routers = open_routers(inventory, list(servers), opts,
+                           max(opts.policy.canary, opts.policy.batch_size(len(servers), 1)))
     runner = hooks.Runner(inventory, "rollback", cancel)
     results = {name: HostResult(name, listener=listener) for name in names}
 
-    def one(name: str, batch: int) -> None:
-        host, result = inventory.hosts[name], results[name]
+    def one(head: str, batch: int) -> None:
+        server = servers[head]
         try:
-            rollback_host(inventory, host, opts, result, router=routers.get(host.name),
-                                 before_change=partial(runner.pre_host, host, result, batch=batch))
+            rollback_server(inventory, server, opts, results, router=routers.get(head),
+                            before_change=partial(runner.pre_host, batch=batch))
         except (KdeployError, PhaseFailed, Cancelled) as exc:  # ended here, so that post_host sees the result
-            result.fail(exc)
-        runner.post_host(host, result)
+            for node in server.nodes:
+                results[node].fail(exc)
+        for node in server.nodes:
+            runner.post_host(inventory.hosts[node], results[node])
 
-    def skip(name: str, why: str, result: str) -> None:
-        results[name].finish(result, why)
-        runner.post_host(inventory.hosts[name], results[name])
+    def skip(head: str, why: str, result: str) -> None:
+        for node in servers[head].nodes:
+            results[node].finish(result, why)
+            runner.post_host(inventory.hosts[node], results[node])
 
     try:
-        in_batches(names, results, opts.policy, parallel, cancel, one, skip)
+        in_batches(list(servers), results, opts.policy, parallel, cancel, one, skip,
+                   ok=lambda head: all(results[n].ok for n in servers[head].nodes))
     except KeyboardInterrupt:
         cancel.set()
         for name, result in results.items():
             if not result.done:
-                skip(name, "not restarted: interrupted", "interrupted")
+                result.finish("interrupted", "not restarted: interrupted")
+                runner.post_host(inventory.hosts[name], result)
     finally:
         close_routers(routers)
     report = Report("rollback", [results[n] for n in names])
@@ -401,10 +423,13 @@ def router(inventory: Inventory, target: str | None, action: str, opts: Options 
 
 
 def changed_hosts(old: Inventory, new: Inventory) -> list[str]:
-    """Hosts whose rendered unit or payload an inventory edit changes: the only ones to roll out to."""
-    return [name for name, host in new.hosts.items()
-            if name not in old.hosts or render_unit(old, old.hosts[name]) != render_unit(new, host)
-            or old.payload_dir(old.hosts[name]) != new.payload_dir(host)]
+    """Hosts whose rendered unit or payload an inventory edit changes, with every node of their servers: the
+    only ones to roll out to."""
+    changed = {name for name, host in new.hosts.items()
+               if name not in old.hosts or render_unit(old, old.hosts[name]) != render_unit(new, host)
+               or old.payload_dir(old.hosts[name]) != new.payload_dir(host)}
+    changed |= {n for s in new.servers(sorted(changed)) for n in s.nodes}
+    return [name for name in new.hosts if name in changed]
 
 
 def check_edit(edit: settings.Edit) -> dict[str, Wanted]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kdeploy.core import provisional, release
@@ -34,7 +34,7 @@ from kdeploy.flows.options import Options, recorded_command
 from kdeploy.flows.preflight import preflight_step, preflight_verdict
 from kdeploy.flows.record import finish_command
 from kdeploy.flows.session import Wanted, connect, lock_and_read, open_remote, raise_if_cancelled
-from kdeploy.flows.switch import Outcome, Reverted, go_back, revert_after, switch_and_gate
+from kdeploy.flows.switch import Node, Outcome, Reverted, go_back, revert_after, switch_and_gate
 from kdeploy.host import lock, parity
 from kdeploy.ssh.remote import InputFailed, Remote
 
@@ -148,6 +148,12 @@ class HostPush:
 
     def prepare(self) -> None:
         """The stage pass: ends Staged holding nothing (or the lock, with ``hold``), or ended and closed."""
+        if self.decide():
+            self.stage()
+
+    def decide(self) -> bool:
+        """The stage pass up to the decision: connect, lock, read, decide and check; ends Decided holding the
+        lock and connection (True), or ended and closed."""
         try:
             self.remote = connect(self.inventory, self.host, self.result, self.opts.reach)
             with self.result.phase("preflight") as phase:
@@ -156,6 +162,24 @@ class HostPush:
                 self.at = self._decide(state)
                 phase.detail = self._preflight(self.at)
             raise_if_cancelled(self.cancel)
+            return True
+        except (PhaseFailed, KdeployError, Cancelled) as exc:
+            self._stopped_by(exc)
+            self.close()
+            return False
+
+    @property
+    def changes(self) -> bool:
+        """Decided on a change (not a no-op)."""
+        return isinstance(self.at, Decided) and not self.at.decision.no_op
+
+    def stage(self, restart: bool = False) -> None:
+        """The rest of the stage pass, from Decided; ``restart``: a peer node of its server changes, and a
+        node never restarts alone (its group would break), so a node with nothing to change restarts too."""
+        try:
+            assert isinstance(self.at, Decided)
+            if restart and self.at.decision.no_op:
+                self.at = self._decide(self.at.state, force_restart=True)
             self.at = self._stage_if_needed(self.at)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
             self._stopped_by(exc)
@@ -165,9 +189,10 @@ class HostPush:
             elif not self.hold:
                 self._release_until_turn()
 
-    def _decide(self, state: HostState) -> Decided:
+    def _decide(self, state: HostState, force_restart: bool = False) -> Decided:
         return Decided(state, decide(self.local.payload.identity, self.local.unit_text, state,
-                                     force_restart=self.opts.force_restart, secrets=self.local.secrets))
+                                     force_restart=self.opts.force_restart or force_restart,
+                                     secrets=self.local.secrets))
 
     def _preflight(self, at: Decided) -> str:
         """The preflight phase's words; the checks (one round trip) run only before a change, and may refuse."""
@@ -262,44 +287,40 @@ class HostPush:
             return target
 
     def activate(self) -> None:
-        """The batch pass (its turn): Staged -> Switched -> an outcome; ends holding nothing."""
-        self.turn = True
-        try:
-            assert isinstance(self.at, Staged)
-            if self.remote is None:
-                raise_if_cancelled(self.cancel)
-                self.at = self._resume(self.at)
-                if not isinstance(self.at, Staged):
-                    return
-            raise_if_cancelled(self.cancel)
-            at = self.at
-            remote = self.remote
-            assert remote is not None
-            self.result.release = at.target
-            behind_router(remote, self.host, self.result, self.router, self.cancel, lambda: self._switch(remote, at))
-        except Unreachable as exc:
-            self._reconnect_and_go_back(exc)
-        except (PhaseFailed, KdeployError, Cancelled) as exc:
-            self._stopped_by(exc)
-        finally:
-            self.close()
+        """The batch pass (its turn) of a one-node server: Staged -> Switched -> an outcome; ends holding
+        nothing. A server of several nodes takes its turn through ``ServerPush``."""
+        ServerPush([self]).activate()
 
-    def _switch(self, remote: Remote, at: Staged) -> Outcome:
-        """Staged -> Switched -> Confirmed or RolledBack. The revert's deadline counts from here, not from
-        before the drain."""
+    def resume(self) -> bool:
+        """Its turn begins: connected and locked again if it let go between the passes; True when it is
+        still Staged (else it ended: the host moved to what this push wants meanwhile)."""
+        self.turn = True
+        assert isinstance(self.at, Staged)
+        if self.remote is None:
+            raise_if_cancelled(self.cancel)
+            self.at = self._resume(self.at)
+        return isinstance(self.at, Staged)
+
+    def node(self, pending: provisional.Pending | None = None) -> Node:
+        """Staged -> Switched: its part of the server's switch, under the server's ``pending`` token and
+        deadline (its own target and previous release); the head's parity baseline is taken here, before
+        the switch."""
+        at, remote = self.at, self.remote
+        assert isinstance(at, Staged) and remote is not None
+        self.result.release = at.target
         previous = at.state.confirmed
-        baseline = parity.baseline(remote, service_dir(self.host.service), self.result, self.local.spec, at.target,
+        spec = self.local.spec
+        baseline = parity.baseline(remote, service_dir(self.host.service), self.result, spec, at.target,
                                    (at.state.current, self._spec_of(at.state, at.state.current))
-                                   ) if self.opts.verify else None
-        switched = Switched(at, provisional.new_pending(previous, at.target, revert_after(self.host, self.local.spec)))
-        self.at = switched
-        outcome = switch_and_gate(remote, self.host, self.result, verify=self.opts.verify, target=at.target,
-                               install_unit=at.decision.install_unit, pending=switched.pending, spec=self.local.spec,
-                               previous_spec=self._spec_of(at.state, previous),
-                               secrets=self.local.secrets if at.decision.secrets_changed else None,
-                               baseline=baseline)
-        self.outcome = outcome
-        return outcome
+                                   ) if self.opts.verify and spec.serves else None
+        mine = provisional.new_pending(previous, at.target, revert_after(self.host, spec),
+                                       pending.token if pending else None)
+        if pending is not None:
+            mine = replace(mine, deadline=pending.deadline)
+        self.at = Switched(at, mine)
+        return Node(remote, self.host, self.result, mine, spec, self._spec_of(at.state, previous),
+                    install_unit=at.decision.install_unit,
+                    secrets=self.local.secrets if at.decision.secrets_changed else None, baseline=baseline)
 
     def _stopped_by(self, exc: BaseException) -> None:
         """End the host with ``exc``'s result; the state says what the push leaves behind."""
@@ -354,8 +375,9 @@ class HostPush:
                                               f"gone back to {state.current or 'nothing'} by itself")
             self.outcome = Reverted(state.current)
             return
-        self.outcome = go_back(remote, self.host, self.result, pending, f"connection lost during the deploy ({lost})",
-                self._spec_of(at.staged.state, pending.previous))
+        self.outcome = go_back([Node(remote, self.host, self.result, pending, self.local.spec,
+                                     self._spec_of(at.staged.state, pending.previous))],
+                               f"connection lost during the deploy ({lost})")
 
     def skip(self, why: str, result: str = "skipped") -> None:
         """Its turn will not come (max-fail, a failed canary, Ctrl-C): Staged -> Withdrawn."""
@@ -412,6 +434,107 @@ class HostPush:
                                                      command=self.command,
                                                      secrets="changed" if wrote_secrets else None),
                                       drop) if c)
+
+
+class ServerPush:
+    """One server's push: its nodes' ``HostPush`` in rank order (one for a single host), taken through both
+    passes as one. Locks are taken in rank order (two controllers never hold parts of one server while each
+    waits for the rest); every node is decided before any stages, and when one changes every node restarts;
+    a node that fails or is refused before the switch ends the server's push, its peers left as they were;
+    the switch, gate and any way back are the server's (``switch.switch_and_gate``)."""
+
+    def __init__(self, nodes: list[HostPush], name: str | None = None) -> None:
+        self.nodes = nodes
+        self.head = nodes[0]
+        self.name = name or self.head.host.name
+
+    @property
+    def pending(self) -> bool:
+        """Staged on every node and waiting for its turn."""
+        return all(n.pending for n in self.nodes)
+
+    @property
+    def ok(self) -> bool:
+        return all(n.result.ok for n in self.nodes)
+
+    def prepare(self) -> None:
+        """The stage pass of every node, in rank order."""
+        if len(self.nodes) == 1:
+            self.head.prepare()
+            return
+        for node in self.nodes:
+            if not node.decide():
+                return self._abandon(node)
+        restart = any(n.changes for n in self.nodes)
+        for node in self.nodes:
+            node.stage(restart)
+        failed = next((n for n in self.nodes if n.result.done and not n.result.ok), None)
+        if failed is not None:
+            self._abandon(failed)
+        elif not restart:
+            return
+        elif not self.pending:  # a node ended unchanged although a peer changes: cannot happen, never half
+            self._abandon(next(n for n in self.nodes if not n.pending))
+
+    def _abandon(self, failed: HostPush) -> None:
+        """``failed`` ended the server's push before any switch: every other node ends as it was (a staged
+        release removed), with ``failed``'s result."""
+        why = f"server {self.name}: node {failed.host.name} {failed.result.result}: {failed.result.error or ''}"
+        for node in self.nodes:
+            if node is failed or node.result.done:
+                continue
+            if isinstance(node.at, Decided):
+                node.at = Refused(node.state)
+                node.result.finish(failed.result.result, why)
+                node.close()
+            else:
+                node.skip(why, failed.result.result)
+                node.close()
+
+    def skip(self, why: str, result: str = "skipped") -> None:
+        for node in self.nodes:
+            node.skip(why, result)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+    def activate(self) -> None:
+        """The server's turn: every node resumed (rank order), then, drained from the router by its head, the
+        switch of every node under one token, restart, gate, and confirm or the way back of every node. Ends
+        holding nothing."""
+        nodes = self.nodes
+        try:
+            for node in nodes:
+                if not node.resume():
+                    if len(nodes) > 1:
+                        self._abandon(node)
+                    return
+            raise_if_cancelled(self.head.cancel)
+            head = self.head
+            assert head.remote is not None
+            behind_router(head.remote, head.host, head.result, head.router, head.cancel, self._switch)
+        except Unreachable as exc:
+            if len(nodes) == 1:
+                self.head._reconnect_and_go_back(exc)
+            else:  # every node was armed under one token and deadline: those not confirmed go back by themselves
+                for node in nodes:
+                    node._stopped_by(exc)
+        except (PhaseFailed, KdeployError, Cancelled) as exc:
+            for node in nodes:
+                node._stopped_by(exc)
+        finally:
+            self.close()
+
+    def _switch(self) -> Outcome:
+        """Staged -> Switched on every node -> Confirmed or RolledBack. The reverts' deadline counts from
+        here, not from before the drain."""
+        first = self.head.node()
+        outcome = switch_and_gate([first, *(n.node(first.pending) for n in self.nodes[1:])],
+                                  verify=self.head.opts.verify)
+        for node in self.nodes:
+            node.outcome = outcome
+        return outcome
 
 
 def changed_since_staging(before: HostState, now: HostState, staged: str | None) -> str:

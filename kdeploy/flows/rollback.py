@@ -1,15 +1,18 @@
-"""``kdeploy rollback`` on one host: re-activate an older release (and its unit), gated as it was deployed."""
+"""``kdeploy rollback`` of one server (a single host is its one-node case): re-activate an older release
+(and its unit) on every node, gated as it was deployed."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kdeploy.core import provisional
 from kdeploy.core.errors import InvalidInput, KdeployError, PreflightRefused
-from kdeploy.core.inventory import HostConfig, Inventory
+from kdeploy.core.inventory import HostConfig, Inventory, Server
 from kdeploy.core.layout import service_dir
 from kdeploy.core.report import Cancelled, HostResult, PhaseFailed, Result
 from kdeploy.core.state import HostState
@@ -17,60 +20,109 @@ from kdeploy.flows.membership import behind_router
 from kdeploy.flows.options import Options, recorded_command
 from kdeploy.flows.record import finish_command
 from kdeploy.flows.session import connect, inventory_spec, lock_and_read, overridden
-from kdeploy.flows.switch import Outcome, revert_after, switch_and_gate
+from kdeploy.flows.switch import Node, Outcome, revert_after, switch_and_gate
 from kdeploy.host import lock, parity
+from kdeploy.ssh.remote import Remote
 
 if TYPE_CHECKING:
     from kdeploy.host.router import RouterClient
 
 
-def rollback_host(inventory: Inventory, host: HostConfig, opts: Options, result: HostResult,
-                  router: RouterClient | None = None,
-                  before_change: Callable[[str, str | None], bool] | None = None) -> None:
-    """Re-activate an older release (and its unit), restart and gate it as it was deployed; drained from
-    ``router`` meanwhile. ``before_change(target, current)``: the pre_host hook, under the lock; False ends
-    the host (its result set) untouched. A host refused (no such release, the hook) gets no history line."""
+@dataclass
+class _Held:
+    """One node under the rollback's lock: what its end records."""
+
+    host: HostConfig
+    result: HostResult
+    remote: Remote
+    held: lock.HeldLock | None = None
+    state: HostState | None = None
+    target: str = ""
+    recorded: bool = True
+
+
+def rollback_server(inventory: Inventory, server: Server, opts: Options, results: dict[str, HostResult],
+                    router: RouterClient | None = None,
+                    before_change: Callable[[HostConfig, HostResult, str, str | None], bool] | None = None) -> None:
+    """Every node of ``server`` back to an older release (``--to``, one node's release only: a server of several
+    nodes goes to each node's previous one), restarted and gated together as it was deployed; drained from
+    ``router`` by its head meanwhile. Locks are taken in rank order. ``before_change(host, result, target,
+    current)``: the pre_host hook, under the locks; False ends the server untouched. A node refused (no such
+    release, the hook) gets no history line; neither do its peers."""
     started = time.monotonic()
-    with connect(inventory, host, result, opts.reach) as remote:
-        held: lock.HeldLock | None = None
-        state: HostState | None = None
-        recorded = True
+    command = recorded_command(opts, "rollback")
+    if opts.to_release and server.spans:
+        raise InvalidInput(f"rollback --to: {server.name} spans {len(server.nodes)} nodes, each with its own "
+                           "release ids: roll it back without --to (to each node's previous release)")
+    with ExitStack() as stack:
+        nodes = [_Held(inventory.hosts[n], results[n],
+                       stack.enter_context(connect(inventory, inventory.hosts[n], results[n], opts.reach)))
+                 for n in server.nodes]
         try:
-            with result.phase("preflight") as phase:
-                held, state = lock_and_read(remote, host, opts.lock_wait, with_history=True,
-                                            command=recorded_command(opts, "rollback"))
-                target = _target(host, state, opts.to_release)
-                phase.detail = f"{state.current} -> {target}"
-                if state.pending:
-                    phase.detail += f" ({state.pending.describe()})"
-            if before_change is not None and not before_change(target, state.current):
-                recorded = False
-                return
-            result.release = target
-            fallback = inventory_spec(inventory, host, opts.workers, opts.timeout)
-            previous = state.confirmed
-            read = state
+            for node in nodes:
+                with node.result.phase("preflight") as phase:
+                    node.held, node.state = lock_and_read(node.remote, node.host, opts.lock_wait,
+                                                          with_history=True, command=command)
+                    node.target = _target(node.host, node.state, opts.to_release)
+                    phase.detail = f"{node.state.current} -> {node.target}"
+                    if node.state.pending:
+                        phase.detail += f" ({node.state.pending.describe()})"
+            for node in nodes:
+                assert node.state is not None
+                if before_change is not None and not before_change(node.host, node.result, node.target,
+                                                                   node.state.current):
+                    for other in nodes:
+                        other.recorded = False
+                        if other is not node:
+                            other.result.finish(node.result.result, f"server {server.name}: the pre_host hook "
+                                                                    f"refused node {node.host.name}")
+                    return
+            for node in nodes:
+                node.result.release = node.target
 
-            def restart() -> Outcome:  # the revert's deadline counts from here, not from before the drain
-                spec = overridden(read.gates.get(target, fallback), opts.workers, opts.timeout)
-                baseline = parity.baseline(remote, service_dir(host.service), result, spec, target, None)
-                return switch_and_gate(remote, host, result, verify=opts.verify, target=target, install_unit=True,
-                                       pending=provisional.new_pending(previous, target, revert_after(host, fallback)),
-                                       spec=spec, previous_spec=read.gates.get(previous or "", fallback),
-                                       success=Result.RESTORED, baseline=baseline)
+            def restart() -> Outcome:  # the reverts' deadline counts from here, not from before the drain
+                contexts = [_node(inventory, n, opts) for n in nodes]
+                head = contexts[0]
+                deadline = head.pending.deadline
+                return switch_and_gate([head, *(_aligned(c, head.pending.token, deadline) for c in contexts[1:])],
+                                       verify=opts.verify, success=Result.RESTORED)
 
-            behind_router(remote, host, result, router, threading.Event(), restart)
+            head = nodes[0]
+            behind_router(head.remote, head.host, head.result, router, threading.Event(), restart)
         except (InvalidInput, PreflightRefused) as exc:
-            recorded = False
-            result.fail(exc)
+            for node in nodes:
+                node.recorded = False
+                node.result.fail(exc)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
-            result.fail(exc)
+            for node in nodes:
+                node.result.fail(exc)
         finally:
-            if held is not None:
-                keep = {state.current, state.confirmed} if state else set()
-                held.release(finish_command(host, result, started, state.releases if state else [], keep=keep,
-                                            command=recorded_command(opts, "rollback"))
-                             if recorded and state is not None else "")
+            for node in nodes:
+                if node.held is not None:
+                    state = node.state
+                    keep = {state.current, state.confirmed} if state else set()
+                    node.held.release(finish_command(node.host, node.result, started,
+                                                     state.releases if state else [], keep=keep, command=command)
+                                      if node.recorded and state is not None else "")
+
+
+def _node(inventory: Inventory, node: _Held, opts: Options) -> Node:
+    """The node's part of the switch: its target gated as it was deployed, its parity baseline (the head's)
+    the target's own record."""
+    state = node.state
+    assert state is not None
+    fallback = inventory_spec(inventory, node.host, opts.workers, opts.timeout)
+    spec = overridden(state.gates.get(node.target, fallback), opts.workers, opts.timeout)
+    baseline = parity.baseline(node.remote, service_dir(node.host.service), node.result, spec, node.target,
+                               None) if spec.serves else None
+    pending = provisional.new_pending(state.confirmed, node.target, revert_after(node.host, fallback))
+    return Node(node.remote, node.host, node.result, pending, spec, state.gates.get(state.confirmed or "", fallback),
+                baseline=baseline)
+
+
+def _aligned(node: Node, token: str, deadline: float) -> Node:
+    """A follower armed under its head's token and deadline: the server goes back, or is kept, as one."""
+    return replace(node, pending=replace(node.pending, token=token, deadline=deadline))
 
 
 def _target(host: HostConfig, state: HostState, wanted: str | None) -> str:

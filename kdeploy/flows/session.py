@@ -63,10 +63,11 @@ class Wanted:
 
 def inventory_spec(inventory: Inventory, host: HostConfig, workers: int | None, timeout: float | None) -> GateSpec:
     """The gate the inventory asks for now (with --workers/--timeout), for runs that have no stored one."""
-    return gate_spec(host.service, load_payload_gate(inventory.payload_dir(host)), workers=workers, timeout=timeout)
+    return gate_spec(host.service, load_payload_gate(inventory.payload_dir(host)), workers=workers, timeout=timeout,
+                     place=inventory.server_of(host.name).place(host.name))
 
 
 def overridden(spec: GateSpec, workers: int | None, timeout: float | None) -> GateSpec:
-    """A stored spec with this command's --workers/--timeout, where given."""
-    update = {k: v for k, v in (("workers", workers), ("timeout", timeout)) if v}
-    return spec.model_copy(update=update) if update else spec
+    """A stored spec with this command's --workers (the server's total)/--timeout, where given."""
+    spec = spec.with_workers(workers)
+    return spec.model_copy(update={"timeout": timeout}) if timeout else spec

@@ -1,14 +1,23 @@
-"""The provisional switch and its ends: Switched -> Confirmed, or -> RolledBack (the controller went back).
+"""The provisional switch of one server and its ends: Switched -> Confirmed, or -> RolledBack (the controller
+went back).
 
-The host arms its own revert before ``current`` moves, so a controller that dies leaves a host that goes
-back by itself (docs/push.md, "provisional"); ``Reverted`` is the end where it did. Each transition returns
-its typed outcome; the ``HostResult`` only reports it.
+A server is one node or several (SGLang's multi-node mode); a single host is the one-node case of the same
+code. Every node arms its own revert, under one token and deadline, before its ``current`` moves, so a
+controller that dies leaves nodes that go back by themselves (docs/push.md, "provisional"); ``Reverted`` is the
+end where they did. The nodes switch head first (the head's stop broadcasts the shutdown its followers wait
+for), restart and are gated together, are confirmed only once every node passed, and go back together when any
+node fails, so no server is left with ranks on different releases. Each transition returns its typed
+outcome; the ``HostResult`` of each node only reports it.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from kdeploy.core import provisional, release, systemd
 from kdeploy.core import secrets as secret
@@ -47,6 +56,24 @@ class Reverted:
 
 
 Outcome = Confirmed | RolledBack | Reverted
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node's part of a server's switch: what its steps share, instead of a (remote, host, result) trio
+    threaded through every call. ``pending``'s token is the server's; ``baseline`` is the head's parity
+    baseline (followers answer no HTTP)."""
+
+    remote: Remote
+    host: HostConfig
+    result: HostResult
+    pending: provisional.Pending
+    spec: GateSpec  # how the target is gated on this node
+    previous_spec: GateSpec  # how ``pending.previous`` was gated when it was deployed
+    install_unit: bool = True
+    secrets: secret.Secrets | None = None
+    baseline: parity.Baseline | None = None
 
 
 def revert_after(host: HostConfig, spec: GateSpec) -> float:
@@ -55,12 +82,12 @@ def revert_after(host: HostConfig, spec: GateSpec) -> float:
                                                                           spec.timeout)
 
 
-def switch(remote: Remote, host: HostConfig, result: HostResult, target: str, install_unit: bool,
-           pending: provisional.Pending, *, secrets: secret.Secrets | None = None, restore: bool = False) -> str:
-    """Arm the host's revert, then write ``secrets`` (over stdin) or, with ``restore``, put the last confirmed
+def switch(node: Node, target: str, install_unit: bool, pending: provisional.Pending, *,
+           secrets: secret.Secrets | None = None, restore: bool = False) -> str:
+    """Arm the node's revert, then write ``secrets`` (over stdin) or, with ``restore``, put the last confirmed
     ones back, then switch ``current`` (and the unit) and restart: one round trip. Returns the run it
     replaces."""
-    sv = host.service
+    sv = node.host.service
     sdir = service_dir(sv)
     unit = unit_filename(sv)
     arm = provisional.arm_script(sdir, unit, provisional.timer_unit(sv.name), pending, sv.on_first_deploy_failure,
@@ -71,8 +98,8 @@ def switch(remote: Remote, host: HostConfig, result: HostResult, target: str, in
         env_step, stdin = secret.write_script(sdir, sv.environment_file, salt), secret.write_stdin(secrets, salt)
     elif restore and sv.environment_file and sv.secrets.configured:
         env_step = secret.restore_script(sdir, sv.environment_file)
-    with result.phase("activate") as phase:
-        old = remote.ask(release.activate_step(sdir, target, unit, install_unit, arm, env_step), stdin=stdin)
+    with node.result.phase("activate") as phase:
+        old = node.remote.ask(release.activate_step(sdir, target, unit, install_unit, arm, env_step), stdin=stdin)
         phase.detail = (f"current -> {target}" + ("; unit installed, daemon-reload" if install_unit else "")
                         + "; old run stopping, restart queued"
                         + (f"; secrets written ({', '.join(secrets.masked())} = {secret.MASK})" if stdin else "")
@@ -81,13 +108,13 @@ def switch(remote: Remote, host: HostConfig, result: HostResult, target: str, in
     return old
 
 
-def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, old: str,
-                       timeout: float) -> systemd.UnitState:
+def restart_and_follow(node: Node, old: str, timeout: float) -> systemd.UnitState:
     """Wait on the host for the run that replaces ``old`` (the activation stopped it and queued the restart:
     ``systemd.follow_command``); its state feeds the gate."""
-    unit = unit_filename(host.service)
-    with result.phase("restart") as phase:
-        restarted = remote.ask(systemd.follow_step(unit, old, timeout, min(0.1, host.service.gate.poll_interval)))
+    unit = unit_filename(node.host.service)
+    with node.result.phase("restart") as phase:
+        restarted = node.remote.ask(systemd.follow_step(unit, old, timeout,
+                                                        min(0.1, node.host.service.gate.poll_interval)))
         state = restarted.state
         if not restarted.followed:
             raise PhaseFailed(f"no new run of {unit} after {timeout:.0f}s (still {state.summary})")
@@ -96,91 +123,148 @@ def restart_and_follow(remote: Remote, host: HostConfig, result: HostResult, old
         return state
 
 
-def confirm(remote: Remote, host: HostConfig, result: HostResult, pending: provisional.Pending) -> None:
-    """Keep the switch: disarm the host's revert (it acts only on a ``pending`` that is still ours)."""
-    with result.phase("confirm") as phase:
-        lost = remote.ask(provisional.confirm_step(service_dir(host.service), provisional.timer_unit(host.service.name),
-                                                   pending.token))
+def confirm(node: Node, pending: provisional.Pending) -> None:
+    """Keep the switch: disarm the node's revert (it acts only on a ``pending`` that is still ours)."""
+    with node.result.phase("confirm") as phase:
+        lost = node.remote.ask(provisional.confirm_step(service_dir(node.host.service),
+                                                        provisional.timer_unit(node.host.service.name), pending.token))
         if lost:
             raise PhaseFailed(f"the switch to {pending.target} was no longer pending: the host reverted by itself "
                               f"or another deploy took over ({lost})")
         phase.detail = f"{pending.target} kept; revert disarmed"
 
 
-def disarm(remote: Remote, host: HostConfig, result: HostResult, pending: provisional.Pending) -> None:
-    """The controller decided the host's end state itself: no revert may act on it later."""
+def disarm(node: Node, pending: provisional.Pending) -> None:
+    """The controller decided the node's end state itself: no revert may act on it later."""
     try:
-        remote.ask(provisional.confirm_step(service_dir(host.service), provisional.timer_unit(host.service.name),
-                                            pending.token))
+        node.remote.ask(provisional.confirm_step(service_dir(node.host.service),
+                                                 provisional.timer_unit(node.host.service.name), pending.token))
     except KdeployError as exc:
-        result.log.append(f"could not disarm the host's revert timer: {exc}")
+        node.result.log.append(f"could not disarm the host's revert timer: {exc}")
 
 
-def switch_and_gate(remote: Remote, host: HostConfig, result: HostResult, *, verify: bool, target: str,
-                    install_unit: bool, pending: provisional.Pending, spec: GateSpec, previous_spec: GateSpec,
-                    secrets: secret.Secrets | None = None, success: Result = Result.DEPLOYED,
-                    baseline: parity.Baseline | None = None) -> Outcome:
-    """Switch to ``target`` (and ``secrets``) provisionally, restart, gate (unless not ``verify``), confirm and
-    end ``success``; on a failed gate go back to the last confirmed release (``pending.previous``) and
-    secrets by itself. ``baseline``: what the gate's parity phase compares with (taken before the switch)."""
-    result.attempted = target
+def on_each(nodes: Sequence[Node], step: Callable[[Node], _T]) -> list[_T]:
+    """``step`` on every node at once (a single node in this thread), each to its end; then the first failure
+    in rank order is raised, named after its node when the server spans hosts."""
+    if len(nodes) == 1:
+        return [step(nodes[0])]
+    with ThreadPoolExecutor(len(nodes), thread_name_prefix="kdeploy-node") as pool:
+        futures = [pool.submit(step, node) for node in nodes]
+    for node, future in zip(nodes, futures, strict=True):
+        exc = future.exception()
+        if isinstance(exc, PhaseFailed):
+            raise PhaseFailed(f"{node.host.name}: {exc.detail}") from exc
+        if exc is not None:
+            raise exc
+    return [f.result() for f in futures]
+
+
+def _switch_all(nodes: Sequence[Node], targets: Sequence[provisional.Pending], *, restore: bool = False,
+                secrets: bool = True) -> list[str]:
+    """Switch every node, head first: its stop broadcasts the shutdown the followers' stop waits for, and a
+    follower started before the head would look for a group that is ending. Returns each node's old run."""
+    return [switch(n, p.target, n.install_unit or restore, p, secrets=n.secrets if secrets else None,
+                   restore=restore) for n, p in zip(nodes, targets, strict=True)]
+
+
+def _restart_and_gate(node: Node, old: str, verify: bool, target: str, spec: GateSpec,
+                      baseline: parity.Baseline | None, peers: gate.Peers | None) -> parity.Record | None:
     try:
-        old = switch(remote, host, result, target, install_unit, pending, secrets=secrets)
-        started = restart_and_follow(remote, host, result, old, host.service.unit.timeout_stop_sec + 60)
-        record = gate.run_gate(remote, spec, result, release=target, started=started,
-                               baseline=baseline) if verify else None
+        started = restart_and_follow(node, old, node.host.service.unit.timeout_stop_sec + 60)
+    except BaseException:
+        if peers is not None:
+            peers.failed.set()
+        raise
+    return gate.run_gate(node.remote, spec, node.result, release=target, started=started,
+                         baseline=baseline, peers=peers) if verify else None
+
+
+def _peers(nodes: Sequence[Node]) -> gate.Peers | None:
+    return gate.Peers() if len(nodes) > 1 else None
+
+
+def switch_and_gate(nodes: Sequence[Node], *, verify: bool, success: Result = Result.DEPLOYED) -> Outcome:
+    """Switch the server's nodes to their ``pending.target`` (and ``secrets``) provisionally, restart, gate
+    (unless not ``verify``), confirm and end ``success``; when any node fails, every node goes back to its
+    last confirmed release (``pending.previous``) and secrets. The head (``nodes[0]``) answers the gate's HTTP
+    phases, with its ``baseline`` (taken before the switch) for parity; every node shows its own ranks'
+    markers."""
+    for node in nodes:
+        node.result.attempted = node.pending.target
+    try:
+        olds = dict(zip((n.host.name for n in nodes), _switch_all(nodes, [n.pending for n in nodes]), strict=True))
+        peers = _peers(nodes)
+        records = on_each(nodes, lambda n: _restart_and_gate(n, olds[n.host.name], verify, n.pending.target, n.spec,
+                                                             n.baseline, peers))
     except (PhaseFailed, RemoteTimeout) as exc:
-        return go_back(remote, host, result, pending, getattr(exc, "detail", str(exc)), previous_spec)
-    confirm(remote, host, result, pending)
-    parity.keep(remote, service_dir(host.service), result, target, record)
-    result.finish(success)
-    return Confirmed(target)
+        return go_back(nodes, getattr(exc, "detail", str(exc)))
+    try:
+        on_each(nodes, lambda n: confirm(n, n.pending))
+    except PhaseFailed as exc:  # a node went back by itself (a reset before confirm): its peers follow it
+        if len(nodes) == 1:
+            raise
+        return go_back(nodes, exc.detail)
+    head = nodes[0]
+    parity.keep(head.remote, service_dir(head.host.service), head.result, head.pending.target, records[0])
+    for node in nodes:
+        node.result.finish(success)
+    return Confirmed(head.pending.target)
 
 
-def go_back(remote: Remote, host: HostConfig, result: HostResult, pending: provisional.Pending, why: str,
-            spec: GateSpec) -> RolledBack:
-    """Back to the last confirmed release, gated as it was deployed (``spec``), then disarm the revert.
+def go_back(nodes: Sequence[Node], why: str) -> RolledBack:
+    """Every node back to its last confirmed release, gated as it was deployed (``previous_spec``), then disarm
+    the reverts. The reverts are re-armed for the rollback's own restart and gate, so a controller that dies
+    now still leaves the nodes going back by themselves. Phases are reported as ``rollback <phase>``.
 
-    The revert is re-armed for the rollback's own restart and gate, so a controller that dies now still
-    leaves the host going back by itself. Its phases are reported as ``rollback <phase>``.
-    """
-    previous = pending.previous
-    with result.phase("rollback") as phase:
-        if previous is None:
-            state = _stop_first_deploy(remote, host)
-            disarm(remote, host, result, pending)
-            phase.ok = False
-            phase.detail = f"first deploy failed ({why}); nothing to roll back to: service {state}"
-            result.finish(Result.ROLLBACK_FAILED, phase.detail)
+    A node with nothing confirmed (a first deploy) cannot go back, and a server is only whole on one release:
+    then every node is stopped or left as ``on_first_deploy_failure`` says, ``rollback_failed``."""
+    with ExitStack() as stack:
+        phases = [stack.enter_context(n.result.phase("rollback")) for n in nodes]
+        if any(n.pending.previous is None for n in nodes):
+            for node, phase in zip(nodes, phases, strict=True):
+                state = _stop_first_deploy(node)
+                disarm(node, node.pending)
+                phase.ok = False
+                phase.detail = f"first deploy failed ({why}); nothing to roll back to: service {state}"
+                node.result.finish(Result.ROLLBACK_FAILED, phase.detail)
             return RolledBack(None, serving=False)
-        again = provisional.new_pending(previous, previous, revert_after(host, spec), pending.token)
+        again = [provisional.new_pending(n.pending.previous, n.pending.previous,
+                                         revert_after(n.host, n.previous_spec), n.pending.token) for n in nodes]
+        back = [replace(n, pending=p, baseline=None) for n, p in zip(nodes, again, strict=True)]
         try:
-            with result.prefixed("rollback "):
-                old = switch(remote, host, result, previous, True, again, restore=True)
-                started = restart_and_follow(remote, host, result, old, host.service.unit.timeout_stop_sec + 60)
-                gate.run_gate(remote, spec, result, release=previous, started=started,
-                              baseline=parity.own_record(remote, service_dir(host.service), spec, previous))
-                confirm(remote, host, result, again)
+            for node in back:
+                stack.enter_context(node.result.prefixed("rollback "))
+            olds = dict(zip((n.host.name for n in back), _switch_all(back, again, restore=True, secrets=False),
+                            strict=True))
+            peers = _peers(back)
+            on_each(back, lambda n: _restart_and_gate(
+                n, olds[n.host.name], True, n.pending.target, n.previous_spec,
+                parity.own_record(n.remote, service_dir(n.host.service), n.previous_spec, n.pending.target)
+                if n.previous_spec.serves else None, peers))
+            on_each(back, lambda n: confirm(n, n.pending))
         except (PhaseFailed, KdeployError) as exc:
-            disarm(remote, host, result, again)
-            phase.ok = False
-            phase.detail = (f"gate failed ({why}); rollback to {previous} FAILED: {exc}; "
-                            f"host needs a human: current -> {previous}, unit of {previous} installed")
-            result.release = previous
-            result.finish(Result.ROLLBACK_FAILED, phase.detail)
-            return RolledBack(previous, serving=False)
-        phase.detail = f"gate failed ({why}); back on {previous}, its gate passed"
-        result.release = previous
-        result.finish(Result.ROLLED_BACK, why)
-        return RolledBack(previous, serving=True)
+            for node, phase in zip(back, phases, strict=True):
+                disarm(node, node.pending)
+                phase.ok = False
+                phase.detail = (f"gate failed ({why}); rollback to {node.pending.target} FAILED: {exc}; "
+                                f"host needs a human: current -> {node.pending.target}, unit of "
+                                f"{node.pending.target} installed")
+                node.result.release = node.pending.target
+                node.result.finish(Result.ROLLBACK_FAILED, phase.detail)
+            return RolledBack(back[0].pending.target, serving=False)
+        for node, phase in zip(back, phases, strict=True):
+            phase.detail = f"gate failed ({why}); back on {node.pending.target}, its gate passed"
+            node.result.release = node.pending.target
+            node.result.finish(Result.ROLLED_BACK, why)
+        return RolledBack(back[0].pending.target, serving=True)
 
 
-def _stop_first_deploy(remote: Remote, host: HostConfig) -> str:
+def _stop_first_deploy(node: Node) -> str:
     """A first deploy failed: stop the service (``on_first_deploy_failure: stop``) or leave it; in words."""
-    sv = host.service
+    sv = node.host.service
     if sv.on_first_deploy_failure != "stop":
         return "left running as it is"
     restore = (secret.restore_script(service_dir(sv), sv.environment_file)
                if sv.secrets.configured and sv.environment_file else "true")
-    remote.ask(systemd.disable_and_stop_step(unit_filename(sv), then=restore))
+    node.remote.ask(systemd.disable_and_stop_step(unit_filename(sv), then=restore))
     return "stopped and disabled"

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kdeploy.core import systemd
@@ -32,6 +33,20 @@ MARKER_GRACE = 15.0  # seconds after readiness for late workers' markers
 # host says so) and otherwise at most this often: each read is a round trip and a process on the host,
 # and a model that loads for ten minutes must not cost the host 2,400 `systemctl show` runs.
 UNIT_CHECK_EVERY = 1.0
+
+
+@dataclass
+class Peers:
+    """The nodes of one server, gated at once: the head says when it serves and any node that fails says so,
+    so a follower's wait for its ranks' markers ends with its head's grace, or at once when a peer failed."""
+
+    ready_at: float | None = None  # monotonic time the head answered its readiness path
+    failed: threading.Event = field(default_factory=threading.Event)
+
+    def marker_deadline(self, deadline: float) -> float:
+        if self.failed.is_set():
+            raise PhaseFailed("stopped: another node of the server failed its gate")
+        return deadline if self.ready_at is None else min(deadline, self.ready_at + MARKER_GRACE)
 
 
 @dataclass(frozen=True)
@@ -143,18 +158,28 @@ def _show(remote: Remote, unit: str) -> systemd.UnitState:
 
 
 def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str | None = None,
-             started: systemd.UnitState | None = None,
-             baseline: parity.Baseline | None = None) -> parity.Record | None:
+             started: systemd.UnitState | None = None, baseline: parity.Baseline | None = None,
+             peers: Peers | None = None) -> parity.Record | None:
     """Run the phases; raises PhaseFailed at the first failing one. Returns the run's parity record.
 
     ``started`` is the unit's state right after a restart (its invocation is the run under test); without
     it the gate reads the unit and checks whatever runs now. ``release``: the release every worker must
     say it loaded (when the payload logs a config line). ``baseline``: what the ``parity`` phase compares
-    the run with (no phase without it, or when the spec has no golden set).
+    the run with (no phase without it, or when the spec has no golden set). ``peers``: the other nodes of a
+    server gated at the same time.
     """
-    record = None
-    from kdeploy.ssh import tunnel  # httpx loads only when a gate runs
+    try:
+        return _gate(remote, spec, result, release, started, baseline, peers)
+    except BaseException:
+        if peers is not None:
+            peers.failed.set()
+        raise
 
+
+def _gate(remote: Remote, spec: GateSpec, result: HostResult, release: str | None,
+          started: systemd.UnitState | None, baseline: parity.Baseline | None,
+          peers: Peers | None) -> parity.Record | None:
+    record = None
     unit = spec.unit
     interval = spec.poll_interval
     deadline = time.monotonic() + spec.timeout
@@ -176,6 +201,44 @@ def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str
             state = _show(remote, unit)
             invocation = invocation or state.invocation
 
+    if spec.serves:  # a follower node's HTTP is a dummy: its unit and its ranks' markers are its proof
+        record = _serving_phases(remote, spec, result, state, invocation, restarts, deadline, release, baseline)
+        if peers is not None:
+            peers.ready_at = time.monotonic()
+
+    with result.phase("workers") as phase:
+        markers = [*spec.markers, *([spec.config_line] if spec.config_line else [])]
+        if not markers:
+            phase.detail = "no markers configured"
+            return record
+        marker_deadline = min(deadline, time.monotonic() + MARKER_GRACE)
+        journal = systemd.journal_step(invocation, grep=[*markers, RANK_LINE], first=STARTUP_RECORDS)
+        while True:
+            lines = remote.ask(journal)
+            wrong = spec.config_line and config_verdict(lines, spec.config_line, spec.config, release)
+            if wrong:
+                raise PhaseFailed(wrong)
+            verdict = marker_verdict(lines, markers, spec.workers)
+            if verdict.ok:
+                phase.detail = verdict.detail + (f", config {' '.join(f'{k}={v}' for k, v in spec.config.items())}"
+                                                 if spec.config_line else "")
+                return record
+            if not spec.serves and peers is not None:  # no readiness of its own: its head's, or a peer's end
+                marker_deadline = peers.marker_deadline(deadline)
+            if verdict.final or time.monotonic() > marker_deadline:
+                raise PhaseFailed(verdict.detail)
+            time.sleep(interval)
+
+
+def _serving_phases(remote: Remote, spec: GateSpec, result: HostResult, state: systemd.UnitState,
+                    invocation: str | None, restarts: int | None, deadline: float, release: str | None,
+                    baseline: parity.Baseline | None) -> parity.Record | None:
+    """Readiness, golden completions and parity, through the server's HTTP (its head's, for a server that
+    spans hosts); returns the parity record."""
+    from kdeploy.ssh import tunnel  # httpx loads only when a gate runs
+
+    record = None
+    unit, interval = spec.unit, spec.poll_interval
     with tunnel.ServiceHttp(remote, spec.host, spec.port, timeout=min(10.0, max(2.0, interval * 4))) as http:
         with result.phase("ready") as phase:
             watch: Process | None = None  # started by the first poll that is not 200: a serving run costs none
@@ -229,26 +292,7 @@ def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str
                     raise PhaseFailed(f"parity: {verdict.detail}")
                 phase.detail = verdict.detail
 
-    with result.phase("workers") as phase:
-        markers = [*spec.markers, *([spec.config_line] if spec.config_line else [])]
-        if not markers:
-            phase.detail = "no markers configured"
-            return record
-        marker_deadline = min(deadline, time.monotonic() + MARKER_GRACE)
-        journal = systemd.journal_step(invocation, grep=[*markers, RANK_LINE], first=STARTUP_RECORDS)
-        while True:
-            lines = remote.ask(journal)
-            wrong = spec.config_line and config_verdict(lines, spec.config_line, spec.config, release)
-            if wrong:
-                raise PhaseFailed(wrong)
-            verdict = marker_verdict(lines, markers, spec.workers)
-            if verdict.ok:
-                phase.detail = verdict.detail + (f", config {' '.join(f'{k}={v}' for k, v in spec.config.items())}"
-                                                 if spec.config_line else "")
-                return record
-            if verdict.final or time.monotonic() > marker_deadline:
-                raise PhaseFailed(verdict.detail)
-            time.sleep(interval)
+    return record
 
 
 def _complete(http: ServiceHttp, model: str, prompt: str, max_tokens: int) -> str:

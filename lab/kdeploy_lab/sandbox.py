@@ -157,7 +157,8 @@ def edit_inventory(path: Path, change: Callable[[CommentedMap], None]) -> None:
 def span_servers(doc: CommentedMap, nodes_per_server: int) -> None:
     """Group the inventory's sandbox hosts, in order, into servers of ``nodes_per_server`` nodes each (a
     ``servers:`` section, s1, s2, ...; the first node is the head) and make the service's ``sglang.tp`` the
-    total over a server's nodes, so each node runs as many workers as a one-host server does. The unit
+    total over a server's nodes (and ``gate.workers``, which counts a server's), so each node runs as many
+    workers as a one-host server does. The unit
     renderer derives ``--nnodes/--node-rank/--dist-init-addr`` from that section. 1 leaves ``doc`` as it is."""
     if isinstance(nodes_per_server, bool) or not isinstance(nodes_per_server, int) or nodes_per_server < 1:
         raise SandboxError(f"nodes per server must be a positive integer, got {nodes_per_server!r}")
@@ -169,8 +170,12 @@ def span_servers(doc: CommentedMap, nodes_per_server: int) -> None:
                            f"the number of hosts must be a multiple of the nodes per server")
     service = doc["defaults"]["service"]
     sglang = service.get("sglang") or {}
-    # a copy: the caller's service dict is not changed
-    doc["defaults"]["service"] = {**service, "sglang": {**sglang, "tp": int(sglang.get("tp", 1)) * nodes_per_server}}
+    # a copy: the caller's service dict is not changed. `gate.workers` counts the server's workers too.
+    spanned = {**service, "sglang": {**sglang, "tp": int(sglang.get("tp", 1)) * nodes_per_server}}
+    gate = service.get("gate") or {}
+    if gate.get("workers"):
+        spanned["gate"] = {**gate, "workers": int(gate["workers"]) * nodes_per_server}
+    doc["defaults"]["service"] = spanned
     servers = CommentedMap()
     for first in range(0, len(names), nodes_per_server):
         nodes = CommentedSeq(names[first:first + nodes_per_server])

@@ -307,7 +307,7 @@ def test_a_server_of_two_nodes_forms_its_group_across_hosts(sb8: Sandbox, tmp_pa
     doc = YAML(typ="safe").load(text)
     assert doc["servers"] == {"s1": {"nodes": ["h1", "h2"], "rendezvous_port": 29500}}
     assert "nodes: [h1, h2]" in text
-    assert doc["defaults"]["service"]["sglang"]["tp"] == 2 and doc["defaults"]["service"]["gate"]["workers"] == 1
+    assert doc["defaults"]["service"]["sglang"]["tp"] == 2 and doc["defaults"]["service"]["gate"]["workers"] == 2
 
     dist = f"{h1.address}:{RENDEZVOUS_PORT}"
     tp = str(doc["defaults"]["service"]["sglang"]["tp"])

@@ -38,13 +38,14 @@ def test_two_nodes_per_server_groups_the_hosts_in_order_and_doubles_tp(tmp_path:
     assert RENDEZVOUS_PORT == 29500
     assert "nodes: [h1, h2]" in text and "nodes: [h3, h4]" in text
     assert doc["defaults"]["service"]["sglang"]["tp"] == 2
-    assert doc["defaults"]["service"]["gate"]["workers"] == 1  # per node, as a one-host server's
+    assert doc["defaults"]["service"]["gate"]["workers"] == 2  # the server's: one per node, as a one-host server
     assert service == before  # the caller's service is not changed
     assert doc["groups"] == {"sandbox": {"hosts": ["h1", "h2", "h3", "h4"]}}
     # everything but tp and the new section is what one-node servers get
     _, single = _write(box, tmp_path / "single.yaml", service)
     assert "servers" not in single and single["defaults"]["service"]["sglang"]["tp"] == 1
     doc["defaults"]["service"]["sglang"]["tp"] = 1
+    doc["defaults"]["service"]["gate"]["workers"] = 1
     del doc["servers"]
     assert doc == single
 
@@ -53,7 +54,7 @@ def test_the_demo_service_spans_tp8_per_node(tmp_path: Path) -> None:
     _, doc = _write(_box(tmp_path, 3), tmp_path / "inv.yaml", demo_service(sglang=False), 3)
     assert doc["servers"] == {"s1": {"nodes": ["h1", "h2", "h3"], "rendezvous_port": RENDEZVOUS_PORT}}
     assert doc["defaults"]["service"]["sglang"]["tp"] == 24
-    assert doc["defaults"]["service"]["gate"]["workers"] == 8
+    assert doc["defaults"]["service"]["gate"]["workers"] == 24  # the server's: 8 on each node
 
 
 def test_one_node_per_server_is_the_inventory_of_before(tmp_path: Path) -> None:

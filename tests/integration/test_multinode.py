@@ -1,0 +1,138 @@
+"""A server that spans hosts (SGLang's multi-node mode) on sandbox hosts: h1 (head) + h2 (follower), tp 16.
+
+The reference server really rendezvouses over TCP between the two hosts; a follower restarted alone breaks
+its group, so every test here checks that both nodes move, stop, start and go back together.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kdeploy.core import provisional
+from tests.conftest import TEST_MARKER, Deployment
+
+pytestmark = pytest.mark.hosts(2)
+NODES = ("h1", "h2")
+
+
+@pytest.fixture
+def server(deployment: Deployment) -> Deployment:
+    """h1 and h2 as one server ``s1`` of 16 workers, 8 on each node."""
+    def spanning(doc: dict) -> None:
+        doc["servers"] = {"s1": {"nodes": list(NODES), "rendezvous_port": deployment.port + 1000}}
+        service = doc["defaults"]["service"]
+        service["sglang"]["tp"] = 16
+        service["gate"] = {"workers": 16, "poll_interval": 0.25, "markers": [TEST_MARKER], "timeout": 60,
+                           "revert_after": 40}
+    deployment.edit(spanning)
+    return deployment
+
+
+def _journal(dep: Deployment, host: str, since: str) -> list[tuple[float, str]]:
+    """The service's journal lines on ``host`` since ``since`` (``@epoch``), as (time, message)."""
+    out = dep.sh(host, f"journalctl -u {dep.service} --since {since} -o short-unix --no-pager", check=False)
+    lines = []
+    for line in out.splitlines():
+        stamp, _, rest = line.partition(" ")
+        try:
+            lines.append((float(stamp), rest))
+        except ValueError:
+            continue
+    return lines
+
+
+def _first(lines: list[tuple[float, str]], text: str) -> float:
+    return next(t for t, message in lines if text in message)
+
+
+def _releases(dep: Deployment) -> dict[str, str]:
+    return {h: dep.current(h) for h in NODES}
+
+
+def test_push_verify_set_env_rollback_move_the_whole_server(server: Deployment,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    code, doc = server.json(capsys, "push", "s1")
+    assert code == 0, doc
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    assert {h: r["result"] for h, r in hosts.items()} == {"h1": "deployed", "h2": "deployed"}
+    unit = {h: server.sh(h, f"cat {server.unit_path}") for h in NODES}
+    assert "--nnodes 2 --node-rank 0 --dist-init-addr" in unit["h1"]
+    assert "--nnodes 2 --node-rank 1 --dist-init-addr" in unit["h2"]
+    # the head's gate answered HTTP; the follower's proof is its unit and its own 8 ranks' markers
+    phases = {h: [p["name"] for p in r["phases"]] for h, r in hosts.items()}
+    assert "completion" in phases["h1"] and "completion" not in phases["h2"] and "ready" not in phases["h2"]
+    workers = {h: next(p for p in r["phases"] if p["name"] == "workers")["detail"] for h, r in hosts.items()}
+    assert all("x 8 workers" in w for w in workers.values()), workers
+    first = _releases(server)
+
+    assert server.kdeploy("verify", "s1", "--workers", "16") == 0
+    assert server.kdeploy("verify", "h2", "--workers", "16") == 0  # read-only: one node may be selected
+    assert server.kdeploy("push", "h2") == 2  # a restart of part of a server is refused
+
+    since = f"@{time.time():.3f}"
+    assert server.kdeploy("set-env", "KDTREE_DEFRAG_SORT=1") == 0
+    second = _releases(server)
+    assert all(second[h] != first[h] for h in NODES), (first, second)
+    # SGLang's order: the head stops first; its shutdown broadcast ends the follower's run
+    head, follower = _journal(server, "h1", since), _journal(server, "h2", since)
+    head_stop = _first(head, "Stopping")
+    assert head_stop <= _first(follower, "Stopping"), (head, follower)
+    assert any("Shutdown received from the head" in m for _, m in follower), follower
+
+    code, doc = server.json(capsys, "rollback", "s1")
+    assert code == 0, doc
+    assert {h["host"]: h["result"] for h in doc["hosts"]} == {"h1": "restored", "h2": "restored"}
+    assert _releases(server) == first
+    assert server.kdeploy("verify", "s1", "--workers", "16") == 0
+
+
+def test_a_follower_rank_without_the_plugin_rolls_the_whole_server_back(server: Deployment,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert server.kdeploy("push", "s1") == 0
+    before = _releases(server)
+    server.set_service(env={"REFSERVER_NO_PLUGINS_RANK": "11"})  # TP11 runs on the follower (TP8..15)
+    code, doc = server.json(capsys, "push", "s1")
+    assert code == 4, doc
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    assert {h: r["result"] for h, r in hosts.items()} == {"h1": "rolled_back", "h2": "rolled_back"}, doc
+    failed = next(p for p in hosts["h2"]["phases"] if not p["ok"])
+    assert failed["name"] == "workers" and "TP11" in failed["detail"], failed
+    assert _releases(server) == before
+    assert all(server.show(h, "ActiveState") == "active" for h in NODES)
+    assert server.kdeploy("verify", "s1") == 0
+
+
+def test_controller_killed_after_the_switch_leaves_both_nodes_on_one_release(
+        server: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    assert server.kdeploy("push", "s1") == 0
+    before = _releases(server)
+    server.set_service(env={"REFSERVER_SLOW_START": "30"})
+    invocation = server.show("h2", "InvocationID")
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "s1", "--inventory", str(server.path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while server.show("h2", "InvocationID") == invocation:  # the follower switches after the head
+            assert proc.poll() is None and time.monotonic() < deadline, "h2 was never restarted"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    assert all(_releases(server)[h] != before[h] for h in NODES)
+    deadline = time.monotonic() + 150
+    while any(server.sh(h, f"test -e {server.service_dir}/pending && echo p", check=False).strip() for h in NODES):
+        assert time.monotonic() < deadline, "the nodes never went back by themselves"
+        time.sleep(1)
+    assert _releases(server) == before
+    timer = provisional.timer_unit(server.service)
+    for host in NODES:
+        assert server.sh(host, f"systemctl list-units --all --no-legend '{timer}.timer'").strip() == ""
+        assert [r for r in server.history(host) if r.get("result") == "reverted"], server.history(host)
+    server.set_service(env={})
+    assert server.kdeploy("push", "s1") == 0
+    assert server.kdeploy("verify", "s1") == 0
