@@ -103,6 +103,12 @@ bench-analysis: venv
 	@$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/pip install -q matplotlib
 	flock /tmp/sandbox-heavy.lock $(BIN)/python bench/analysis.py
 
+# Servers that span hosts (issue 40; docs/benchmarks.md "Topology"): a full and a no-op push of 2 servers x 2 nodes
+# beside 4 single hosts on one 4-host sandbox; prints a table, writes bench/results/topology.json; ~3 min.
+.PHONY: bench-topology
+bench-topology: venv
+	flock /tmp/sandbox-heavy.lock $(BIN)/python bench/topology.py
+
 # Upload throughput (issue 16; docs/benchmarks.md "Upload"): kdeploy's stage phase against scp and rsync of the
 # same 1/50/200 MB payload to 1 and 8 sandbox hosts; prints a table, writes bench/results/upload.json; ~3 min.
 .PHONY: bench-upload

@@ -449,7 +449,7 @@ class Ui:
             last = host.failed_phase() or (host.phases[-1] if host.phases else None)
             seconds = sum(p.seconds for p in host.phases)
             colour = "green" if host.ok else "red"
-            table.add_row(host.host, f"[{colour}]{host.result}[/]", cell(host.release or "-"),
+            table.add_row(cell(progress.host_name(host)), f"[{colour}]{host.result}[/]", cell(host.release or "-"),
                           last.name if last else "-", f"{seconds:.1f}",
                           cell(host.error or (last.detail if last else "")))
         self.err.print(table)
@@ -496,7 +496,10 @@ def render(target: OptTarget = "all", inventory: InventoryOpt = DEFAULT_INVENTOR
 
     loaded = _load(inventory, service, target, limit)
     for name in loaded.resolve(target):
-        sys.stdout.write(f"# ---- {name} ----\n{render_unit(loaded, loaded.hosts[name])}")
+        server = loaded.server_of(name)
+        place = f" (server {server.name}, node {server.nodes.index(name)} of {len(server.nodes)})" \
+            if server.spans else ""
+        sys.stdout.write(f"# ---- {name}{place} ----\n{render_unit(loaded, loaded.hosts[name])}")
 
 
 def _options(**kw: object) -> "Options":

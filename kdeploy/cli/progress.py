@@ -47,12 +47,17 @@ def phase_line(clock: str, host: str, phase: str, status: str, seconds: float | 
     return one_line(" ".join([*words, detail.strip()] if detail.strip() else words))  # one line, whatever it held
 
 
+def host_name(host: HostResult) -> str:
+    """The host, with its server and rank when it is a node of a server that spans hosts."""
+    return f"{host.host} ({host.server.describe()})" if host.server else host.host
+
+
 def host_line(host: HostResult) -> str:
     """One host of the final summary: result, release, the failed (or last) phase, total seconds, detail."""
     last = host.failed_phase() or (host.phases[-1] if host.phases else None)
     seconds = sum(p.seconds for p in host.phases)
     detail = host.error or (last.detail if last else "")
-    words = [host.host, str(host.result), f"release={host.release or '-'}", f"phase={last.name if last else '-'}",
+    words = [host_name(host), str(host.result), f"release={host.release or '-'}", f"phase={last.name if last else '-'}",
              f"{seconds:.1f}s"]
     return one_line(" ".join([*words, detail.strip()] if detail.strip() else words))
 

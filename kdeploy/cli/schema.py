@@ -90,6 +90,12 @@ class CheckDoc(_Doc):
     systemd_analyze: bool = Field(description="Whether the rendered unit went through systemd-analyze verify.")
 
 
+class ServerDoc(_Doc):
+    name: str = Field(description="The server's name (its key under `servers`).")
+    node_rank: int = Field(description="This host's node rank in it (0: the head).")
+    nodes: list[str] = Field(description="The server's nodes in rank order.")
+
+
 class HostDoc(_Doc):
     host: str = Field(description="Host name from the inventory.")
     ok: bool = Field(description="Whether the host ended well (exit_code 0).")
@@ -105,6 +111,8 @@ class HostDoc(_Doc):
     traceback: str | None = Field(default=None, description="An internal error's traceback.")
     router: Literal["in", "out"] | None = Field(default=None, description="Membership in the SGLang router as the "
                                                                         "command left the host (docs/router.md).")
+    server: ServerDoc | None = Field(default=None, description="The server that spans hosts this host is a node "
+                                                               "of (docs/topologies.md); absent for a single host.")
     plan: PlanDoc | None = Field(default=None, description="plan: what a push would change.")
     status: StatusDoc | None = Field(default=None, description="status: the service's live state and drift.")
     history: list[dict[str, Any]] | None = Field(default=None, description="history: the host's raw history "

@@ -33,6 +33,7 @@ from kdeploy.core import ansible, files, patterns
 from kdeploy.core.analysis import Bounds
 from kdeploy.core.defaults import DEFAULT_INVENTORY, WEEK
 from kdeploy.core.errors import InvalidInput
+from kdeploy.core.report import HostResult, ServerRef
 from kdeploy.core.text import first_unsafe
 from kdeploy.core.yamlsource import line_of, parse_yaml, read_text
 
@@ -580,6 +581,12 @@ class Inventory:
             if host in server.nodes:
                 return server
         return Server(host, (host,))
+
+    def result(self, host: str, listener: Any = None) -> HostResult:
+        """A new report entry for ``host``, naming its server when that spans hosts."""
+        server = self.server_of(host)
+        ref = ServerRef(server.name, server.nodes.index(host), server.nodes) if server.spans else None
+        return HostResult(host, listener=listener, server=ref)
 
     def servers(self, names: list[str]) -> list[Server]:
         """The servers of ``names``, each once, in the order their first node comes."""

@@ -110,6 +110,18 @@ class PhaseWatcher:
         raise NotImplementedError
 
 
+@dataclass(frozen=True)
+class ServerRef:
+    """The server a host is a node of, for a server that spans hosts (docs/topologies.md)."""
+
+    name: str
+    node_rank: int
+    nodes: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"{self.name} {'head' if self.node_rank == 0 else f'node {self.node_rank}'}"
+
+
 @dataclass
 class HostResult:
     host: str
@@ -125,6 +137,7 @@ class HostResult:
     traceback: str | None = None  # an internal error's, for --debug and the JSON
     details: Details | None = None  # the command's own findings (plan, status, history, lock, probe)
     router: str | None = None  # membership in the SGLang router as this command left it: "in" or "out"
+    server: ServerRef | None = None  # the server it is a node of, when that spans hosts
     listener: Listener | None = field(default=None, repr=False, compare=False)
     done: bool = field(default=False, repr=False, compare=False)
     prefix: str = field(default="", repr=False, compare=False)
@@ -190,6 +203,9 @@ class HostResult:
         for key in ("attempted", "restored", "traceback", "router"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.server is not None:
+            out["server"] = {"name": self.server.name, "node_rank": self.server.node_rank,
+                             "nodes": list(self.server.nodes)}
         if self.details is not None:
             out[self.details.key] = self.details.to_json()
         return out

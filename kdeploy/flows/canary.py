@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -265,10 +265,11 @@ class Analysis:
             return str(exc)
         return None
 
-    def after(self, canary: list[str], rest: list[str], previous: Callable[[str], str | None],
+    def after(self, canary: list[str], rest: list[str], previous: Callable[[str], dict[str, str | None]],
               routers: dict[str, RouterClient]) -> str | None:
         """The window, the decision, and what it asks for. Why the rest is not deployed, else None.
-        ``previous(host)``: the release a canary host goes back to; ``routers``: each host's router."""
+        ``canary``, ``rest``: servers by their heads; ``previous(head)``: the release each node of a canary
+        server goes back to; ``routers``: each head's router."""
         results = [self.results[n] for n in canary]
         baseline, gone = baseline_of(self.inventory, canary, [n for n in rest if not self.results[n].done])
         impossible = self.not_analysed or gone
@@ -349,31 +350,40 @@ class Analysis:
                 "checks": [asdict(c) for c in verdict.checks] if verdict else [],
                 "series": outcome.series}
 
-    def _roll_back(self, name: str, previous: str | None, router: RouterClient | None, why: str) -> None:
-        """The canary back on ``previous`` as ``kdeploy rollback --to`` does it; it ends ``rolled_back``."""
-        from kdeploy.flows.rollback import rollback_host
+    def _roll_back(self, head: str, previous: dict[str, str | None], router: RouterClient | None,
+                   why: str) -> None:
+        """The canary server (known by its head) back on each node's ``previous`` release through the one way
+        back of a server, ``rollback_server``; every node ends ``rolled_back``."""
+        from kdeploy.flows.rollback import rollback_server
 
-        result = self.results[name]
-        if previous is None:
-            result.finish(Result.ROLLBACK_FAILED, f"canary analysis failed ({why}); first deploy of this host: "
-                                                  "no release to go back to")
+        server = self.inventory.server_of(head)
+        results = {n: self.results[n] for n in server.nodes}
+        to = {n: p for n, p in previous.items() if p is not None}
+        if len(to) < len(server.nodes):
+            for result in results.values():
+                result.finish(Result.ROLLBACK_FAILED, f"canary analysis failed ({why}); first deploy of this "
+                                                      "server: no release to go back to")
             return
-        back = HostResult(name, listener=result.listener)
-        with back.prefixed("rollback "):
+        backs = {n: HostResult(n, listener=r.listener, server=r.server) for n, r in results.items()}
+        with ExitStack() as stack:
+            for back in backs.values():
+                stack.enter_context(back.prefixed("rollback "))
             try:
-                rollback_host(self.inventory, self.inventory.hosts[name], replace(self.opts, to_release=previous),
-                              back, router=router)
+                rollback_server(self.inventory, server, self.opts, backs, router=router, to=to)
             except (KdeployError, PhaseFailed, Cancelled) as exc:
-                back.fail(exc)
-        result.phases += back.phases
-        result.log += back.log
-        result.router = back.router or result.router
-        result.release = back.release or result.release
-        if back.result == Result.RESTORED:
-            result.finish(Result.ROLLED_BACK, f"canary analysis failed: {why}; back on {previous}")
-        else:
-            result.finish(Result.ROLLBACK_FAILED, f"canary analysis failed ({why}); putting {previous} back "
-                                                  f"failed: {back.error}")
+                for back in backs.values():
+                    back.fail(exc)
+        for name, result in results.items():
+            back = backs[name]
+            result.phases += back.phases
+            result.log += back.log
+            result.router = back.router or result.router
+            result.release = back.release or result.release
+            if back.result == Result.RESTORED:
+                result.finish(Result.ROLLED_BACK, f"canary analysis failed: {why}; back on {to[name]}")
+            else:
+                result.finish(Result.ROLLBACK_FAILED, f"canary analysis failed ({why}); putting {to[name]} back "
+                                                      f"failed: {back.error}")
 
 
 _SHOWN = (("requests", "requests", "{:.0f}", None),

@@ -27,7 +27,7 @@ from kdeploy.core.gatespec import gate_spec, load_payload_gate
 from kdeploy.core.inventory import HostConfig, Inventory
 from kdeploy.core.release import scan_payload
 from kdeploy.core.render import render_unit, unit_filename
-from kdeploy.core.report import HostResult, Report, Result
+from kdeploy.core.report import Report, Result
 
 HOOKS = ("pre_deploy", "pre_host", "post_host", "post_rollout")
 VERIFY_TIMEOUT = 60.0
@@ -188,7 +188,7 @@ def run(inventory: Inventory, target: str | None, *, environ: Mapping[str, str] 
                       systemd_verify if shutil.which("systemd-analyze") else None)
     results = []
     for name in inventory.resolve(target):
-        result = HostResult(name)
+        result = inventory.result(name)
         with result.phase("check") as phase:
             view = checker.host(inventory.hosts[name])
             phase.ok = not view.findings

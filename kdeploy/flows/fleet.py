@@ -69,7 +69,7 @@ def run_parallel(jobs: list[tuple[HostResult, Callable[[], None]]], parallel: in
 def fan_out(inventory: Inventory, names: list[str], command: str, fn: HostFn, *, parallel: int = DEFAULT_PARALLEL,
             listener: Listener | None = None, cancel: threading.Event | None = None) -> Report:
     """Run ``fn`` for every host, at most ``parallel`` at once."""
-    results = [HostResult(name, listener=listener) for name in names]
+    results = [inventory.result(name, listener) for name in names]
     run_parallel([(r, partial(fn, inventory.hosts[r.host], r)) for r in results], parallel,
                  cancel or threading.Event())
     return Report(command, results)
@@ -96,7 +96,7 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Wanted], op
     """
     cancel = cancel or threading.Event()
     opts = replace(opts, policy=rollout_policy(inventory, names, opts.policy))
-    results = {name: HostResult(name, listener=listener) for name in names}
+    results = {name: inventory.result(name, listener) for name in names}
     refused = _pre_deploy(inventory, command, names, results, cancel) if pre_deploy else None
     if refused is not None:
         return refused
@@ -212,7 +212,7 @@ def _rollout(units: dict[str, ServerPush], results: dict[str, HostResult], opts:
             for head in pending:
                 units[head].skip(refused, "preflight_refused")
             return
-        after = partial(analysis.after, previous=lambda n: units[n].head.state.confirmed, routers=routers or {})
+        after = partial(analysis.after, previous=lambda head: units[head].confirmed(), routers=routers or {})
     in_batches(pending, results, opts.policy, parallel, cancel, activate,
                lambda head, why, result: units[head].skip(why, result), failed=failed, total=len(units),
                after_canary=after, ok=lambda head: units[head].ok)
@@ -318,7 +318,7 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
     if opts.policy.analysis is not None:
         raise InvalidInput("rollback: --analysis is for push, set-env and set (a rollout to a new release)")
     cancel = threading.Event()
-    refused = _pre_deploy(inventory, "rollback", names, {n: HostResult(n, listener=listener) for n in names}, cancel)
+    refused = _pre_deploy(inventory, "rollback", names, {n: inventory.result(n, listener) for n in names}, cancel)
     if refused is not None:
         hooks.post_rollout(inventory, refused)
         return refused
@@ -326,7 +326,7 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
     routers = open_routers(inventory, list(servers), opts,
                            max(opts.policy.canary, opts.policy.batch_size(len(servers), 1)))
     runner = hooks.Runner(inventory, "rollback", cancel)
-    results = {name: HostResult(name, listener=listener) for name in names}
+    results = {name: inventory.result(name, listener) for name in names}
 
     def one(head: str, batch: int) -> None:
         server = servers[head]
@@ -399,7 +399,7 @@ def router(inventory: Inventory, target: str | None, action: str, opts: Options 
         raise InvalidInput(f"{', '.join(without)}: no router in the inventory (add a router: section)")
     results = []
     for name in names:
-        host, result = inventory.hosts[name], HostResult(name, listener=listener)
+        host, result = inventory.hosts[name], inventory.result(name, listener)
         results.append(result)
         assert host.router is not None and host.worker_url is not None
         try:

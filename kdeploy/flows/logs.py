@@ -151,7 +151,7 @@ def run(inventory: Inventory, names: list[str], query: LogQuery, opts: Options,
     """Read (or follow) every host at once; lines go to ``emit`` with secrets masked, then made one line
     (:func:`one_line`: a journal line with a ``\\r`` or an escape sequence cannot draw over its host's prefix),
     each host's in one piece unless following."""
-    results = {name: HostResult(name) for name in names}
+    results = {name: inventory.result(name) for name in names}
     lock = threading.Lock()
     mask = masker(inventory, names)
 

@@ -299,7 +299,10 @@ class HostPush:
         if self.remote is None:
             raise_if_cancelled(self.cancel)
             self.at = self._resume(self.at)
-        return isinstance(self.at, Staged)
+        if not isinstance(self.at, Staged):
+            return False
+        self.result.release = self.at.target
+        return True
 
     def node(self, pending: provisional.Pending | None = None) -> Node:
         """Staged -> Switched: its part of the server's switch, under the server's ``pending`` token and
@@ -307,7 +310,6 @@ class HostPush:
         the switch."""
         at, remote = self.at, self.remote
         assert isinstance(at, Staged) and remote is not None
-        self.result.release = at.target
         previous = at.state.confirmed
         spec = self.local.spec
         baseline = parity.baseline(remote, service_dir(self.host.service), self.result, spec, at.target,
@@ -339,10 +341,26 @@ class HostPush:
     def _reconnect_and_go_back(self, lost: Unreachable) -> None:
         """The link dropped after the switch began: reconnect, take the lock again, and put the last confirmed
         release back, unless the host already did so by itself."""
+        relocked = self.relock(lost)
+        if relocked is None:
+            return
+        node, state = relocked
+        if state.pending is None or state.pending.token != node.pending.token:
+            self.result.release = state.current
+            self.result.finish("rolled_back", f"connection lost during the deploy ({lost}); the host had already "
+                                              f"gone back to {state.current or 'nothing'} by itself")
+            self.outcome = Reverted(state.current)
+            return
+        self.outcome = go_back([node], f"connection lost during the deploy ({lost})")
+
+    def relock(self, lost: Unreachable) -> tuple[Node, HostState] | None:
+        """After a lost link: a new connection and the lock again (ending the old holder), with the state as it
+        is now and its part of the switch to go back with; None when it ended (not switched, or unreachable:
+        it goes back by itself at the deadline)."""
         at = self.at
         if not isinstance(at, Switched):
             self.result.fail(lost)
-            return
+            return None
         pending = at.pending
         assert self.remote is not None
         try:
@@ -352,7 +370,7 @@ class HostPush:
                                               f"failed ({exc}); the host goes back to "
                                               f"{pending.previous or 'nothing (first deploy)'} by itself at "
                                               f"{time.strftime('%H:%M:%S', time.localtime(pending.deadline))}")
-            return
+            return None
         self.remote.close()
         self.remote = remote
         sdir = service_dir(self.host.service)
@@ -368,16 +386,9 @@ class HostPush:
             self.held = None
             self.result.finish("unreachable", f"connection lost after switching to {pending.target}; {exc}; the "
                                               "host goes back by itself at the deadline unless confirmed")
-            return
-        if state.pending is None or state.pending.token != pending.token:
-            self.result.release = state.current
-            self.result.finish("rolled_back", f"connection lost during the deploy ({lost}); the host had already "
-                                              f"gone back to {state.current or 'nothing'} by itself")
-            self.outcome = Reverted(state.current)
-            return
-        self.outcome = go_back([Node(remote, self.host, self.result, pending, self.local.spec,
-                                     self._spec_of(at.staged.state, pending.previous))],
-                               f"connection lost during the deploy ({lost})")
+            return None
+        return Node(remote, self.host, self.result, pending, self.local.spec,
+                    self._spec_of(at.staged.state, pending.previous)), state
 
     def skip(self, why: str, result: str = "skipped") -> None:
         """Its turn will not come (max-fail, a failed canary, Ctrl-C): Staged -> Withdrawn."""
@@ -457,6 +468,10 @@ class ServerPush:
     def ok(self) -> bool:
         return all(n.result.ok for n in self.nodes)
 
+    def confirmed(self) -> dict[str, str | None]:
+        """Each node's last confirmed release as read under its lock: where a failed canary goes back to."""
+        return {n.host.name: n.state.confirmed if n.state else None for n in self.nodes}
+
     def prepare(self) -> None:
         """The stage pass of every node, in rank order."""
         if len(self.nodes) == 1:
@@ -517,14 +532,30 @@ class ServerPush:
         except Unreachable as exc:
             if len(nodes) == 1:
                 self.head._reconnect_and_go_back(exc)
-            else:  # every node was armed under one token and deadline: those not confirmed go back by themselves
-                for node in nodes:
-                    node._stopped_by(exc)
+            else:
+                self._recover(exc)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
             for node in nodes:
                 node._stopped_by(exc)
         finally:
             self.close()
+
+    def _recover(self, lost: Unreachable) -> None:
+        """A link to a node dropped after the switch began: every node reconnected and locked again, then every
+        node back to its last confirmed release together (one that went back by itself restarts with its
+        peers, whose group it left). A node that cannot be reached again leaves the server to the host side:
+        every node not confirmed goes back by itself at the one deadline."""
+        relocked = [node.relock(lost) for node in self.nodes]
+        contexts = [r[0] for r in relocked if r is not None]
+        if len(contexts) < len(self.nodes):
+            gone = ", ".join(n.host.name for n, r in zip(self.nodes, relocked, strict=True) if r is None)
+            for node in contexts:
+                node.result.finish("unreachable", f"connection lost during the deploy ({lost}); {gone} cannot be "
+                                                  "reached: every node goes back by itself at the deadline")
+            return
+        outcome = go_back(contexts, f"connection lost during the deploy ({lost})")
+        for node in self.nodes:
+            node.outcome = outcome
 
     def _switch(self) -> Outcome:
         """Staged -> Switched on every node -> Confirmed or RolledBack. The reverts' deadline counts from

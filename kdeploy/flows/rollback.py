@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -41,17 +41,19 @@ class _Held:
     recorded: bool = True
 
 
-def rollback_server(inventory: Inventory, server: Server, opts: Options, results: dict[str, HostResult],
+def rollback_server(inventory: Inventory, server: Server, opts: Options, results: Mapping[str, HostResult],
                     router: RouterClient | None = None,
-                    before_change: Callable[[HostConfig, HostResult, str, str | None], bool] | None = None) -> None:
-    """Every node of ``server`` back to an older release (``--to``, one node's release only: a server of several
-    nodes goes to each node's previous one), restarted and gated together as it was deployed; drained from
-    ``router`` by its head meanwhile. Locks are taken in rank order. ``before_change(host, result, target,
-    current)``: the pre_host hook, under the locks; False ends the server untouched. A node refused (no such
-    release, the hook) gets no history line; neither do its peers."""
+                    before_change: Callable[[HostConfig, HostResult, str, str | None], bool] | None = None,
+                    to: Mapping[str, str] | None = None) -> None:
+    """Every node of ``server`` back to an older release, restarted and gated together as it was deployed;
+    drained from ``router`` by its head meanwhile. The release: ``to`` (each node's, the way back of a failed
+    canary), else ``--to`` (one node's release id: a single host only), else each node's previous one. Locks
+    are taken in rank order. ``before_change(host, result, target, current)``: the pre_host hook, under the
+    locks; False ends the server untouched. A node refused (no such release, the hook) gets no history line;
+    neither do its peers. This is the one way back of a whole server (``rollback``, a failed canary)."""
     started = time.monotonic()
     command = recorded_command(opts, "rollback")
-    if opts.to_release and server.spans:
+    if to is None and opts.to_release and server.spans:
         raise InvalidInput(f"rollback --to: {server.name} spans {len(server.nodes)} nodes, each with its own "
                            "release ids: roll it back without --to (to each node's previous release)")
     with ExitStack() as stack:
@@ -63,7 +65,8 @@ def rollback_server(inventory: Inventory, server: Server, opts: Options, results
                 with node.result.phase("preflight") as phase:
                     node.held, node.state = lock_and_read(node.remote, node.host, opts.lock_wait,
                                                           with_history=True, command=command)
-                    node.target = _target(node.host, node.state, opts.to_release)
+                    node.target = _target(node.host, node.state,
+                                          to[node.host.name] if to is not None else opts.to_release)
                     phase.detail = f"{node.state.current} -> {node.target}"
                     if node.state.pending:
                         phase.detail += f" ({node.state.pending.describe()})"

@@ -145,17 +145,19 @@ def disarm(node: Node, pending: provisional.Pending) -> None:
 
 def on_each(nodes: Sequence[Node], step: Callable[[Node], _T]) -> list[_T]:
     """``step`` on every node at once (a single node in this thread), each to its end; then the first failure
-    in rank order is raised, named after its node when the server spans hosts."""
+    in rank order is raised, a lost link or other error before a failed phase (nothing can be taken back over
+    a link that is gone), a failed phase named after its node when the server spans hosts."""
     if len(nodes) == 1:
         return [step(nodes[0])]
     with ThreadPoolExecutor(len(nodes), thread_name_prefix="kdeploy-node") as pool:
         futures = [pool.submit(step, node) for node in nodes]
-    for node, future in zip(nodes, futures, strict=True):
-        exc = future.exception()
-        if isinstance(exc, PhaseFailed):
-            raise PhaseFailed(f"{node.host.name}: {exc.detail}") from exc
-        if exc is not None:
+    failures = [(node, f.exception()) for node, f in zip(nodes, futures, strict=True) if f.exception()]
+    for _, exc in failures:
+        if not isinstance(exc, PhaseFailed):
             raise exc
+    for node, exc in failures:
+        assert isinstance(exc, PhaseFailed)
+        raise PhaseFailed(f"{node.host.name}: {exc.detail}") from exc
     return [f.result() for f in futures]
 
 

@@ -136,3 +136,35 @@ def test_controller_killed_after_the_switch_leaves_both_nodes_on_one_release(
     server.set_service(env={})
     assert server.kdeploy("push", "s1") == 0
     assert server.kdeploy("verify", "s1") == 0
+
+
+def test_a_follower_reset_before_the_confirm_leaves_both_nodes_on_the_last_confirmed_release(
+        server: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """h2 is power-cycled while the server's gate waits (a slow start): its boot guard puts its last confirmed
+    release back before the service starts, and the head, which lost its peer, goes back too, through the
+    live controller or by itself at the deadline."""
+    assert server.kdeploy("push", "s1") == 0
+    before = _releases(server)
+    server.set_service(env={"REFSERVER_SLOW_START": "20"})
+    invocation = server.show("h2", "InvocationID")
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "s1", "--json", "--inventory",
+                             str(server.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while server.show("h2", "InvocationID") == invocation:
+            assert proc.poll() is None and time.monotonic() < deadline, "h2 was never restarted"
+            time.sleep(0.05)
+        server.fleet.reboot("h2")
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode in (3, 4), out  # rolled back by the controller, or left to the hosts' deadline
+    deadline = time.monotonic() + 150
+    while any(server.sh(h, f"test -e {server.service_dir}/pending && echo p", check=False).strip() for h in NODES):
+        assert time.monotonic() < deadline, "a node never went back"
+        time.sleep(1)
+    assert _releases(server) == before
+    server.set_service(env={})
+    assert server.kdeploy("push", "s1") == 0
+    assert server.kdeploy("verify", "s1", "--workers", "16") == 0

@@ -168,7 +168,8 @@ def test_switched_but_never_gated_is_a_change_and_reverts(quick: Deployment,
     pending = provisional.new_pending(step.state.confirmed, step.at.staged, REVERT_AFTER)
     staged = step.at
     with session.connect(inv, host, result, Options().reach) as remote:  # the controller then dies: no gate/confirm
-        replaced = switch.switch(remote, host, result, staged.staged, staged.decision.install_unit, pending)
+        node = switch.Node(remote, host, result, pending, local.spec, local.spec)
+        replaced = switch.switch(node, staged.staged, staged.decision.install_unit, pending)
     new = step.at.staged
     assert quick.current() == new and replaced == invocation
     deadline = time.monotonic() + 30

@@ -156,7 +156,8 @@ def capture_state(box: Sandbox) -> None:
     assert step.state is not None and step.at.staged
     pending = provisional.new_pending(step.state.confirmed, step.at.staged, 3600)
     with session.connect(inv, host, step.result, Options().reach) as remote:
-        switch.switch(remote, host, step.result, step.at.staged, step.at.decision.install_unit, pending)
+        node = switch.Node(remote, host, step.result, pending, step.local.spec, step.local.spec)
+        switch.switch(node, step.at.staged, step.at.decision.install_unit, pending)
     out = box.exec(HOST, ["sh", "-c", state.state_script(host, with_history=True)]).stdout
     (HERE / "state_pending.txt").write_text(out)
     print(f"wrote state_pending.txt ({len(out)} chars)")

@@ -1,0 +1,131 @@
+"""Servers that span hosts in the inventory: what `servers:` accepts, refuses (file:line) and renders."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kdeploy.core import inventory, render
+from kdeploy.core.errors import InvalidInput
+from kdeploy.core.gatespec import gate_spec
+from kdeploy.flows.session import overridden
+
+BASE = """\
+defaults:
+  service:
+    name: sglang
+    python: /opt/venv/bin/python
+    sglang: {model_path: /models/dsv3, tp: 16}
+hosts:
+  a0: {address: 10.0.0.1}
+  a1: {address: 10.0.0.2}
+  b0: {address: 10.0.0.3}
+  b1: {address: 10.0.0.4}
+"""
+SERVERS = """\
+servers:
+  dsv3:
+    nodes: [a0, a1]
+    rendezvous_port: 20000
+"""
+
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "templates" / "sglang.service.j2"
+
+
+def _load(tmp_path: Path, text: str) -> inventory.Inventory:
+    (tmp_path / "templates").mkdir(exist_ok=True)
+    (tmp_path / "templates" / TEMPLATE.name).write_text(TEMPLATE.read_text())
+    path = tmp_path / "inventory.yaml"
+    path.write_text(text)
+    return inventory.load(path)
+
+
+def _refused(tmp_path: Path, text: str) -> str:
+    with pytest.raises(InvalidInput) as err:
+        _load(tmp_path, text)
+    return str(err.value)
+
+
+def test_a_server_is_its_nodes_in_rank_order_and_a_plain_host_its_own_server(tmp_path: Path) -> None:
+    inv = _load(tmp_path, BASE + SERVERS)
+    dsv3 = inv.server_of("a1")
+    assert (dsv3.name, dsv3.nodes, dsv3.head, dsv3.spans) == ("dsv3", ("a0", "a1"), "a0", True)
+    assert dsv3.dist_init_addr == "10.0.0.1:20000"
+    assert [s.name for s in inv.servers(inv.resolve("all"))] == ["dsv3", "b0", "b1"]
+    alone = inv.server_of("b0")
+    assert (alone.nodes, alone.spans, alone.place("b0").nnodes) == (("b0",), False, 1)
+    assert inv.resolve("dsv3") == ["a0", "a1"]  # TARGET names servers too
+    assert inv.resolve("dsv3:!a1") == ["a0"]
+
+
+def test_the_unit_of_each_node_carries_its_rank_and_the_rendezvous(tmp_path: Path) -> None:
+    inv = _load(tmp_path, BASE + SERVERS)
+    argv = {h: render.launch_argv(inv.hosts[h].service, inv.server_of(h).place(h)) for h in inv.hosts}
+    assert argv["a0"][-6:] == ["--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "10.0.0.1:20000"]
+    assert argv["a1"][-6:] == ["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:20000"]
+    assert "--nnodes" not in argv["b0"]
+    assert "--tp-size 16" in " ".join(argv["a1"])  # the server's total
+    unit = render.render_unit(inv, inv.hosts["a1"])
+    assert "--node-rank 1 --dist-init-addr 10.0.0.1:20000" in unit
+
+
+def test_an_ipv6_rendezvous_is_bracketed(tmp_path: Path) -> None:
+    inv = _load(tmp_path, BASE + SERVERS + "    rendezvous_address: 'fd00::1'\n")
+    assert inv.server_of("a0").dist_init_addr == "[fd00::1]:20000"
+
+
+def test_each_node_is_gated_on_its_own_ranks_and_only_the_head_on_http(tmp_path: Path) -> None:
+    inv = _load(tmp_path, BASE + SERVERS)
+    head, follower, alone = (gate_spec(inv.hosts[h].service, None, place=inv.server_of(h).place(h))
+                             for h in ("a0", "a1", "b0"))
+    assert (head.workers, head.serves, follower.workers, follower.serves) == (8, True, 8, False)
+    assert (alone.workers, alone.serves) == (16, True)
+    assert overridden(follower, 32, None).workers == 16  # --workers counts the server's
+    with pytest.raises(InvalidInput, match="--workers 15 is not divisible by the server's 2 nodes"):
+        overridden(follower, 15, None)
+
+
+def test_a_restart_of_part_of_a_server_is_refused_naming_it(tmp_path: Path) -> None:
+    inv = _load(tmp_path, BASE + SERVERS)
+    assert inv.whole(["a0", "a1", "b0"], "push") == ["a0", "a1", "b0"]
+    with pytest.raises(InvalidInput, match=r"push: TARGET selects a1 of server dsv3 \(nodes a0, a1\)"):
+        inv.whole(inv.resolve("a1,b0"), "push")
+
+
+@pytest.mark.parametrize(("extra", "error"), [
+    ("servers:\n  dsv3:\n    nodes: [a0, a1]\n", r":12: servers\.dsv3: rendezvous_port is required"),
+    ("servers:\n  dsv3:\n    nodes: [a0, zz]\n    rendezvous_port: 20000\n",
+     r":13: servers\.dsv3\.nodes: unknown host 'zz'"),
+    ("servers:\n  x:\n    nodes: [a0, a1]\n    rendezvous_port: 20000\n  y:\n    nodes: [a1, b0]\n"
+     "    rendezvous_port: 20001\n", r":16: servers\.y\.nodes: a1 is a node of server x already"),
+    ("servers:\n  x:\n    nodes: [a0, a1]\n    rendezvous_port: 20000\n  y:\n    nodes: [b0, b1]\n"
+     "    rendezvous_port: 20000\n    rendezvous_address: 10.0.0.1\n",
+     r":17: servers\.y\.rendezvous_port: 10\.0\.0\.1:20000 is the rendezvous of server x too"),
+    ("servers:\n  x:\n    nodes: [a0, a1]\n    rendezvous_port: 30000\n",
+     r":14: servers\.x\.rendezvous_port: 30000 is the head's service\.sglang\.port"),
+    ("servers:\n  a0:\n    nodes: [a0, a1]\n    rendezvous_port: 20000\n", r"server cannot be named like a host"),
+    ("servers:\n  x:\n    nodes: []\n    rendezvous_port: 20000\n", r"servers\.x\.nodes: .*at least 1 item"),
+    ("servers:\n  x:\n    nodes: [a0, a1]\n    rendezvous_prot: 20000\n",
+     r"servers\.x\.rendezvous_prot: unknown key \(did you mean 'rendezvous_port'\?\)"),
+    ("servers:\n  x:\n    nodes: [a0, a1, b0]\n    rendezvous_port: 20000\n",
+     r"servers\.x\.nodes: service\.sglang\.tp 16 is not divisible by 3 nodes"),
+])
+def test_servers_the_inventory_refuses(tmp_path: Path, extra: str, error: str) -> None:
+    message = _refused(tmp_path, BASE + extra)  # `servers:` is line 11
+    assert len(message.splitlines()) == 1
+    assert re.search(error, message), message
+
+
+def test_nodes_that_differ_where_they_must_agree_are_refused(tmp_path: Path) -> None:
+    text = BASE.replace("  a1: {address: 10.0.0.2}", "  a1: {address: 10.0.0.2, service: {env: {X: '1'}}}")
+    message = _refused(tmp_path, text + SERVERS)
+    assert "servers.dsv3.nodes: a1 differs from the head a0 in service.env" in message
+    model = BASE.replace("  a1: {address: 10.0.0.2}",
+                         "  a1: {address: 10.0.0.2, service: {sglang: {model_path: /models/other}}}")
+    assert "in service.sglang" in _refused(tmp_path, model + SERVERS)
+    # the bind address is each node's own
+    bind = BASE.replace("  a1: {address: 10.0.0.2}", "  a1: {address: 10.0.0.2, service: {sglang: {host: 0.0.0.0}}}")
+    assert _load(tmp_path, bind + SERVERS).server_of("a1").spans
