@@ -27,7 +27,7 @@ from kdeploy.core.gatespec import GateSpec
 from kdeploy.core.inventory import HostConfig, Inventory
 from kdeploy.core.layout import service_dir
 from kdeploy.core.render import unit_filename
-from kdeploy.core.report import Cancelled, HostResult, PhaseFailed
+from kdeploy.core.report import Cancelled, HostResult, PhaseFailed, Result
 from kdeploy.core.state import Decision, HostState, decide
 from kdeploy.flows.membership import behind_router
 from kdeploy.flows.options import Options, recorded_command
@@ -493,18 +493,18 @@ class ServerPush:
 
     def _abandon(self, failed: HostPush) -> None:
         """``failed`` ended the server's push before any switch: every other node ends as it was (a staged
-        release removed), with ``failed``'s result."""
+        release removed), with ``failed``'s result (``skipped`` when that one ended well: it moved meanwhile)."""
+        ended = failed.result.result if not failed.result.ok else Result.SKIPPED
         why = f"server {self.name}: node {failed.host.name} {failed.result.result}: {failed.result.error or ''}"
         for node in self.nodes:
             if node is failed or node.result.done:
                 continue
             if isinstance(node.at, Decided):
                 node.at = Refused(node.state)
-                node.result.finish(failed.result.result, why)
-                node.close()
-            else:
-                node.skip(why, failed.result.result)
-                node.close()
+            elif isinstance(node.at, Staged):
+                node.at = Withdrawn(node.at)
+            node.result.finish(ended, why.rstrip(": "))
+            node.close()
 
     def skip(self, why: str, result: str = "skipped") -> None:
         for node in self.nodes:

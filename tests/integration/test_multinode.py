@@ -9,12 +9,18 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
+import httpx
 import pytest
 
 from kdeploy.core import provisional
+from kdeploy_lab import router_env
+from kdeploy_lab.traffic import Traffic
 from tests.conftest import TEST_MARKER, Deployment
+from tests.integration.test_router import _free_port
 
 pytestmark = pytest.mark.hosts(2)
 NODES = ("h1", "h2")
@@ -168,3 +174,53 @@ def test_a_follower_reset_before_the_confirm_leaves_both_nodes_on_the_last_confi
     server.set_service(env={})
     assert server.kdeploy("push", "s1") == 0
     assert server.kdeploy("verify", "s1", "--workers", "16") == 0
+
+
+@pytest.mark.hosts(4)
+def test_two_servers_of_two_nodes_behind_the_router_lose_no_request(deployment: Deployment, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """s1 = h1+h2, s2 = h3+h4, behind the real sglang-router (which knows each server by its head) under the
+    traffic client: a push and a rollback with --batch 1 take one server out at a time and lose no request."""
+    def spanning(doc: dict) -> None:
+        doc["servers"] = {"s1": {"nodes": ["h1", "h2"], "rendezvous_port": deployment.port + 1000},
+                          "s2": {"nodes": ["h3", "h4"], "rendezvous_port": deployment.port + 1000}}
+        service = doc["defaults"]["service"]
+        service["sglang"].update(tp=16, host="0.0.0.0", extra_args=["--enable-metrics"])
+        service["env"] = {"REFSERVER_TOKEN_DELAY": "0.02", "REFSERVER_SHUTDOWN_POLL": "1"}
+        service["gate"] = {"workers": 16, "poll_interval": 0.25, "markers": [TEST_MARKER], "timeout": 60}
+    deployment.edit(spanning)
+    assert deployment.kdeploy("push", "test") == 0
+    gateway = deployment.fleet.gateway
+    port = _free_port()
+    url = f"http://{gateway}:{port}"
+    heads = [f"http://{deployment.load().hosts[h].address}:{deployment.port}" for h in ("h1", "h3")]
+    argv = router_env.router_argv(router_env.ensure_venv(), gateway, port, heads, health_interval=1,
+                                  health_failures=1, prometheus_port=_free_port())
+    with router_env.running(argv, url, tmp_path / "router.log"):
+        deployment.edit(lambda doc: doc["defaults"].update(router={"url": url, "drain_timeout": 30}))
+        seen: list[int] = []
+        watching = threading.Event()
+
+        def watch() -> None:
+            while not watching.is_set():
+                body = httpx.get(f"{url}/workers", timeout=5).json()
+                seen.append(sum(1 for w in body["workers"] if w["is_healthy"]))
+                time.sleep(0.1)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            with Traffic(url, threads=4, tokens=8) as traffic:
+                (deployment.payload / "rev.txt").write_text("2")
+                code, doc = deployment.json(capsys, "push", "test", "--batch", "1")
+                assert code == 0, doc
+                assert {h["host"]: h.get("router") for h in doc["hosts"]} == {
+                    "h1": "in", "h2": None, "h3": "in", "h4": None}, doc
+                code, doc = deployment.json(capsys, "rollback", "test", "--batch", "1")
+                assert code == 0, doc
+                time.sleep(1)
+        finally:
+            watching.set()
+            watcher.join(5)
+        assert set(traffic.codes) == {200} and traffic.codes[200] > 50, traffic.codes
+        assert min(seen) >= 1 and max(seen) == 2, seen  # one server out at a time, never none

@@ -129,3 +129,46 @@ def test_nodes_that_differ_where_they_must_agree_are_refused(tmp_path: Path) -> 
     # the bind address is each node's own
     bind = BASE.replace("  a1: {address: 10.0.0.2}", "  a1: {address: 10.0.0.2, service: {sglang: {host: 0.0.0.0}}}")
     assert _load(tmp_path, bind + SERVERS).server_of("a1").spans
+
+
+def test_a_followers_marker_wait_ends_with_its_heads_grace_or_a_peers_failure() -> None:
+    from kdeploy.core.report import PhaseFailed
+    from kdeploy.host.gate import MARKER_GRACE, Peers
+
+    peers = Peers()
+    assert peers.marker_deadline(1000.0) == 1000.0  # the head is not ready yet: the gate's own deadline
+    peers.ready_at = 10.0
+    assert peers.marker_deadline(1000.0) == 10.0 + MARKER_GRACE
+    assert peers.marker_deadline(12.0) == 12.0
+    peers.failed.set()
+    with pytest.raises(PhaseFailed, match="another node of the server failed its gate"):
+        peers.marker_deadline(1000.0)
+
+
+def test_on_each_runs_every_node_to_its_end_and_raises_a_lost_link_before_a_failed_phase() -> None:
+    import threading
+    from types import SimpleNamespace
+
+    from kdeploy.core.errors import Unreachable
+    from kdeploy.core.report import PhaseFailed
+    from kdeploy.flows.switch import on_each
+
+    nodes = [SimpleNamespace(host=SimpleNamespace(name=n)) for n in ("a0", "a1", "a2")]
+    ran: list[str] = []
+    lock = threading.Lock()
+
+    def step(node):  # type: ignore[no-untyped-def]
+        with lock:
+            ran.append(node.host.name)
+        if node.host.name == "a0":
+            raise PhaseFailed("markers missing")
+        if node.host.name == "a2":
+            raise Unreachable("a2: connection lost")
+        return node.host.name
+
+    with pytest.raises(Unreachable):
+        on_each(nodes, step)  # type: ignore[arg-type]
+    assert sorted(ran) == ["a0", "a1", "a2"]
+    with pytest.raises(PhaseFailed, match=r"^a0: markers missing$"):
+        on_each(nodes[:2], step)  # type: ignore[arg-type]
+    assert on_each(nodes[1:2], step) == ["a1"]  # type: ignore[arg-type]
