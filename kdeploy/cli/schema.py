@@ -175,6 +175,8 @@ def inventory_schema() -> dict[str, Any]:
         props = {**more, **settings}
         return {"type": "object", "additionalProperties": False, "description": description, "properties": props}
 
+    server = inventory.ServerSettings.model_json_schema(ref_template="#/$defs/{model}")
+    defs["Server"] = {**server, "additionalProperties": False}
     string_list = {"type": "array", "items": {"type": "string"}}
     defs["Group"] = level("A group's members and settings for them (group > defaults).",
                           hosts={**string_list, "description": "The group's members (host names)."})
@@ -192,6 +194,9 @@ def inventory_schema() -> dict[str, Any]:
                                                           {"$ref": "#/$defs/Group"}]}},
             "hosts": {"type": "object", "description": "Hosts by name (letters, digits, `_.-`).",
                       "additionalProperties": {"$ref": "#/$defs/Host"}},
+            "servers": {"type": "object", "description": "Servers that span hosts, by name "
+                                                         "(docs/topologies.md).",
+                        "additionalProperties": {"$ref": "#/$defs/Server"}},
         },
         "$defs": defs,
     }
@@ -203,10 +208,12 @@ _TABLES: list[tuple[str, type[BaseModel], tuple[str, ...]]] = [
     ("service", inventory.Service, ()),
     ("service.secrets", inventory.SecretSettings, ()),
     ("service.sglang", inventory.SGLang, ()),
+    ("service.sglang.disaggregation", inventory.Disaggregation, ()),
     ("service.hicache", inventory.HiCache, ()),
     ("service.gate", inventory.Gate, ()),
     ("service.unit", inventory.UnitSettings, ()),
     ("router", inventory.Router, ()),
+    ("servers", inventory.ServerSettings, ()),
     ("hooks", inventory.Hooks, ()),
 ]
 _BEGIN = re.compile(r"<!-- BEGIN generated: (\S+) .*?-->\n.*?<!-- END generated -->", re.DOTALL)

@@ -162,6 +162,28 @@ class Speculative(_Strict):
     num_draft_tokens: int | None = _doc("`--speculative-num-draft-tokens`", None, gt=0)
 
 
+class Disaggregation(_Strict):
+    """Prefill/decode disaggregation (docs/topologies.md, "Prefill and decode"): the server's role and how its
+    KV cache moves (``--disaggregation-*``)."""
+
+    mode: Literal["prefill", "decode"] = _doc("`--disaggregation-mode`: the server's role")
+    bootstrap_port: int | None = _doc("`--disaggregation-bootstrap-port`: where a prefill server's bootstrap "
+                                      "server listens (decode servers fetch each request's KV through it); "
+                                      "required for a prefill server", None, gt=0, lt=65536)
+    transfer_backend: Literal["mooncake", "nixl", "ascend", "mori", "mooncake_tcp", "fake"] = _doc(
+        "`--disaggregation-transfer-backend` (SGLang refuses `fake` on a prefill server)", "mooncake")
+    ib_device: SafeStr | None = _doc("`--disaggregation-ib-device`: the InfiniBand device(s) the transfer uses",
+                                     None, shown="the backend's choice")
+
+    @model_validator(mode="after")
+    def _prefill_needs(self) -> Disaggregation:
+        if self.mode == "prefill" and self.bootstrap_port is None:
+            raise ValueError("a prefill server needs bootstrap_port (the router sends it with every request)")
+        if self.mode == "prefill" and self.transfer_backend == "fake":
+            raise ValueError("transfer_backend fake: SGLang's prefill server does not support it")
+        return self
+
+
 class SGLang(_Strict):
     """``sglang.launch_server`` flags; anything not modelled goes in ``extra_args``."""
 
@@ -179,6 +201,8 @@ class SGLang(_Strict):
     mem_fraction_static: float | None = _doc("`--mem-fraction-static`", None, gt=0, lt=1)
     context_length: int | None = _doc("`--context-length`", None, gt=0)
     trust_remote_code: bool = _doc("`--trust-remote-code`", False)
+    disaggregation: Disaggregation | None = _doc("the server's prefill or decode role, below", None,
+                                                 shown="none: a unified server (prefill and decode in one)")
     extra_args: list[SafeStr] = _doc("appended verbatim, one list item per argv word, for flags kdeploy does "
                                      "not model", [])
 
@@ -371,6 +395,20 @@ class Service(_Strict):
         return self.gate.workers or self.sglang.tp
 
     @property
+    def role(self) -> Literal["unified", "prefill", "decode"]:
+        """The server's role behind a router: one that does both, or one half of a prefill/decode pair."""
+        pd = self.sglang.disaggregation
+        return pd.mode if pd else "unified"
+
+    @model_validator(mode="after")
+    def _ports_apart(self) -> Service:
+        pd = self.sglang.disaggregation
+        if pd and pd.bootstrap_port == self.sglang.port:
+            raise ValueError(f"sglang.disaggregation.bootstrap_port {pd.bootstrap_port} is the server's own "
+                             "sglang.port")
+        return self
+
+    @property
     def gate_timeout(self) -> float:
         return self.gate.timeout or float(self.unit.timeout_start_sec)
 
@@ -429,6 +467,11 @@ class Router(_Strict):
         "seconds after a rollout drained a host at which the host re-registers itself with the router if the "
         "controller has not admitted it (or decided it stays out) by then, once it serves a confirmed release",
         None, gt=0, le=WEEK, shown="`drain_timeout` + the revert deadline + 60")
+    min_serving: int = _doc("servers of each role (prefill, decode; or unified) that stay in the router at every "
+                            "moment of a rollout: a plan that would take more out is refused (exit 7)", 1, ge=1)
+    mode: Literal["regular", "pd"] = _doc(
+        "how the router was launched: `pd` for `--pd-disaggregation` (it pairs prefill and decode servers and "
+        "ignores regular ones), `regular` otherwise; its API does not say, so the inventory does", "regular")
     api_key_env: Annotated[str, AfterValidator(_api_key_env)] | None = _doc(
         "the name of an environment variable of the controller holding the router's API key (sent as "
         "`Authorization: Bearer`); the key itself never goes in the inventory", None)
@@ -774,6 +817,7 @@ def parse(raw: dict, path: Path, locate: typing.Callable[[tuple], str] | None = 
                         f"unknown host {via!r}{_suggest(via, list(hosts))}: the router is reached through a host "
                         "of this inventory")
     spanning = _servers(_mapping(raw.get("servers"), ("servers",), errors), hosts, groups, errors)
+    _roles(spanning, hosts, host_layers, errors)
     return Inventory(path=path, hosts=hosts, groups=groups, spanning=spanning,
                      locator=lambda host, key: errors.locate(_source(key, host_layers[host])))
 
@@ -841,6 +885,40 @@ def _servers(raw: dict, hosts: dict[str, HostConfig], groups: dict[str, list[str
             dist = f"[{address}]:{key[1]}" if ":" in address else f"{address}:{key[1]}"
         out[str(name)] = Server(str(name), tuple(nodes), dist)
     return out
+
+
+def _roles(spanning: dict[str, Server], hosts: dict[str, HostConfig], layers: dict[str, list[tuple[tuple, dict]]],
+           errors: _Errors) -> None:
+    """Prefill/decode fleets checked as a whole: servers that share a router all take part in its mode (a PD
+    router pairs prefill with decode and ignores regular workers; a regular one ignores prefill and decode),
+    and a PD fleet has both roles. Servers without a router form one fleet of their own."""
+    in_server = {n for s in spanning.values() for n in s.nodes}
+    heads = [s.head for s in spanning.values()] + [h for h in hosts if h not in in_server]
+    fleets: dict[str | None, list[HostConfig]] = {}
+    for name in heads:
+        host = hosts[name]
+        fleets.setdefault(host.router.url if host.router else None, []).append(host)
+    for url, members in fleets.items():
+        roles = {h.service.role for h in members}
+        first = members[0]
+        if url is not None and first.router is not None:
+            pd = first.router.mode == "pd"
+            wrong = next((h for h in members if (h.service.role == "unified") == pd), None)
+            if wrong is not None:
+                where = ("router", "mode") if _has_any(layers[wrong.name], ("router", "mode")) else ("router",)
+                why = ("it is in PD mode (router.mode: pd) and pairs prefill and decode servers only" if pd else
+                       "it is not in PD mode: launch it with --pd-disaggregation and set router.mode: pd")
+                errors.fail(_source(where, layers[wrong.name]),
+                            f"{wrong.name}: a {wrong.service.role} server behind router {url}: {why}")
+        if roles & {"prefill", "decode"} and not {"prefill", "decode"} <= roles:
+            missing = ({"prefill", "decode"} - roles).pop()
+            errors.fail(_source(("service", "sglang", "disaggregation", "mode"), layers[first.name]),
+                        f"a prefill/decode fleet{f' behind {url}' if url else ''} without a {missing} server "
+                        f"({', '.join(h.name for h in members)}): no request could complete")
+
+
+def _has_any(layers: list[tuple[tuple, dict]], loc: tuple) -> bool:
+    return any(_has(layer, loc) for _, layer in layers)
 
 
 def _agreed(service: Service, key: str) -> Any:

@@ -50,6 +50,13 @@ def launch_argv(service: Service, place: Placement = ONE_NODE) -> list[str]:
         argv += ["--context-length", str(sg.context_length)]
     if sg.trust_remote_code:
         argv.append("--trust-remote-code")
+    pd = sg.disaggregation
+    if pd is not None:
+        argv += ["--disaggregation-mode", pd.mode, "--disaggregation-transfer-backend", pd.transfer_backend]
+        if pd.bootstrap_port is not None:
+            argv += ["--disaggregation-bootstrap-port", str(pd.bootstrap_port)]
+        if pd.ib_device is not None:
+            argv += ["--disaggregation-ib-device", pd.ib_device]
     hc = service.hicache
     if hc.enabled:
         argv.append("--enable-hierarchical-cache")

@@ -75,6 +75,17 @@ def fan_out(inventory: Inventory, names: list[str], command: str, fn: HostFn, *,
     return Report(command, results)
 
 
+def interleaved(heads: list[str], role: Callable[[str], str]) -> list[str]:
+    """``heads`` with the roles taking turns (prefill, decode, prefill, ...; each role in its own order), so
+    that consecutive batches take out servers of every role rather than all of one: the router's
+    ``min_serving`` is kept per role. A fleet of one role keeps its order."""
+    by_role: dict[str, list[str]] = {}
+    for head in heads:
+        by_role.setdefault(role(head), []).append(head)
+    queues = list(by_role.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
 def rollout_policy(inventory: Inventory, names: list[str], policy: Policy) -> Policy:
     """The policy a rollout of ``names`` runs with: behind a router, one host at a time unless ``--batch``."""
     return policy.routed() if any(inventory.hosts[n].router for n in names) else policy
@@ -101,11 +112,11 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Wanted], op
     if refused is not None:
         return refused
     servers = inventory.servers(names)
-    heads = [server.head for server in servers]  # a server is known by its head: router, analysis, batches
+    # a server is known by its head (router, analysis, batches); a PD fleet's roles take turns in the batches
+    heads = interleaved([server.head for server in servers], lambda h: inventory.hosts[h].service.role)
     try:
         analysis = canary.Analysis.plan(inventory, heads, opts, results, listener, cancel)
-        routers = open_routers(inventory, heads, opts, max(opts.policy.canary,
-                                                           opts.policy.batch_size(len(heads), parallel)), results)
+        routers = open_routers(inventory, heads, opts, opts.policy.batches(heads, parallel), results)
     except KdeployError as exc:  # refused analysis or router, unreachable router: no host was touched
         for result in results.values():
             result.fail(exc)
@@ -114,7 +125,8 @@ def rollout(inventory: Inventory, names: list[str], local: dict[str, Wanted], op
     steps = {name: HostPush(inventory, inventory.hosts[name], local[name], opts, results[name], cancel,
                             router=routers.get(name), hold=hold)
              for name in names}
-    units = {s.head: ServerPush([steps[n] for n in s.nodes], s.name) for s in servers}
+    by_head = {s.head: s for s in servers}
+    units = {h: ServerPush([steps[n] for n in by_head[h].nodes], by_head[h].name) for h in heads}
     runner = hooks.Runner(inventory, command, cancel)
 
     def activate(head: str, batch: int) -> None:
@@ -156,12 +168,12 @@ def _pre_deploy(inventory: Inventory, command: str, names: list[str], results: d
     return Report(command, [results[n] for n in names], {"pre_deploy": runs})
 
 
-def open_routers(inventory: Inventory, names: list[str], opts: Options, batch: int,
+def open_routers(inventory: Inventory, names: list[str], opts: Options, batches: list[list[str]],
                  results: dict[str, HostResult] | None = None) -> dict:
-    """The router client of each host that has one, after the router preflight: every worker healthy, each
-    host registered (or ``--router-add-missing``), and someone left serving while a batch is out. A refusal
-    raises (exit 7) before any host is touched. ``results``: each gets its host's membership as read here (a
-    host without a turn, e.g. unchanged, keeps it)."""
+    """The router client of each host (a server's head) that has one, after the router preflight: every worker
+    healthy, each host registered (or ``--router-add-missing``), and ``router.min_serving`` of each role left
+    serving while any of ``batches`` is out. A refusal raises (exit 7) before any host is touched. ``results``:
+    each gets its host's membership as read here (a host without a turn, e.g. unchanged, keeps it)."""
     configs = {name: config for name in names if (config := inventory.hosts[name].router) is not None}
     if not configs:
         return {}
@@ -178,10 +190,12 @@ def open_routers(inventory: Inventory, names: list[str], opts: Options, batch: i
             clients.update(dict.fromkeys(members, client))
             wanted = {m: str(inventory.hosts[m].worker_url) for m in members}
             workers = client.workers()
-            listed = {w.url for w in workers}
             for member in members if results is not None else ():
-                results[member].router = "in" if wanted[member].rstrip("/") in listed else "out"
-            why = routing.preflight_verdict(workers, wanted, batch, opts.router_add_missing)
+                results[member].router = "in" if routing.membership(client, inventory.hosts[member], workers).member \
+                    else "out"
+            roles = {m: inventory.hosts[m].service.role for m in members}
+            why = routing.preflight_verdict(workers, wanted, batches, opts.router_add_missing, roles,
+                                            configs[members[0]].min_serving)
             if why:
                 raise PreflightRefused(f"router {client.label}: preflight refused: {why}")
     except BaseException:
@@ -323,8 +337,8 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
         hooks.post_rollout(inventory, refused)
         return refused
     opts = replace(opts, policy=rollout_policy(inventory, names, opts.policy))
-    routers = open_routers(inventory, list(servers), opts,
-                           max(opts.policy.canary, opts.policy.batch_size(len(servers), 1)))
+    order = interleaved(list(servers), lambda h: inventory.hosts[h].service.role)
+    routers = open_routers(inventory, order, opts, opts.policy.batches(order, parallel))
     runner = hooks.Runner(inventory, "rollback", cancel)
     results = {name: inventory.result(name, listener) for name in names}
 
@@ -345,7 +359,7 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
             runner.post_host(inventory.hosts[node], results[node])
 
     try:
-        in_batches(list(servers), results, opts.policy, parallel, cancel, one, skip,
+        in_batches(order, results, opts.policy, parallel, cancel, one, skip,
                    ok=lambda head: all(results[n].ok for n in servers[head].nodes))
     except KeyboardInterrupt:
         cancel.set()
@@ -407,7 +421,7 @@ def router(inventory: Inventory, target: str | None, action: str, opts: Options 
                                  ssh_config=opts.ssh_config) as client, \
                     result.phase(action) as phase:
                 if action == "admit":
-                    client.add(host.worker_url)
+                    client.add(host.worker_url, body=routing.registration(host))
                     result.router, phase.detail = "in", f"{host.worker_url} healthy in the router"
                 else:
                     was_in = client.remove(host.worker_url)

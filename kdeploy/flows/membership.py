@@ -70,9 +70,11 @@ def _in_flight(http: ServiceHttp) -> int | None:
 def admit(host: HostConfig, result: HostResult, client: RouterClient) -> None:
     """Register the host's worker again and wait until the router lists it healthy (Ctrl-C does not stop it:
     the host serves again, it must not stay out)."""
+    from kdeploy.host.router import registration
+
     assert host.worker_url is not None
     with result.phase("admit") as phase:
-        client.add(host.worker_url)
+        client.add(host.worker_url, body=registration(host))
         result.router = "in"
         phase.detail = f"{host.worker_url} healthy in the router"
 

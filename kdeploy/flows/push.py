@@ -31,11 +31,13 @@ from kdeploy.core.report import Cancelled, HostResult, PhaseFailed, Result
 from kdeploy.core.state import Decision, HostState, decide
 from kdeploy.flows.membership import behind_router
 from kdeploy.flows.options import Options, recorded_command
+from kdeploy.flows.pairing import pair_for
 from kdeploy.flows.preflight import preflight_step, preflight_verdict
 from kdeploy.flows.record import finish_command
 from kdeploy.flows.session import Wanted, connect, lock_and_read, open_remote, raise_if_cancelled
 from kdeploy.flows.switch import Node, Outcome, Reverted, go_back, revert_after, switch_and_gate
 from kdeploy.host import lock, parity
+from kdeploy.host.pair import Pairing
 from kdeploy.ssh.remote import InputFailed, Remote
 
 if TYPE_CHECKING:
@@ -528,7 +530,9 @@ class ServerPush:
             raise_if_cancelled(self.head.cancel)
             head = self.head
             assert head.remote is not None
-            behind_router(head.remote, head.host, head.result, head.router, head.cancel, self._switch)
+            with pair_for(head.inventory, head.host, head.router, head.opts.reach) as pair:
+                behind_router(head.remote, head.host, head.result, head.router, head.cancel,
+                              lambda: self._switch(pair))
         except Unreachable as exc:
             if len(nodes) == 1:
                 self.head._reconnect_and_go_back(exc)
@@ -557,10 +561,10 @@ class ServerPush:
         for node in self.nodes:
             node.outcome = outcome
 
-    def _switch(self) -> Outcome:
+    def _switch(self, pair: Pairing | None) -> Outcome:
         """Staged -> Switched on every node -> Confirmed or RolledBack. The reverts' deadline counts from
-        here, not from before the drain."""
-        first = self.head.node()
+        here, not from before the drain. ``pair``: the head's partner (a prefill or decode server)."""
+        first = replace(self.head.node(), pair=pair)
         outcome = switch_and_gate([first, *(n.node(first.pending) for n in self.nodes[1:])],
                                   verify=self.head.opts.verify)
         for node in self.nodes:

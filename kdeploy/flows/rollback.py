@@ -18,10 +18,12 @@ from kdeploy.core.report import Cancelled, HostResult, PhaseFailed, Result
 from kdeploy.core.state import HostState
 from kdeploy.flows.membership import behind_router
 from kdeploy.flows.options import Options, recorded_command
+from kdeploy.flows.pairing import pair_for
 from kdeploy.flows.record import finish_command
 from kdeploy.flows.session import connect, inventory_spec, lock_and_read, overridden
 from kdeploy.flows.switch import Node, Outcome, revert_after, switch_and_gate
 from kdeploy.host import lock, parity
+from kdeploy.host.pair import Pairing
 from kdeploy.ssh.remote import Remote
 
 if TYPE_CHECKING:
@@ -83,15 +85,16 @@ def rollback_server(inventory: Inventory, server: Server, opts: Options, results
             for node in nodes:
                 node.result.release = node.target
 
-            def restart() -> Outcome:  # the reverts' deadline counts from here, not from before the drain
+            def restart(pair: Pairing | None) -> Outcome:  # the reverts' deadline counts from here, not the drain
                 contexts = [_node(inventory, n, opts) for n in nodes]
-                head = contexts[0]
+                head = replace(contexts[0], pair=pair)
                 deadline = head.pending.deadline
                 return switch_and_gate([head, *(_aligned(c, head.pending.token, deadline) for c in contexts[1:])],
                                        verify=opts.verify, success=Result.RESTORED)
 
             head = nodes[0]
-            behind_router(head.remote, head.host, head.result, router, threading.Event(), restart)
+            with pair_for(inventory, head.host, router, opts.reach) as pair:
+                behind_router(head.remote, head.host, head.result, router, threading.Event(), lambda: restart(pair))
         except (InvalidInput, PreflightRefused) as exc:
             for node in nodes:
                 node.recorded = False

@@ -28,6 +28,7 @@ from kdeploy.core.layout import service_dir
 from kdeploy.core.render import unit_filename
 from kdeploy.core.report import HostResult, PhaseFailed, Result
 from kdeploy.host import gate, parity
+from kdeploy.host.pair import Pairing
 from kdeploy.ssh.remote import Remote
 
 
@@ -74,6 +75,7 @@ class Node:
     install_unit: bool = True
     secrets: secret.Secrets | None = None
     baseline: parity.Baseline | None = None
+    pair: Pairing | None = None  # the head of a prefill or decode server: the partner its gate goes through
 
 
 def revert_after(host: HostConfig, spec: GateSpec) -> float:
@@ -171,6 +173,7 @@ def _switch_all(nodes: Sequence[Node], targets: Sequence[provisional.Pending], *
 
 def _restart_and_gate(node: Node, old: str, verify: bool, target: str, spec: GateSpec,
                       baseline: parity.Baseline | None, peers: gate.Peers | None) -> parity.Record | None:
+    """Follow the node's restart, then gate it (its head through its pair, when it has one)."""
     try:
         started = restart_and_follow(node, old, node.host.service.unit.timeout_stop_sec + 60)
     except BaseException:
@@ -178,7 +181,7 @@ def _restart_and_gate(node: Node, old: str, verify: bool, target: str, spec: Gat
             peers.failed.set()
         raise
     return gate.run_gate(node.remote, spec, node.result, release=target, started=started,
-                         baseline=baseline, peers=peers) if verify else None
+                         baseline=baseline, peers=peers, pair=node.pair) if verify else None
 
 
 def _peers(nodes: Sequence[Node]) -> gate.Peers | None:

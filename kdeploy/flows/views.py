@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import difflib
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
@@ -16,6 +17,7 @@ from kdeploy.core.report import HostResult, PhaseFailed
 from kdeploy.core.state import decide, drift, running_step, state_step, status_step
 from kdeploy.flows.membership import router_phase
 from kdeploy.flows.options import Options
+from kdeploy.flows.pairing import pair_for
 from kdeploy.flows.session import Wanted, connect, inventory_spec, overridden
 from kdeploy.host import gate, lock, parity
 
@@ -104,7 +106,8 @@ def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: H
                 raise InvalidInput(f"{host.name}: --parity: parity is off for this release (gate.parity: false)")
             baseline = parity.own_record(remote, service_dir(host.service), spec, running.current, required=True)
         try:
-            gate.run_gate(remote, spec, result, release=running.current, baseline=baseline)
+            with pair_for(inventory, host, None, opts.reach) if spec.serves else nullcontext() as pair:
+                gate.run_gate(remote, spec, result, release=running.current, baseline=baseline, pair=pair)
         except PhaseFailed as exc:
             result.finish("unhealthy", exc.detail)
             return

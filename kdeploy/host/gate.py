@@ -17,6 +17,7 @@ from kdeploy.core import systemd
 from kdeploy.core.gatespec import GateSpec
 from kdeploy.core.report import HostResult, PhaseFailed
 from kdeploy.host import parity
+from kdeploy.host.pair import PairedHttp, Pairing
 from kdeploy.ssh.remote import CONNECTION_PID, Process, Remote
 
 if TYPE_CHECKING:
@@ -159,17 +160,18 @@ def _show(remote: Remote, unit: str) -> systemd.UnitState:
 
 def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str | None = None,
              started: systemd.UnitState | None = None, baseline: parity.Baseline | None = None,
-             peers: Peers | None = None) -> parity.Record | None:
+             peers: Peers | None = None, pair: Pairing | None = None) -> parity.Record | None:
     """Run the phases; raises PhaseFailed at the first failing one. Returns the run's parity record.
 
     ``started`` is the unit's state right after a restart (its invocation is the run under test); without
     it the gate reads the unit and checks whatever runs now. ``release``: the release every worker must
     say it loaded (when the payload logs a config line). ``baseline``: what the ``parity`` phase compares
     the run with (no phase without it, or when the spec has no golden set). ``peers``: the other nodes of a
-    server gated at the same time.
+    server gated at the same time. ``pair``: a prefill or decode server's partner, through which its
+    completions and parity prompts go (``host/pair.py``).
     """
     try:
-        return _gate(remote, spec, result, release, started, baseline, peers)
+        return _gate(remote, spec, result, release, started, baseline, peers, pair)
     except BaseException:
         if peers is not None:
             peers.failed.set()
@@ -178,7 +180,7 @@ def run_gate(remote: Remote, spec: GateSpec, result: HostResult, *, release: str
 
 def _gate(remote: Remote, spec: GateSpec, result: HostResult, release: str | None,
           started: systemd.UnitState | None, baseline: parity.Baseline | None,
-          peers: Peers | None) -> parity.Record | None:
+          peers: Peers | None, pair: Pairing | None) -> parity.Record | None:
     record = None
     unit = spec.unit
     interval = spec.poll_interval
@@ -202,7 +204,8 @@ def _gate(remote: Remote, spec: GateSpec, result: HostResult, release: str | Non
             invocation = invocation or state.invocation
 
     if spec.serves:  # a follower node's HTTP is a dummy: its unit and its ranks' markers are its proof
-        record = _serving_phases(remote, spec, result, state, invocation, restarts, deadline, release, baseline)
+        record = _serving_phases(remote, spec, result, state, invocation, restarts, deadline, release, baseline,
+                                 pair)
         if peers is not None:
             peers.ready_at = time.monotonic()
 
@@ -232,9 +235,9 @@ def _gate(remote: Remote, spec: GateSpec, result: HostResult, release: str | Non
 
 def _serving_phases(remote: Remote, spec: GateSpec, result: HostResult, state: systemd.UnitState,
                     invocation: str | None, restarts: int | None, deadline: float, release: str | None,
-                    baseline: parity.Baseline | None) -> parity.Record | None:
+                    baseline: parity.Baseline | None, pair: Pairing | None) -> parity.Record | None:
     """Readiness, golden completions and parity, through the server's HTTP (its head's, for a server that
-    spans hosts); returns the parity record."""
+    spans hosts; generation through its pair for a prefill or decode server); returns the parity record."""
     from kdeploy.ssh import tunnel  # httpx loads only when a gate runs
 
     record = None
@@ -273,19 +276,21 @@ def _serving_phases(remote: Remote, spec: GateSpec, result: HostResult, state: s
                 if watch is not None:
                     watch.close()
 
+        gen = PairedHttp(http, pair) if pair is not None else http
         with result.phase("completion") as phase:
             answers = []
             for item in spec.prompts:
-                texts = [_complete(http, spec.model, item.prompt, spec.max_tokens) for _ in range(2)]
+                texts = [_complete(gen, spec.model, item.prompt, spec.max_tokens) for _ in range(2)]
                 reason = completion_verdict(texts, item.expect)
                 if reason:
                     raise PhaseFailed(f"{item.prompt!r}: {reason}")
                 answers.append(texts[0].strip())
-            phase.detail = "; ".join(f"{a!r}" for a in answers) + " (x2, identical)"
+            phase.detail = "; ".join(f"{a!r}" for a in answers) + " (x2, identical)" + (
+                f", through a pair with {pair.partner}" if pair else "")
 
         if baseline is not None and spec.parity is not None:
             with result.phase("parity") as phase:
-                record = parity.capture(http, spec.parity, spec.model, release)
+                record = parity.capture(gen, spec.parity, spec.model, release)
                 verdict = parity.check(baseline, record, spec.parity)
                 phase.data = verdict.data
                 if not verdict.ok:
@@ -295,7 +300,7 @@ def _serving_phases(remote: Remote, spec: GateSpec, result: HostResult, state: s
     return record
 
 
-def _complete(http: ServiceHttp, model: str, prompt: str, max_tokens: int) -> str:
+def _complete(http: ServiceHttp | PairedHttp, model: str, prompt: str, max_tokens: int) -> str:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     status, text = http.post_json("/v1/completions", body, timeout=120)
     if status is None:

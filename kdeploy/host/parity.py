@@ -28,6 +28,7 @@ from kdeploy.core.step import Step
 
 if TYPE_CHECKING:
     from kdeploy.core.report import HostResult
+    from kdeploy.host.pair import PairedHttp
     from kdeploy.ssh.remote import Remote
     from kdeploy.ssh.tunnel import ServiceHttp
 
@@ -179,7 +180,7 @@ def check(baseline: Baseline, new: Record, spec: ParitySpec) -> Verdict:
     return compare(baseline.record, new, spec)
 
 
-def capture(http: ServiceHttp, spec: ParitySpec, model: str, release: str | None) -> Record:
+def capture(http: ServiceHttp | PairedHttp, spec: ParitySpec, model: str, release: str | None) -> Record:
     """The running service's answers to the golden set (PhaseFailed when it does not give them)."""
     samples = []
     for prompt in spec.prompts:

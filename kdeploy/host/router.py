@@ -53,13 +53,36 @@ class Worker:
     url: str
     healthy: bool
     load: int
+    type: str = "regular"  # the router's worker_type: regular, prefill or decode
+    bootstrap_port: int | None = None  # a prefill's, as the router sends it to decode servers
+
+    def registered_as(self, wanted: dict) -> bool:
+        """Listed as ``wanted`` (``registration``) says: its role and, for a prefill, its bootstrap port."""
+        return (self.type == wanted.get("worker_type", "regular")
+                and self.bootstrap_port == wanted.get("bootstrap_port"))
+
+
+def registration(host: HostConfig) -> dict:
+    """What ``POST /workers`` must carry for the host's server: its URL, and behind a router in PD mode its role
+    (a prefill with its bootstrap port). sglang-router 0.3.2 registers a body without ``worker_type`` as a
+    regular worker, which a PD router never sends a request to (docs/router.md, prefill and decode)."""
+    assert host.worker_url is not None and host.router is not None
+    body: dict = {"url": host.worker_url}
+    pd = host.service.sglang.disaggregation
+    if host.router.mode == "pd" and pd is not None:
+        body["worker_type"] = pd.mode
+        if pd.mode == "prefill":
+            body["bootstrap_port"] = pd.bootstrap_port
+    return body
 
 
 def parse_workers(text: str) -> list[Worker]:
     """``GET /workers``'s body; a shape this does not know is a RouterError, not a guess."""
     try:
         items = json.loads(text)["workers"]
-        return [Worker(str(w["id"]), str(w["url"]).rstrip("/"), bool(w.get("is_healthy")), int(w.get("load") or 0))
+        return [Worker(str(w["id"]), str(w["url"]).rstrip("/"), bool(w.get("is_healthy")), int(w.get("load") or 0),
+                       str(w.get("worker_type") or "regular"),
+                       int(w["bootstrap_port"]) if w.get("bootstrap_port") is not None else None)
                 for w in items]
     except (ValueError, KeyError, TypeError) as exc:
         raise RouterError(f"router: unexpected GET /workers answer ({type(exc).__name__}: {exc})") from None
@@ -128,10 +151,17 @@ class RouterClient:
         self._until(lambda: self.find(url) is None, CHANGE_TIMEOUT, f"{url} still listed", cancel)
         return True
 
-    def add(self, url: str, timeout: float = ADMIT_TIMEOUT) -> Worker:
-        """Register ``url`` (unless listed) and wait until the router lists it healthy."""
-        if self.find(url) is None:
-            response = self._call("POST", "/workers", {"url": url})
+    def add(self, url: str, timeout: float = ADMIT_TIMEOUT, body: dict | None = None) -> Worker:
+        """Register ``url`` as ``body`` says (``registration``; default: a regular worker) unless it is listed so,
+        and wait until the router lists it healthy. One listed with another role or bootstrap port is taken
+        out first: the router keeps a worker's first registration (a second POST is accepted and ignored)."""
+        body = body or {"url": url}
+        listed = self.find(url)
+        if listed is not None and not listed.registered_as(body):
+            self.remove(url)
+            listed = None
+        if listed is None:
+            response = self._call("POST", "/workers", body)
             if response.status_code not in (200, 201, 202):
                 raise RouterError(f"router {self.label}: POST /workers {url} answered {response.status_code}: "
                                   f"{response.text[:200]}")
@@ -140,7 +170,7 @@ class RouterClient:
         def healthy() -> bool:
             worker = self.find(url)
             found[:] = [worker] if worker else []
-            return bool(worker and worker.healthy)
+            return bool(worker and worker.healthy and worker.registered_as(body))
 
         self._until(healthy, timeout, f"{url} not listed healthy", lambda: None)
         return found[0]
@@ -207,18 +237,24 @@ class Membership:
         return f"in the router, {'healthy' if self.healthy else 'UNHEALTHY'} ({self.worker_url})"
 
 
-def membership(client: RouterClient, host: HostConfig) -> Membership:
+def membership(client: RouterClient, host: HostConfig, workers: list[Worker] | None = None) -> Membership:
+    """In the router means listed as the host's server must be (a PD server with its role); ``workers``: the
+    router's list when just read."""
     assert host.worker_url is not None
-    worker = client.find(host.worker_url)
-    return Membership(host.worker_url, worker is not None, bool(worker and worker.healthy))
+    url = host.worker_url.rstrip("/")
+    worker = next((w for w in workers if w.url == url), None) if workers is not None else client.find(url)
+    member = worker is not None and worker.registered_as(registration(host))
+    return Membership(host.worker_url, member, bool(member and worker and worker.healthy))
 
 
-def preflight_verdict(workers: list[Worker], wanted: dict[str, str], batch: int, add_missing: bool) -> str | None:
+def preflight_verdict(workers: list[Worker], wanted: dict[str, str], batches: list[list[str]], add_missing: bool,
+                      roles: dict[str, str] | None = None, min_serving: int = 1) -> str | None:
     """Why a rollout over ``wanted`` (host -> worker URL) behind this router must not start, else None.
 
     Every worker must be healthy now (a host restarting while another is already failing leaves too few),
-    each host to deploy must be registered (unless ``add_missing``), and at least one healthy worker must
-    stay in while a batch of ``batch`` hosts is out.
+    each host to deploy must be registered (unless ``add_missing``), and while any of ``batches`` (the
+    rollout's, in host names) is out, ``min_serving`` healthy workers of each role (``roles``: host -> role;
+    regular workers all one role) must stay in.
     """
     by_url = {w.url: w for w in workers}
     missing = [h for h, url in wanted.items() if url not in by_url]
@@ -228,10 +264,17 @@ def preflight_verdict(workers: list[Worker], wanted: dict[str, str], batch: int,
     sick = [w.url for w in workers if not w.healthy]
     if sick:
         return f"the router lists unhealthy worker(s) {', '.join(sick)}: fix them before a rollout"
-    healthy = len(workers)
-    out = min(batch, len(wanted) - len(missing))
-    if out and healthy - out < 1:  # an empty router being filled (--router-add-missing) serves no one yet
-        return f"only {healthy} healthy worker(s) in the router: a batch of {out} would leave none serving"
+    roles = roles or {}
+    listed = {h for h in wanted if h not in missing}
+    for role in sorted({roles.get(h, "regular") for h in wanted}):
+        kind = "regular" if role == "unified" else role
+        healthy = sum(1 for w in workers if w.type == kind)
+        out = max((sum(1 for h in batch if h in listed and roles.get(h, "regular") == role) for batch in batches),
+                  default=0)
+        if out and healthy - out < min_serving:  # an empty router being filled (--router-add-missing) is spared
+            what = "worker(s)" if kind == "regular" else f"{kind} server(s)"
+            return (f"only {healthy} healthy {what} in the router: a batch of {out} would leave "
+                    f"{'none' if healthy - out < 1 else healthy - out} serving (router.min_serving {min_serving})")
     return None
 
 
@@ -262,7 +305,7 @@ def arm_readmit_command(host: HostConfig, with_key: bool) -> str:
     argv = ["systemd-run", "--quiet", "--collect", f"--unit={unit}", f"--on-active={max(1, int(readmit_after(host)))}",
             "--timer-property=AccuracySec=1s", f"--description=kdeploy: re-admit {sv.name} to its router",
             sv.python, "-I", "-u", f"{d}/.readmit.py", d, health, host.router.url_from_host or host.router.url,
-            host.worker_url, str(READMIT_TRYING)]
+            host.worker_url, str(READMIT_TRYING), json.dumps(registration(host), separators=(",", ":"))]
     q = shlex.quote(d)
     return "\n".join([
         disarm_readmit_command(host),

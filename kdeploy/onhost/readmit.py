@@ -2,7 +2,8 @@
 service answers its health path and no switch is unconfirmed (no ``pending``: the release it runs is a
 confirmed one), register its worker with the router again, unless the router already lists it.
 
-argv: service dir, health URL, router URL (as the host reaches it), worker URL, seconds to keep trying. The
+argv: service dir, health URL, router URL (as the host reaches it), worker URL, seconds to keep trying, and
+optionally the registration as JSON (a prefill or decode server's ``worker_type`` and bootstrap port). The
 router's API key, when it has one, is in ``<service dir>/.readmit.key`` (root only), removed when done.
 Prints one line of what it did; exits 0 once the worker is listed, 1 when it gave up (the host stays out).
 """
@@ -32,13 +33,17 @@ def call(url: str, key: str | None, body: dict | None = None) -> tuple[int, str]
         return 0, str(exc)
 
 
-def listed(router: str, worker: str, key: str | None) -> bool:
+def listed(router: str, worker: str, key: str | None, wanted: dict) -> bool:
+    """Listed with the role (and bootstrap port) it must have."""
     status, body = call(f"{router}/workers", key)
     if status != 200:
         return False
     try:
-        return any(str(w["url"]).rstrip("/") == worker.rstrip("/") for w in json.loads(body)["workers"])
-    except (ValueError, KeyError, TypeError):
+        return any(str(w["url"]).rstrip("/") == worker.rstrip("/")
+                   and (w.get("worker_type") or "regular") == wanted.get("worker_type", "regular")
+                   and w.get("bootstrap_port") == wanted.get("bootstrap_port")
+                   for w in json.loads(body)["workers"])
+    except (ValueError, KeyError, TypeError, AttributeError):
         return False
 
 
@@ -46,7 +51,7 @@ def ready(service_dir: str, health: str) -> bool:
     return not os.path.exists(os.path.join(service_dir, PENDING)) and call(health, None)[0] == 200
 
 
-def main(service_dir: str, health: str, router: str, worker: str, seconds: str) -> int:
+def main(service_dir: str, health: str, router: str, worker: str, seconds: str, registration: str = "") -> int:
     key_file = os.path.join(service_dir, KEY)
     try:
         with open(key_file) as fh:
@@ -60,10 +65,11 @@ def main(service_dir: str, health: str, router: str, worker: str, seconds: str) 
                 print(f"kdeploy-readmit: {worker} not healthy on a confirmed release within {seconds}s: left out")
                 return 1
             time.sleep(POLL)
+        wanted = json.loads(registration) if registration else {"url": worker}
         posted = False
-        while not listed(router, worker, key):
+        while not listed(router, worker, key, wanted):
             if not posted:
-                status, body = call(f"{router}/workers", key, {"url": worker})
+                status, body = call(f"{router}/workers", key, wanted)
                 print(f"kdeploy-readmit: the controller did not admit {worker}: registering it with {router} "
                       f"(HTTP {status or body})")
                 posted = True
@@ -79,4 +85,4 @@ def main(service_dir: str, health: str, router: str, worker: str, seconds: str) 
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:6]))
+    sys.exit(main(*sys.argv[1:7]))

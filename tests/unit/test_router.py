@@ -52,18 +52,60 @@ def _w(url: str, healthy: bool = True) -> Worker:
     return Worker(url, url, healthy, 0)
 
 
+def _batches(hosts: str, size: int) -> list[list[str]]:
+    return [list(hosts[i:i + size]) for i in range(0, len(hosts), size)]
+
+
 def test_preflight_verdict():
     workers = [_w("http://a:1"), _w("http://b:1"), _w("http://c:1")]
-    assert preflight_verdict(workers, {"a": "http://a:1", "b": "http://b:1"}, 1, False) is None
+    assert preflight_verdict(workers, {"a": "http://a:1", "b": "http://b:1"}, _batches("ab", 1), False) is None
     sick = [*workers[:2], _w("http://c:1", False)]
-    assert "unhealthy worker(s) http://c:1" in preflight_verdict(sick, {"a": "http://a:1"}, 1, False)
-    assert "d not registered" in preflight_verdict(workers, {"d": "http://d:1"}, 1, False)
-    assert preflight_verdict(workers, {"d": "http://d:1"}, 1, True) is None
-    assert preflight_verdict([], {"a": "http://a:1", "b": "http://b:1"}, 1, True) is None  # a new, empty router
-    assert "would leave none serving" in preflight_verdict(workers[:1], {"a": "http://a:1"}, 1, False)
+    assert "unhealthy worker(s) http://c:1" in preflight_verdict(sick, {"a": "http://a:1"}, [["a"]], False)
+    assert "d not registered" in preflight_verdict(workers, {"d": "http://d:1"}, [["d"]], False)
+    assert preflight_verdict(workers, {"d": "http://d:1"}, [["d"]], True) is None
+    assert preflight_verdict([], {"a": "http://a:1", "b": "http://b:1"}, _batches("ab", 1), True) is None  # new, empty
+    assert "would leave none serving" in preflight_verdict(workers[:1], {"a": "http://a:1"}, [["a"]], False)
     every = {h: f"http://{h}:1" for h in "abc"}
-    assert "a batch of 3 would leave none serving" in preflight_verdict(workers, every, 3, False)
-    assert preflight_verdict(workers, every, 2, False) is None
+    assert "a batch of 3 would leave none serving" in preflight_verdict(workers, every, _batches("abc", 3), False)
+    assert preflight_verdict(workers, every, _batches("abc", 2), False) is None
+    assert "would leave 1 serving (router.min_serving 2)" in preflight_verdict(workers, every, _batches("abc", 2),
+                                                                               False, min_serving=2)
+
+
+def test_preflight_keeps_min_serving_of_each_role_in_the_router():
+    """2 prefill (p, q) + 2 decode (d, e) servers: batches of one of each keep both roles serving; a batch that
+    takes both prefill servers out is refused, naming the role."""
+    workers = [Worker(u, u, True, 0, t, 8998 if t == "prefill" else None)
+               for u, t in (("http://p:1", "prefill"), ("http://q:1", "prefill"), ("http://d:1", "decode"),
+                            ("http://e:1", "decode"))]
+    wanted = {h: f"http://{h}:1" for h in "pqde"}
+    roles = {"p": "prefill", "q": "prefill", "d": "decode", "e": "decode"}
+    assert preflight_verdict(workers, wanted, [["p", "d"], ["q", "e"]], False, roles) is None
+    why = preflight_verdict(workers, wanted, [["p", "q"], ["d", "e"]], False, roles)
+    assert why == ("only 2 healthy decode server(s) in the router: a batch of 2 would leave none serving "
+                   "(router.min_serving 1)")
+    alone = {h: wanted[h] for h in "pde"}  # q is gone: p is the only prefill server
+    assert "only 1 healthy prefill server(s) in the router: a batch of 1 would leave none serving" in \
+        preflight_verdict(workers[:1] + workers[2:], alone, [["p", "d"]], False, roles)
+
+
+def test_the_roles_take_turns_in_the_rollout_order():
+    from kdeploy.flows.fleet import interleaved
+
+    roles = {"p1": "prefill", "p2": "prefill", "p3": "prefill", "d1": "decode", "d2": "decode"}
+    assert interleaved(list(roles), roles.__getitem__) == ["p1", "d1", "p2", "d2", "p3"]
+    assert interleaved(["a", "b", "c"], lambda h: "unified") == ["a", "b", "c"]
+
+
+def test_parse_workers_reads_the_role_and_bootstrap_port():
+    text = json.dumps({"workers": [
+        {"id": "1", "url": "http://p:1/", "is_healthy": True, "load": 0, "worker_type": "prefill",
+         "bootstrap_port": 8998},
+        {"id": "2", "url": "http://d:1", "is_healthy": False, "worker_type": "decode"},
+        {"id": "3", "url": "http://u:1", "is_healthy": True}]})
+    assert parse_workers(text) == [Worker("1", "http://p:1", True, 0, "prefill", 8998),
+                                   Worker("2", "http://d:1", False, 0, "decode", None),
+                                   Worker("3", "http://u:1", True, 0, "regular", None)]
 
 
 def test_api_key_from_the_environment(monkeypatch):
@@ -118,6 +160,7 @@ def test_the_re_admit_is_armed_with_the_hosts_view_of_the_router_and_cancelled_b
     assert f"--unit=kdeploy-readmit-{sv.name}" in argv
     assert argv[argv.index(sv.python):] == [
         sv.python, "-I", "-u", f"/opt/kdeploy/{sv.name}/.readmit.py", f"/opt/kdeploy/{sv.name}",
-        f"http://127.0.0.1:{sv.sglang.port}/health", "http://10.0.0.254:9", host.worker_url, "900"]
+        f"http://127.0.0.1:{sv.sglang.port}/health", "http://10.0.0.254:9", host.worker_url, "900",
+        json.dumps({"url": host.worker_url}, separators=(",", ":"))]
     assert "cat >" not in arm_readmit_command(host, with_key=False)
     assert f"kdeploy-readmit-{sv.name}.timer" in disarm_readmit_command(host)

@@ -172,3 +172,16 @@ def test_on_each_runs_every_node_to_its_end_and_raises_a_lost_link_before_a_fail
     with pytest.raises(PhaseFailed, match=r"^a0: markers missing$"):
         on_each(nodes[:2], step)  # type: ignore[arg-type]
     assert on_each(nodes[1:2], step) == ["a1"]  # type: ignore[arg-type]
+
+
+def test_the_example_inventories_of_docs_topologies_load_and_render(tmp_path: Path) -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "topologies.md").read_text()
+    examples = re.findall(r"```yaml\n(.*?)```", text, re.DOTALL)
+    assert len(examples) == 2
+    dsv3, pd = (_load(tmp_path, example) for example in examples)
+    assert [s.nodes for s in dsv3.spanning.values()] == [("gpu-a0", "gpu-a1"), ("gpu-b0", "gpu-b1")]
+    assert "--node-rank 1 --dist-init-addr 10.1.0.10:20000" in " ".join(
+        render.launch_argv(dsv3.hosts["gpu-a1"].service, dsv3.server_of("gpu-a1").place("gpu-a1")))
+    assert {h: pd.hosts[h].service.role for h in pd.hosts} == {
+        "pf-a0": "prefill", "pf-a1": "prefill", "pf-b": "prefill", "dc-a": "decode", "dc-b": "decode"}
+    assert pd.server_of("pf-a1").head == "pf-a0"

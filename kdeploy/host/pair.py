@@ -1,0 +1,62 @@
+"""A prefill or decode server gated through a real pair (docs/topologies.md, "Prefill and decode").
+
+A PD server cannot answer a completion alone: SGLang refuses one without ``bootstrap_room`` (400), and its
+``/health`` uses a fake bootstrap host that proves nothing about pairs. So the gate sends its golden completions
+and parity prompts the way sglang-router does: the same body, with ``bootstrap_host`` (the prefill's address
+as the decode reaches it), ``bootstrap_port`` (the prefill's) and a random ``bootstrap_room``, to the server
+under test and to a serving server of the other role at once, and judges the decode's answer. A prefill that
+cannot hand its KV over, or a decode that cannot fetch it, fails the gate.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdeploy.ssh.tunnel import ServiceHttp
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """The partner of a server under test: a serving server of the other role, reached over its own SSH
+    connection, and where the pair's decode finds the prefill's bootstrap server."""
+
+    partner: str  # the partner's host name
+    http: ServiceHttp
+    own_role: str  # "prefill" or "decode": the server under test
+    bootstrap_host: str
+    bootstrap_port: int
+
+    def fields(self) -> dict:
+        """What the router adds to a request it sends to a pair."""
+        return {"bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port,
+                "bootstrap_room": random.getrandbits(63)}
+
+
+class PairedHttp:
+    """The gate's HTTP for a PD server: readiness from the server itself, generation through the pair."""
+
+    def __init__(self, own: ServiceHttp, pairing: Pairing) -> None:
+        self.own, self.pairing = own, pairing
+
+    def status(self, path: str) -> int | str:
+        return self.own.status(path)
+
+    def post_json(self, path: str, body: dict, *, timeout: float) -> tuple[int | None, str]:
+        """``body`` to both servers at once with the bootstrap fields; the decode's answer, unless the prefill
+        side failed (its answer, named)."""
+        paired = {**body, **self.pairing.fields()}
+        with ThreadPoolExecutor(2, thread_name_prefix="kdeploy-pair") as pool:
+            mine = pool.submit(self.own.post_json, path, paired, timeout=timeout)
+            theirs = pool.submit(self.pairing.http.post_json, path, paired, timeout=timeout)
+        own, partner = mine.result(), theirs.result()
+        prefill, decode = (own, partner) if self.pairing.own_role == "prefill" else (partner, own)
+        side = "this prefill server" if self.pairing.own_role == "prefill" else f"prefill {self.pairing.partner}"
+        if prefill[0] != 200:
+            return prefill[0], f"{side} answered {prefill[0]}: {prefill[1]}"
+        if decode[0] != 200 and self.pairing.own_role == "prefill":
+            return decode[0], f"decode {self.pairing.partner} answered {decode[0]}: {decode[1]}"
+        return decode
