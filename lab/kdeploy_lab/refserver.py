@@ -45,15 +45,82 @@ What it reproduces from SGLang, as far as a deploy tool can observe it:
 * Logits: each position has a distribution over a small vocabulary (the words of the pseudo-text plus
   the France answer's) whose greedy token leads the next one by at least 5 nats; the rest are derived from
   a hash of the prompt and the position, so logprobs are deterministic and differ between prompts.
+* Prefill/decode disaggregation (``--disaggregation-mode prefill|decode``, default ``null``: unified), as SGLang
+  0.5.23's ``srt/disaggregation`` behaves toward a router and a deploy tool. Flags: ``--disaggregation-bootstrap-port``
+  (default 8998), ``--disaggregation-transfer-backend`` (SGLang's choices; ``mooncake_tcp`` becomes ``mooncake``
+  with ``MC_FORCE_TCP=1`` and no IB device; a prefill refuses ``fake``: ``Prefill server does not support 'fake' as
+  the transfer backend``, exit 2), ``--disaggregation-ib-device`` (accepted and logged), ``--load-balance-method``
+  (``auto`` resolves to ``follow_bootstrap_room`` on a prefill, ``round_robin`` otherwise). ``/server_info``
+  reports them all; ``/model_info`` reports ``disaggregation_mode`` (what the router's registration reads).
+
+  - A prefill's head runs a bootstrap server on ``--host``:``--disaggregation-bootstrap-port`` from the start
+    (logs ``CommonKVBootstrapServer started successfully on HOST:PORT``; a port in use is logged as ``ERROR:
+    Server error: ...`` and the server runs on without one, as SGLang's does). Routes, as SGLang's
+    ``CommonKVBootstrapServer``: ``GET /health`` -> 200 ``OK`` (always); ``PUT /route`` (a rank registers: JSON
+    ``attn_tp_size/rank``, ``attn_cp_size/rank``, ``attn_dp_size/rank``, ``pp_size/rank``, ``rank_ip``,
+    ``rank_port``, ``page_size``, ``kv_cache_dtype``, ``prefill_http_port``, ``decode_allocation_policy``, ...)
+    -> 200 ``OK``; ``GET /route?prefill_dp_rank=&prefill_cp_rank=&target_tp_rank=&target_pp_rank=`` -> 400
+    ``Missing inputs for bootstrap server.``, 503 ``Prefill server not fully registered yet (N workers
+    registered).``, with all four -1 200 and the ``PrefillServerInfo`` JSON (``attn_tp_size``, ``attn_cp_size``,
+    ``dp_size``, ``pp_size``, ``page_size``, ``kv_cache_dtype``, ``follow_bootstrap_room``,
+    ``prefill_http_port``, ``decode_allocation_policy``, ...), with ranks 200 ``{"rank_ip", "rank_port"}`` or 404;
+    ``POST /register_dp_rank`` and ``POST /query_dp_ranks``. Every prefill node registers one row per TP rank
+    once its schedulers are up (SGLang's ``register_to_bootstrap``: to the dist-init-addr host when given, else
+    ``--host`` with a wildcard rewritten to loopback; 5 tries with backoff, then ``ERROR: Prefill instance failed
+    to register to bootstrap server after 5 retries``) and is ready only after; ``rank_ip`` is the node's address
+    toward that host and ``rank_port`` the bootstrap port. So on a prefill spanning nodes only the head serves
+    the bootstrap port, and every follower must reach it.
+  - Where this server moves the KV instead of SGLang's transfer engine: ``GET /kv?room=R&timeout=T`` on the
+    bootstrap server. It tells the prefill's request for room R that its decode is here, waits up to T s (at most
+    120) until that request left its KV, and answers 200 JSON ``{"bootstrap_room", "rid", "prompt",
+    "first_token", "first_logits", "page_size", "kv_cache_dtype", "tp_size"}`` (the prompt, the first generated
+    word and position 0's logits over the vocabulary), once: the room is then done; else 404 ``No KV for
+    bootstrap_room R within T s``.
+  - A generation request (``/generate`` or ``/v1/completions``) on a PD server needs ``bootstrap_room`` (an int,
+    or one per prompt; an int for several prompts is room + i, as SGLang normalizes), with ``bootstrap_host``
+    and ``bootstrap_port``, as the router adds them to the one body it sends to a prefill and a decode at once.
+    Without a room (and backend not ``fake``): 400 ``Invalid request: Disaggregated request received without
+    bootstrap room id. req.rid='RID'`` (``/generate``: ``{"error": {"message": ...}}``; ``/v1/completions``: an
+    error object of type ``BadRequest``). ``bootstrap_host`` ``2.2.2.2`` (SGLang's fake bootstrap host, which its
+    own health check and warmup use) contacts no peer: a prefill answers 1 token, a decode a full answer
+    generated from KV that never came (meaningless text: not the unified answer).
+  - On a prefill, a request for room R waits until R's decode asks for the KV (SGLang's bootstrap queue, at most
+    ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` seconds, default 300; then 500 ``Prefill bootstrap failed for
+    request rank=0 req.rid='RID' req.bootstrap_room=R with exception KVTransferError(bootstrap_room=R): Request R
+    timed out after Ts in KVPoll.Bootstrapping``), computes the first token (``max_new_tokens`` is forced to 1,
+    ``REFSERVER_LATENCY``/``REFSERVER_TOKEN_DELAY`` apply), leaves the KV and waits until the decode received it
+    (the inflight queue; a decode that went away: 500 ``Prefill transfer failed ...``), then answers its 1 token.
+    So a prefill answers only once its decode got the KV, as SGLang's does.
+  - On a decode, a request fetches ``GET http://bootstrap_host:bootstrap_port/route?...=-1`` (``bootstrap_port``
+    null: its own ``--disaggregation-bootstrap-port``), retried each second, then ``GET /kv?room=R``, all within
+    ``REFSERVER_HANDSHAKE_TIMEOUT`` seconds (default 15, SGLang's 15 tries); then it generates from the KV: the
+    unified server's text and logprobs for the KV's prompt, position 0 being the prefill's token and logits.
+    A failed handshake (bootstrap unreachable or silent, no KV for the room in time, a wrong room) answers 500
+    ``{"object": "error", "message": "Decode handshake failed for request rank=0 decode_req.req.rid='RID'
+    decode_req.req.bootstrap_room=R with exception KVTransferError(bootstrap_room=R): WHY", "type": "500",
+    "param": null, "code": 500}`` (SGLang's f-string, ``{decode_req.req.rid=}``). A prefill whose
+    ``--page-size`` or ``--kv-cache-dtype`` differs from the decode's raises in SGLang's decode scheduler: the
+    decode logs ``Scheduler hit an exception: RuntimeError: Page size mismatch: ...``, answers nothing and exits
+    1. Streamed, an abort is an error event then ``data: [DONE]`` (``/v1/completions``: ``{"error": {...}}``;
+    ``/generate``: a ``meta_info.finish_reason`` of type ``abort`` with ``status_code``).
+  - ``/health`` works as on a unified server: SGLang's is a fake-bootstrap 1-token generate, which proves this
+    server only, nothing about any pair.
 * Metrics (``--enable-metrics``), with the names, label sets and bucket bounds of SGLang 0.5.23's
-  ``srt/observability/metrics_collector.py``: histograms ``sglang:time_to_first_token_seconds``,
+  ``srt/observability/metrics_collector.py``, ``engine_type`` being ``unified``, ``prefill`` or ``decode`` after
+  ``--disaggregation-mode``: histograms ``sglang:time_to_first_token_seconds``,
   ``sglang:e2e_request_latency_seconds`` (labels ``model_name, engine_type, is_streaming``),
   ``sglang:inter_token_latency_seconds`` (``model_name, engine_type``) and ``sglang:queue_time_seconds``;
   counters ``sglang:num_requests_total``, ``sglang:prompt_tokens_total``, ``sglang:generation_tokens_total``
   (with ``is_streaming``), ``sglang:num_aborted_requests_total``; scheduler gauges (labels ``model_name,
   engine_type, tp_rank, pp_rank, moe_ep_rank``) ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
   ``sglang:gen_throughput`` and, with ``--speculative-algorithm``, ``sglang:spec_accept_length``,
-  ``sglang:spec_accept_rate`` and the counter ``sglang:spec_verify_calls_total``.
+  ``sglang:spec_accept_rate`` and the counter ``sglang:spec_verify_calls_total``; the disaggregation gauges
+  ``sglang:num_prefill_bootstrap_queue_reqs``, ``sglang:num_prefill_inflight_queue_reqs`` (a prefill's requests
+  waiting for their decode, and whose KV is not taken yet), ``sglang:num_decode_prealloc_queue_reqs``,
+  ``sglang:num_decode_transfer_queue_reqs`` (a decode's requests reaching the bootstrap server, and waiting for
+  the KV), 0 outside their role as SGLang sets them, and not counted in ``sglang:num_running_reqs`` (as in
+  SGLang); the counters ``sglang:num_bootstrap_failed_reqs_total`` and ``sglang:num_transfer_failed_reqs_total``,
+  which (a labelled prometheus_client counter) have no sample before their first failure: read absent as 0.
 * Supervision: if a worker dies, the main process logs the rank and exit code, stops the other workers
   and exits 1. SIGINT: stop the workers (the head: and its followers) and exit 0.
 * SIGTERM drains, as SGLang 0.5.23's ``SignalHandler.sigterm_handler`` + ``TokenizerManager.sigterm_watchdog``
@@ -114,7 +181,8 @@ Fault switches (environment variables, read by the main process and inherited by
     Every logit gets a deterministic offset in [-amplitude, +amplitude] (a kernel that computes attention
     slightly, or grossly, differently). Greedy tokens stay the argmax of the perturbed logits: below 2.5 the
     text never changes (the greedy token leads by at least 5), only the logprobs move, by up to about
-    twice the amplitude.
+    twice the amplitude. Through a prefill/decode pair: on the decode it moves positions 1 and later, on the
+    prefill position 0 (its logits travel with the KV), so parity through the pair sees either.
 ``REFSERVER_LATENCY=<seconds>``
     Every generation request waits that long before its first token (time to first token grows).
 ``REFSERVER_ERROR_RATE=<fraction>``
@@ -122,6 +190,15 @@ Fault switches (environment variables, read by the main process and inherited by
     every 100th request), counted in ``sglang:num_aborted_requests_total``.
 ``REFSERVER_SPEC_ACCEPT_LENGTH=<tokens>``
     The ``sglang:spec_accept_length`` gauge a speculative server (``--speculative-algorithm``) exports.
+``REFSERVER_BOOTSTRAP_DOWN=1``
+    (prefill) The bootstrap port is bound and accepts connections but never answers (a hung bootstrap server):
+    decodes fail their handshake (500 ``Decode handshake failed ...``), the prefill's own requests time out
+    waiting for their decode, and the head does not register its ranks.
+``REFSERVER_HANDSHAKE_TIMEOUT=<seconds>``
+    (decode) How long a request may take to reach its prefill's bootstrap server and get its KV (default 15);
+    tests shorten it.
+``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=<seconds>``
+    (prefill; SGLang's own variable) How long a request waits for its decode (default 300).
 ``REFSERVER_IGNORE_SIGTERM=1``
     The main process and the workers ignore SIGTERM (a slow CUDA teardown; systemd SIGKILLs them after
     TimeoutStopSec). Workers still exit when the main process dies.
@@ -160,7 +237,21 @@ ENV_LOGIT_NOISE = "REFSERVER_LOGIT_NOISE"
 ENV_LATENCY = "REFSERVER_LATENCY"
 ENV_ERROR_RATE = "REFSERVER_ERROR_RATE"
 ENV_SPEC_ACCEPT_LENGTH = "REFSERVER_SPEC_ACCEPT_LENGTH"
+ENV_BOOTSTRAP_DOWN = "REFSERVER_BOOTSTRAP_DOWN"
+ENV_HANDSHAKE_TIMEOUT = "REFSERVER_HANDSHAKE_TIMEOUT"
+ENV_BOOTSTRAP_TIMEOUT = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"  # SGLang's own variable, honoured as SGLang does
 SHUTDOWN_POLL = 5.0  # SGLang's sigterm_watchdog sleeps 5 s between looks
+
+# Prefill/decode disaggregation (SGLang 0.5.23's srt/disaggregation).
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's FAKE_BOOTSTRAP_HOST: no peer, no transfer (its /health and warmup use it)
+FAKE_KV_SUFFIX = "\0fake-kv"  # a decode's fake transfer generates from no real KV: text from a prompt nobody sent
+BOOTSTRAP_PORT = 8998
+BOOTSTRAP_TIMEOUT = 300.0        # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT: a prefill request waits this for its decode
+DECODE_HANDSHAKE_TIMEOUT = 15.0  # a decode reaches the bootstrap server and gets the KV within this (15 tries, 1 s)
+KV_TTL = 120.0                   # a prefill keeps a room's KV this long for its decode (SGLang's entry cleanup)
+_TRANSFER_BACKENDS = ("mooncake", "nixl", "ascend", "fake", "mori", "mooncake_tcp")
+_LOAD_BALANCE_METHODS = ("auto", "round_robin", "follow_bootstrap_room", "total_requests", "total_tokens")
+_ENGINE_TYPES = {"null": "unified", "prefill": "prefill", "decode": "decode"}
 
 # Sizes of the Kimi-K2.5 INT4 TP8 service in the field notes, at mem_fraction_static=0.88.
 _BASE_MEM_FRACTION = 0.88
@@ -411,6 +502,10 @@ def _build_parser():
     p.add_argument("--quantization")
     p.add_argument("--page-size", type=positive_int, default=1)
     p.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"), default="null")
+    p.add_argument("--disaggregation-transfer-backend", choices=_TRANSFER_BACKENDS, default="mooncake")
+    p.add_argument("--disaggregation-bootstrap-port", type=port, default=BOOTSTRAP_PORT)
+    p.add_argument("--disaggregation-ib-device")
+    p.add_argument("--load-balance-method", choices=_LOAD_BALANCE_METHODS, default="auto")
     p.add_argument("--chunked-prefill-size", type=int)
     p.add_argument("--max-running-requests", type=positive_int)
     p.add_argument("--max-total-tokens", type=positive_int)
@@ -476,6 +571,11 @@ def parse_args(argv: list[str] | None = None):
         parser.error(f"argument --tp-size: {args.tp_size} is not divisible by --nnodes {args.nnodes}")
     if args.nnodes > 1 and args.dp_size > 1:
         parser.error("argument --dp-size: multi-node data-parallel replicas are not supported")
+    if args.disaggregation_mode == "prefill" and args.disaggregation_transfer_backend == "fake":
+        parser.error("Prefill server does not support 'fake' as the transfer backend")  # SGLang asserts this
+    if args.load_balance_method == "auto":  # SGLang's serving hook resolves it
+        args.load_balance_method = ("follow_bootstrap_room" if args.disaggregation_mode == "prefill"
+                                    else "round_robin")
     if args.served_model_name is None:
         args.served_model_name = args.model_path
     if args.tokenizer_path is None:
@@ -546,15 +646,20 @@ def _logits(prompt: str, position: int, greedy: str, noise: float = 0.0) -> dict
     return logits
 
 
-def token_logprobs(prompt: str, tokens: list[str], top: int, noise: float = 0.0) -> dict:
+def token_logprobs(prompt: str, tokens: list[str], top: int, noise: float = 0.0,
+                   first_logits: dict[str, float] | None = None) -> dict:
     """SGLang's OpenAI-style ``logprobs`` of a completion (``to_openai_style_logprobs``): per position the
-    chosen token's logprob and the ``top`` most likely tokens; text offsets are -1, as SGLang sends them."""
+    chosen token's logprob and the ``top`` most likely tokens; text offsets are -1, as SGLang sends them.
+    ``first_logits``: position 0's logits as computed elsewhere (a decode's, from its prefill with the KV)."""
     import math
 
     intended = _intended(prompt, len(tokens))
     out: dict = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
     for i, token in enumerate(tokens):
-        logits = _logits(prompt, i, intended[i] if i < len(intended) else token, noise)
+        if i == 0 and first_logits is not None:
+            logits = first_logits
+        else:
+            logits = _logits(prompt, i, intended[i] if i < len(intended) else token, noise)
         peak = max(logits.values())
         lse = peak + math.log(sum(math.exp(v - peak) for v in logits.values()))
         logprob = {w: v - lse for w, v in logits.items()}
@@ -641,6 +746,16 @@ class _State:
         self.counters: dict[tuple[str, str], float] = {}  # (name, labels) -> value
         self.recent_tokens: list[float] = []  # times of tokens made in the last THROUGHPUT_WINDOW
         self.verify_calls = 0
+        self.engine_type = _ENGINE_TYPES[args.disaggregation_mode]
+        # PD: requests in SGLang's disaggregation queues (not counted in num_running_reqs), failure counters
+        self.pd_queues = {"prefill_bootstrap": 0, "prefill_inflight": 0, "decode_prealloc": 0, "decode_transfer": 0}
+        self.bootstrap_failed = 0
+        self.transfer_failed = 0
+        self.rooms = _Rooms() if args.disaggregation_mode == "prefill" else None
+        self.handshake_timeout = _env_float(ENV_HANDSHAKE_TIMEOUT) or DECODE_HANDSHAKE_TIMEOUT
+        self.bootstrap_timeout = _env_float(ENV_BOOTSTRAP_TIMEOUT) or BOOTSTRAP_TIMEOUT
+        self.fatal: str | None = None  # a scheduler exception: the main loop takes the server down
+        self.wake: Callable[[], None] = lambda: None  # wakes the main loop (set by main)
         self.ttft = _Histogram("sglang:time_to_first_token_seconds",
                                "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = _Histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
@@ -675,14 +790,39 @@ class _State:
                 self.requests += 1
                 self._observe(request)
 
+    @contextlib.contextmanager
+    def pd_queue(self, name: str):
+        """Count one request in a disaggregation queue (``prefill_bootstrap``, ``decode_transfer``, ...) while
+        it waits there."""
+        with self.lock:
+            self.pd_queues[name] += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.pd_queues[name] -= 1
+
+    def pd_failed(self, kind: str) -> None:
+        """``bootstrap`` or ``transfer``: one more request failed so (``sglang:num_*_failed_reqs_total``)."""
+        with self.lock:
+            if kind == "bootstrap":
+                self.bootstrap_failed += 1
+            else:
+                self.transfer_failed += 1
+
+    def die(self, message: str) -> None:
+        """A scheduler exception (SGLang: ``Scheduler hit an exception``, then the server exits)."""
+        self.fatal = message
+        self.wake()
+
     def _labels(self, streaming: bool | None = None) -> str:
         """Tokenizer metric labels (``tokenizer_metric_labels()``), with ``is_streaming`` where SGLang adds it."""
-        text = f'model_name="{self.args.served_model_name}",engine_type="unified"'
+        text = f'model_name="{self.args.served_model_name}",engine_type="{self.engine_type}"'
         return text if streaming is None else text + f',is_streaming="{"true" if streaming else "false"}"'
 
     def _scheduler_labels(self) -> str:
-        return (f'model_name="{self.args.served_model_name}",engine_type="unified",tp_rank="0",pp_rank="0",'
-                'moe_ep_rank="0"')
+        return (f'model_name="{self.args.served_model_name}",engine_type="{self.engine_type}",tp_rank="0",'
+                'pp_rank="0",moe_ep_rank="0"')
 
     def _count(self, name: str, labels: str, value: float) -> None:
         self.counters[(name, labels)] = self.counters.get((name, labels), 0.0) + value
@@ -706,6 +846,31 @@ class _State:
             self.verify_calls += len(times)
         self.e2e.observe(stream, end - request.start)
 
+    def _pd_metrics(self, sched: str) -> list[str]:
+        """(under the lock) The disaggregation queue gauges, which SGLang's scheduler sets on every server (0
+        outside their role), and its failure counters, which appear with their first increment (a labelled
+        prometheus_client counter has no sample before)."""
+        out = []
+        gauges = (("prefill_bootstrap", "sglang:num_prefill_bootstrap_queue_reqs",
+                   "The number of requests in the prefill bootstrap queue."),
+                  ("prefill_inflight", "sglang:num_prefill_inflight_queue_reqs",
+                   "The number of requests in the prefill inflight queue."),
+                  ("decode_prealloc", "sglang:num_decode_prealloc_queue_reqs",
+                   "The number of requests in the decode prealloc queue."),
+                  ("decode_transfer", "sglang:num_decode_transfer_queue_reqs",
+                   "The number of requests in the decode transfer queue."))
+        for key, name, doc in gauges:
+            out += [f"# HELP {name} {doc}", f"# TYPE {name} gauge", f"{name}{{{sched}}} {float(self.pd_queues[key])}"]
+        counters = (("sglang:num_bootstrap_failed_reqs_total", "The number of bootstrap failed requests.",
+                     self.bootstrap_failed),
+                    ("sglang:num_transfer_failed_reqs_total", "The number of transfer failed requests.",
+                     self.transfer_failed))
+        for name, doc, value in counters:
+            out += [f"# HELP {name} {doc}", f"# TYPE {name} counter"]
+            if value:
+                out.append(f"{name}{{{sched}}} {float(value)}")
+        return out
+
     def metrics(self) -> str:
         """Prometheus text with SGLang's names and labels (sglang/srt/observability/metrics_collector.py)."""
         a = self.args
@@ -715,7 +880,7 @@ class _State:
             throughput = sum(1 for t in self.recent_tokens if t > now - THROUGHPUT_WINDOW) / THROUGHPUT_WINDOW
             out = ["# HELP sglang:num_running_reqs The number of running requests.",
                    "# TYPE sglang:num_running_reqs gauge",
-                   f"sglang:num_running_reqs{{{sched}}} {float(self.running)}",
+                   f"sglang:num_running_reqs{{{sched}}} {float(self.running - sum(self.pd_queues.values()))}",
                    "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.",
                    "# TYPE sglang:num_queue_reqs gauge",
                    f"sglang:num_queue_reqs{{{sched}}} 0.0",
@@ -744,6 +909,7 @@ class _State:
                 for streaming in (False, True):
                     labels = self._labels(streaming)
                     out.append(f"{name}{{{labels}}} {self.counters.get((name, labels), 0.0)}")
+            out += self._pd_metrics(sched)
             out += ["# HELP sglang:num_aborted_requests_total Number of requests aborted.",
                     "# TYPE sglang:num_aborted_requests_total counter",
                     f"sglang:num_aborted_requests_total{{{self._labels()}}} {float(self.aborted)}"]
@@ -751,10 +917,428 @@ class _State:
             return text + "".join(h.text() for h in (self.ttft, self.itl, self.e2e, self.queue))
 
 
+# ----------------------------------------------------------------------------------------------- disaggregation
+
+class _Abort(Exception):
+    """A request the scheduler aborts with an HTTP status (SGLang's ``prepare_abort(req, message, status_code)``)."""
+
+    def __init__(self, status: int, message: str, rid: str):
+        super().__init__(message)
+        self.status, self.message, self.rid = status, message, rid
+
+
+class _Fatal(Exception):
+    """The scheduler died while serving this request: no answer, the server goes down."""
+
+
+class _Gen:
+    """What one prompt's answer is made of: the prompt its logits derive from (on a decode: the one in the KV it
+    received), its text, position 0's logits when they came with the KV, and its pieces as they are made."""
+
+    def __init__(self, prompt: str, text: str, pieces, first_logits: dict[str, float] | None = None):
+        self.prompt, self.text, self.pieces, self.first_logits = prompt, text, pieces, first_logits
+
+
+class _Rooms:
+    """A prefill server's bootstrap rooms. Its generation request for room R waits here for R's decode (SGLang's
+    bootstrap queue), then leaves the KV it computed and waits until the decode took it (the inflight queue);
+    the decode's ``GET /kv?room=R`` (on the bootstrap server) waits here for that KV. Either side may come first,
+    as the router sends both requests at once."""
+
+    def __init__(self):
+        import threading
+
+        self.cond = threading.Condition()
+        self.rooms: dict[int, dict] = {}
+
+    def _room(self, room: int) -> dict:
+        now = time.monotonic()
+        for key in [k for k, e in self.rooms.items() if now - e["touched"] > KV_TTL and not e["waiters"]]:
+            del self.rooms[key]  # left behind by a side that went away
+        entry = self.rooms.setdefault(room, {"decodes": 0, "kv": None, "claimed": False, "delivered": None,
+                                             "waiters": 0, "touched": now})
+        entry["touched"] = now
+        return entry
+
+    def _wait(self, entry: dict, done: Callable[[], bool], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        entry["waiters"] += 1
+        try:
+            while not done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(left, 1.0))
+            return True
+        finally:
+            entry["waiters"] -= 1
+            entry["touched"] = time.monotonic()
+
+    def wait_decode(self, room: int, timeout: float) -> bool:
+        """(prefill) Whether a decode asked for this room within ``timeout``."""
+        with self.cond:
+            entry = self._room(room)
+            if self._wait(entry, lambda: entry["decodes"] > 0, timeout):
+                return True
+            if not entry["waiters"] and entry["kv"] is None:
+                self.rooms.pop(room, None)
+            return False
+
+    def offer(self, room: int, kv: dict, timeout: float) -> bool:
+        """(prefill) Leave the room's KV and wait until a decode received it (False: the decode went away or
+        ``timeout`` passed); the room is gone afterwards."""
+        with self.cond:
+            entry = self._room(room)
+            entry["kv"] = kv
+            self.cond.notify_all()
+            ok = self._wait(entry, lambda: entry["delivered"] is not None
+                            or (entry["decodes"] == 0 and not entry["claimed"]), timeout)
+            if self.rooms.get(room) is entry:
+                del self.rooms[room]
+            return ok and entry["delivered"] is True
+
+    def take(self, room: int, timeout: float) -> dict | None:
+        """(decode, through the bootstrap server) The room's KV once its prefill left it, or None after
+        ``timeout``; then call ``delivered``."""
+        with self.cond:
+            entry = self._room(room)
+            entry["decodes"] += 1
+            self.cond.notify_all()
+            try:
+                got = self._wait(entry, lambda: entry["kv"] is not None and not entry["claimed"], timeout)
+            finally:
+                entry["decodes"] -= 1
+                self.cond.notify_all()
+            if not got:
+                if not entry["waiters"] and entry["kv"] is None and self.rooms.get(room) is entry:
+                    del self.rooms[room]
+                return None
+            entry["claimed"] = True
+            return entry["kv"]
+
+    def delivered(self, room: int, kv: dict, ok: bool) -> None:
+        """(decode) Whether the KV taken from the room reached the decode."""
+        with self.cond:
+            entry = self.rooms.get(room)
+            if entry is not None and entry["kv"] is kv:
+                entry["delivered"] = ok
+            self.cond.notify_all()
+
+
+def _kv_cache_dtype(args) -> str:
+    return "bfloat16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+
+
+def _prefill_info(args) -> dict:
+    """The ``PrefillServerInfo`` a bootstrap server answers ``GET /route`` with all ranks -1."""
+    return {"attn_tp_size": args.tp_size, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1,
+            "page_size": args.page_size, "kv_cache_dtype": _kv_cache_dtype(args),
+            "follow_bootstrap_room": args.load_balance_method == "follow_bootstrap_room",
+            "enable_dsa_cache_layer_split": False, "enable_kv_cache_sharding": False,
+            "prefill_http_port": args.port, "decode_allocation_policy": "early"}
+
+
+class _BootstrapTable:
+    """What a bootstrap server knows: the ranks registered through ``PUT /route`` and the rooms' DP ranks."""
+
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+        self.ranks: dict[tuple[int, int, int, int], dict] = {}  # (dp, cp, tp, pp) -> {rank_ip, rank_port}
+        self.sizes: dict | None = None
+        self.info: dict | None = None
+        self.dp_rooms: dict[int, tuple[int, float]] = {}
+
+    def expected(self) -> int | None:
+        s = self.sizes
+        return None if s is None else s["dp"] * s["cp"] * s["tp"] * s["pp"]
+
+
+def _make_bootstrap_handler(state: _State, table: _BootstrapTable):
+    """A prefill head's bootstrap server (SGLang's ``CommonKVBootstrapServer``: ``/health``, ``/route``,
+    ``/register_dp_rank``, ``/query_dp_ranks``), plus ``GET /kv``, where this reference server moves the KV."""
+    import json
+    from http.server import BaseHTTPRequestHandler
+    from urllib.parse import parse_qs
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "kdeploy-refserver-bootstrap"
+        sys_version = ""
+
+        def log_message(self, format, *args):
+            pass
+
+        def _send(self, code: int, body, ctype: str = "text/plain; charset=utf-8") -> None:
+            if not isinstance(body, bytes | str):
+                body, ctype = json.dumps(body), "application/json"
+            data = body.encode() if isinstance(body, str) else body
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _body(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            return json.loads(self.rfile.read(length) if 0 < length <= 1 << 20 else b"null")
+
+        def do_GET(self):
+            path, _, query = self.path.partition("?")
+            q = {k: v[0] for k, v in parse_qs(query).items()}
+            if path == "/health":
+                self._send(200, "OK")
+            elif path == "/route":
+                self._route_get(q)
+            elif path == "/kv":
+                self._kv(q)
+            else:
+                self._send(404, "Not Found")
+
+        def _route_get(self, q: dict) -> None:
+            keys = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+            try:
+                wanted = tuple(int(q[k]) for k in keys)
+            except (KeyError, ValueError):
+                self._send(400, "Missing inputs for bootstrap server.")
+                return
+            with table.lock:
+                expected, registered = table.expected(), len(table.ranks)
+                if expected is None or registered < expected:
+                    self._send(503, f"Prefill server not fully registered yet ({registered} workers registered).")
+                elif wanted == (-1, -1, -1, -1):
+                    self._send(200, table.info)
+                elif wanted in table.ranks:
+                    self._send(200, table.ranks[wanted])
+                else:
+                    self._send(404, f"Bootstrap info not found for dp_rank={wanted[0]} cp_rank={wanted[1]} "
+                                    f"tp_rank={wanted[2]} pp_rank={wanted[3]}")
+
+        def _kv(self, q: dict) -> None:
+            """``GET /kv?room=R&timeout=T``: wait up to T s (at most KV_TTL) for room R's KV, then send it once."""
+            try:
+                room = int(q["room"])
+                timeout = min(max(float(q.get("timeout", DECODE_HANDSHAKE_TIMEOUT)), 0.0), KV_TTL)
+            except (KeyError, ValueError):
+                self._send(400, "Missing inputs for bootstrap server.")
+                return
+            kv = state.rooms.take(room, timeout)
+            if kv is None:
+                self._send(404, f"No KV for bootstrap_room {room} within {timeout:g} s")
+                return
+            try:
+                self._send(200, kv)
+                ok = True
+            except OSError:
+                ok = False
+            state.rooms.delivered(room, kv, ok)
+
+        def do_PUT(self):
+            if self.path.partition("?")[0] != "/route":
+                self._send(405, "Method not allowed")
+                return
+            try:
+                row = self._body()
+                key = (int(row["attn_dp_rank"]), int(row["attn_cp_rank"]), int(row["attn_tp_rank"]),
+                       int(row["pp_rank"]))
+                sizes = {"dp": int(row["attn_dp_size"]), "cp": int(row["attn_cp_size"]),
+                         "tp": int(row["attn_tp_size"]), "pp": int(row["pp_size"])}
+                rank = {"rank_ip": str(row["rank_ip"]), "rank_port": int(row["rank_port"])}
+                info = {k: row[k] for k in ("page_size", "kv_cache_dtype", "prefill_http_port",
+                                            "decode_allocation_policy")}
+            except (ValueError, KeyError, TypeError):
+                self._send(400, "Bad registration")
+                return
+            with table.lock:
+                if table.ranks and table.info and info["decode_allocation_policy"] != \
+                        table.info["decode_allocation_policy"]:
+                    self._send(400, "Inconsistent prefill allocation policies")
+                    return
+                table.ranks[key] = rank
+                table.sizes = sizes
+                table.info = {**_prefill_info(state.args), "attn_tp_size": sizes["tp"], "attn_cp_size": sizes["cp"],
+                              "dp_size": sizes["dp"], "pp_size": sizes["pp"], **info}
+            self._send(200, "OK")
+
+        def do_POST(self):
+            path = self.path.partition("?")[0]
+            try:
+                body = self._body()
+                if path == "/register_dp_rank":
+                    with table.lock:
+                        table.dp_rooms[int(body["bootstrap_room"])] = (int(body["dp_rank"]), time.monotonic())
+                    self._send(200, "OK")
+                elif path == "/query_dp_ranks":
+                    now = time.monotonic()
+                    with table.lock:
+                        for room in [r for r, (_, t) in table.dp_rooms.items() if now - t > KV_TTL]:
+                            del table.dp_rooms[room]
+                        found = {str(int(r)): table.dp_rooms[int(r)][0] for r in body["bootstrap_rooms"]
+                                 if int(r) in table.dp_rooms}
+                    self._send(200, found)
+                elif path == "/route":
+                    self._send(405, "Method not allowed")
+                else:
+                    self._send(404, "Not Found")
+            except (ValueError, KeyError, TypeError):
+                self._send(400, "Bad request")
+
+    return Handler
+
+
+def _registration_target(args) -> tuple[str, str]:
+    """(host, URL) where a prefill node registers its ranks, as SGLang's ``register_to_bootstrap``: the
+    dist-init-addr host when given (multi-node: the head's bootstrap server), else ``--host`` (a wildcard
+    rewritten to loopback)."""
+    if args.dist_init_addr:
+        host = parse_dist_init_addr(args.dist_init_addr)[0]
+    else:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.host, args.host)
+    return host, f"http://{_hostport(host, args.disaggregation_bootstrap_port)}/route"
+
+
+def _local_ip_towards(host: str) -> str:
+    """The address this machine uses to reach ``host`` (SGLang's rank_ip)."""
+    import socket
+
+    try:
+        family, kind, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except (OSError, IndexError):
+        return "127.0.0.1"
+
+
+def register_ranks(args, ranks: range) -> bool:
+    """PUT one row per local TP rank to the prefill's bootstrap server, each with SGLang's 5 tries and backoff.
+    False (and SGLang's error line) when a rank could not register."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    host, url = _registration_target(args)
+    rank_ip = _local_ip_towards(host)
+    for rank in ranks:
+        row = {"attn_tp_size": args.tp_size, "attn_tp_rank": rank, "attn_cp_size": 1, "attn_cp_rank": 0,
+               "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1,
+               "system_dp_rank": 0, "rank_ip": rank_ip, "rank_port": args.disaggregation_bootstrap_port,
+               "page_size": args.page_size, "kv_cache_dtype": _kv_cache_dtype(args),
+               "load_balance_method": args.load_balance_method, "prefill_http_port": args.port,
+               "decode_allocation_policy": "early"}
+        tag = _rank_tag(rank, args.tp_size)
+        for attempt in range(5):
+            request = urllib.request.Request(url, data=json.dumps(row).encode(), method="PUT",
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+                    why = f"status {resp.status}"
+            except urllib.error.HTTPError as exc:
+                why = f"status {exc.code}"
+            except (OSError, ValueError) as exc:
+                why = str(getattr(exc, "reason", None) or exc)
+            _log(f"Prefill register attempt {attempt + 1}/5 failed: {why}", tag)
+            if attempt < 4:
+                time.sleep(min(2.0 ** attempt, 30.0))
+        else:
+            _log("ERROR: Prefill instance failed to register to bootstrap server after 5 retries", tag)
+            return False
+    _log(f"Registered TP{ranks[0]}..TP{ranks[-1]} to the bootstrap server at {url}")
+    return True
+
+
+def _fetch(url: str, timeout: float) -> tuple[int, bytes]:
+    """(status, body) of a GET; raises OSError when nothing answered in ``timeout``."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=max(timeout, 0.1)) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def decode_handshake(state: _State, rid: str, host: str | None, port: int | None, room: int) -> dict:
+    """A decode's side of one room: fetch the prefill's server info from its bootstrap server (retried each
+    second, SGLang's ``try_ensure_parallel_info``), check it matches this server, then receive the room's KV,
+    all within ``REFSERVER_HANDSHAKE_TIMEOUT``. Raises ``_Abort`` (500, SGLang's message) on a failed handshake
+    and ``_Fatal`` on a mismatched prefill (SGLang raises RuntimeError in the scheduler: the server dies)."""
+    import json
+
+    args = state.args
+    port = args.disaggregation_bootstrap_port if port is None else port  # SGLang's fallback, scheduler.py
+    addr = _hostport(str(host), port)
+    start = time.monotonic()
+    deadline = start + state.handshake_timeout
+
+    def failed(why: str) -> _Abort:
+        state.pd_failed("bootstrap")
+        message = (f"Decode handshake failed for request rank=0 decode_req.req.rid={rid!r} "
+                   f"decode_req.req.bootstrap_room={room} with exception KVTransferError(bootstrap_room={room}): "
+                   f"{why}")
+        _log(f"ERROR: {message}")
+        return _Abort(500, message, rid)
+
+    info, attempts, last = None, 0, ""
+    with state.pd_queue("decode_prealloc"):
+        while info is None:
+            attempts += 1
+            try:
+                status, raw = _fetch(f"http://{addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
+                                     f"&target_tp_rank=-1&target_pp_rank=-1",
+                                     min(5.0, deadline - time.monotonic()))
+                if status == 200:
+                    info = json.loads(raw)
+                    break
+                last = f"HTTP {status}: {raw.decode(errors='replace')[:200]}"
+            except (OSError, ValueError) as exc:
+                last = str(getattr(exc, "reason", None) or exc) or type(exc).__name__
+            if time.monotonic() + 1.0 > deadline:
+                raise failed(f"Could not fetch prefill parallel info from {addr} after {attempts} attempts "
+                             f"({last})")
+            time.sleep(1.0)
+    if info.get("page_size") is not None and info["page_size"] != args.page_size:
+        state.die(f"Page size mismatch: prefill server has page_size={info['page_size']}, but decode server "
+                  f"has page_size={args.page_size}. Both servers must use the same --page-size value.")
+        raise _Fatal(state.fatal)
+    if info.get("kv_cache_dtype") is not None and info["kv_cache_dtype"] != _kv_cache_dtype(args):
+        state.die(f"KV cache dtype mismatch: prefill server has kv_cache_dtype={info['kv_cache_dtype']}, but "
+                  f"decode server has kv_cache_dtype={_kv_cache_dtype(args)}. Both servers must use the same "
+                  f"--kv-cache-dtype value.")
+        raise _Fatal(state.fatal)
+    with state.pd_queue("decode_transfer"):
+        wait = max(deadline - time.monotonic(), 0.0)
+        try:
+            status, raw = _fetch(f"http://{addr}/kv?room={room}&timeout={wait:.3f}", wait + 5.0)
+        except OSError as exc:
+            raise failed(f"Lost connection with prefill instance (bootstrap_addr: {addr}): "
+                         f"{getattr(exc, 'reason', None) or exc}") from None
+    if status != 200:
+        raise failed(f"Request {room} timed out after {time.monotonic() - start:.1f}s in KVPoll.WaitingForInput "
+                     f"(HTTP {status}: {raw.decode(errors='replace')[:200]})")
+    try:
+        kv = json.loads(raw)
+        sent_room = kv["bootstrap_room"]
+        well_formed = (isinstance(kv["prompt"], str) and isinstance(kv["first_token"], str)
+                       and isinstance(kv["first_logits"], dict))
+    except (ValueError, KeyError, TypeError):
+        well_formed, sent_room = False, None
+    if not well_formed:
+        raise failed("malformed KV from the prefill")
+    if sent_room != room:
+        raise failed(f"received the KV of bootstrap_room {sent_room}")
+    return kv
+
+
 def _make_handler(state: _State):
     import itertools
     import json
     import uuid
+    from http import HTTPStatus
     from http.server import BaseHTTPRequestHandler
 
     quiet_paths = {"/health", "/health_generate", "/ready", "/ping"}
@@ -800,9 +1384,11 @@ def _make_handler(state: _State):
                     "owned_by": "sglang", "root": a.served_model_name,
                     "max_model_len": a.context_length or 131072}]})
             elif path in ("/model_info", "/get_model_info"):
-                self._json(200, {"model_path": a.model_path, "tokenizer_path": a.tokenizer_path,
+                self._json(200, {"model_path": a.model_path, "served_model_name": a.served_model_name,
+                                 "tokenizer_path": a.tokenizer_path,
                                  "is_generation": True, "preferred_sampling_params": None,
-                                 "weight_version": "default", "has_image_understanding": False,
+                                 "weight_version": "default", "disaggregation_mode": a.disaggregation_mode,
+                                 "has_image_understanding": False,
                                  "has_audio_understanding": False, "model_type": "refserver",
                                  "architectures": ["RefServerForCausalLM"]})
             elif path in ("/server_info", "/get_server_info"):
@@ -857,6 +1443,10 @@ def _make_handler(state: _State):
                         self._generate(body, request)
             except ValueError as exc:
                 self._error(400, str(exc), "BadRequestError")
+            except _Abort as exc:
+                self._abort(path, bool(body.get("stream")), exc)
+            except _Fatal:
+                self.close_connection = True  # the scheduler died: no answer, the server goes down
 
         @staticmethod
         def _sampling(src: dict, tokens_key: str) -> tuple[int, float, int | None]:
@@ -936,32 +1526,34 @@ def _make_handler(state: _State):
             max_tokens, temperature, seed = self._sampling(body, "max_tokens")
             top = self._top_logprobs(body)
             request.prompt_tokens = sum(len(_word_tokens(p)) for p in prompts)
-            if self._stream(body, prompts):
-                rid, model = f"cmpl-{uuid.uuid4().hex}", state.args.served_model_name
-                prompt = prompts[0]
-                text = complete_text(prompt, max_tokens, temperature, seed, state.noise)
-                tokens = _word_tokens(text)
+            stream = self._stream(body, prompts)
+            rids, pd = self._rids(body, len(prompts)), self._pd_fields(body, len(prompts))
+            if stream:
+                cid, model = f"cmpl-{uuid.uuid4().hex}", state.args.served_model_name
+                gen = self._prepare(prompts[0], rids[0], pd[0], max_tokens, temperature, seed, request)
+                tokens = _word_tokens(gen.text)
 
                 def chunk(i: int, piece: str, finish: str | None) -> dict:
                     logprobs = None
                     if top is not None and piece:
-                        full = token_logprobs(prompt, tokens[:i + 1], top, state.noise)
+                        full = token_logprobs(gen.prompt, tokens[:i + 1], top, state.noise, gen.first_logits)
                         logprobs = {k: v[i:] for k, v in full.items()}
-                    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-                            "choices": [{"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": finish,
-                                         "matched_stop": None}]}
+                    return {"id": cid, "object": "text_completion", "created": int(time.time()),
+                            "model": model, "choices": [{"index": 0, "text": piece, "logprobs": logprobs,
+                                                         "finish_reason": finish, "matched_stop": None}]}
 
-                self._events(itertools.chain((chunk(i, t, None) for i, t in enumerate(self._paced(text, request))),
+                self._events(itertools.chain((chunk(i, t, None) for i, t in enumerate(gen.pieces)),
                                              [chunk(len(tokens), "", "length")]))
                 return
             choices, completion_tokens = [], 0
             for i, prompt in enumerate(prompts):
-                text = "".join(self._paced(complete_text(prompt, max_tokens, temperature, seed, state.noise),
-                                           request))
+                gen = self._prepare(prompt, rids[i], pd[i], max_tokens, temperature, seed, request)
+                text = "".join(gen.pieces)
                 tokens = _word_tokens(text)
-                choices.append({"index": i, "text": text,
-                                "logprobs": None if top is None else token_logprobs(prompt, tokens, top, state.noise),
-                                "finish_reason": "length", "matched_stop": None})
+                logprobs = None if top is None else token_logprobs(gen.prompt, tokens, top, state.noise,
+                                                                   gen.first_logits)
+                choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": "length",
+                                "matched_stop": None})
                 completion_tokens += len(tokens)
             self._json(200, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                              "created": int(time.time()), "model": state.args.served_model_name,
@@ -976,32 +1568,153 @@ def _make_handler(state: _State):
             prompts = self._prompts(body.get("text", body.get("input_ids")))
             max_tokens, temperature, seed = self._sampling(params, "max_new_tokens")
             request.prompt_tokens = sum(len(_word_tokens(p)) for p in prompts)
+            rids, pd = self._rids(body, len(prompts)), self._pd_fields(body, len(prompts))
+            limit = 1 if state.args.disaggregation_mode == "prefill" else max_tokens
 
-            def meta(prompt: str, text: str, done: bool) -> dict:
+            def meta(rid: str, prompt: str, text: str, done: bool) -> dict:
                 return {"id": rid, "prompt_tokens": len(_word_tokens(prompt)),
                         "completion_tokens": len(_word_tokens(text)),
-                        "finish_reason": {"type": "length", "length": max_tokens} if done else None}
+                        "finish_reason": {"type": "length", "length": limit} if done else None}
 
-            rid = uuid.uuid4().hex
             if self._stream(body, prompts):  # SGLang streams the text so far in every event
-                prompt = prompts[0]
-                full = complete_text(prompt, max_tokens, temperature, seed, state.noise)
+                gen = self._prepare(prompts[0], rids[0], pd[0], max_tokens, temperature, seed, request)
 
                 def events():
                     text = ""
-                    for piece in self._paced(full, request):
+                    for piece in gen.pieces:
                         text += piece
-                        yield {"text": text, "meta_info": meta(prompt, text, text == full)}
+                        yield {"text": text, "meta_info": meta(rids[0], prompts[0], text, text == gen.text)}
 
                 self._events(events())
                 return
             out = []
-            for prompt in prompts:
-                text = "".join(self._paced(complete_text(prompt, max_tokens, temperature, seed, state.noise),
-                                           request))
-                out.append({"text": text, "meta_info": meta(prompt, text, True)})
+            for i, prompt in enumerate(prompts):
+                gen = self._prepare(prompt, rids[i], pd[i], max_tokens, temperature, seed, request)
+                text = "".join(gen.pieces)
+                out.append({"text": text, "meta_info": meta(rids[i], prompt, text, True)})
             single = isinstance(body.get("text", body.get("input_ids")), str) or len(out) == 1
             self._json(200, out[0] if single else out)
+
+        # Prefill/decode disaggregation ------------------------------------------------------------------
+
+        @staticmethod
+        def _rids(body: dict, n: int) -> list[str]:
+            """Request ids: the body's ``rid`` (a string, or one per prompt), else fresh ones as SGLang makes."""
+            rid = body.get("rid")
+            if isinstance(rid, str) and n == 1:
+                return [rid]
+            if isinstance(rid, list) and len(rid) == n and all(isinstance(r, str) for r in rid):
+                return rid
+            return [uuid.uuid4().hex for _ in range(n)]
+
+        @staticmethod
+        def _pd_fields(body: dict, n: int) -> list[tuple]:
+            """Per prompt (bootstrap_host, bootstrap_port, bootstrap_room), normalized as SGLang's
+            ``GenerateReqInput``: one value for all prompts, one per prompt, and an int room is room + i."""
+            def per_prompt(key: str, ok, step: bool) -> list:
+                value = body.get(key)
+                if isinstance(value, list):
+                    if len(value) != n:
+                        raise ValueError(f"{key} must have one entry per prompt")
+                    values = value
+                else:
+                    values = [value + i if step and value is not None and ok(value) else value for i in range(n)]
+                for v in values:
+                    if v is not None and not ok(v):
+                        raise ValueError(f"invalid {key}: {v!r}")
+                return values
+
+            def is_int(v) -> bool:
+                return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+            hosts = per_prompt("bootstrap_host", lambda v: isinstance(v, str), False)
+            ports = per_prompt("bootstrap_port", lambda v: is_int(v) and v <= 65535, False)
+            rooms = per_prompt("bootstrap_room", is_int, True)
+            return list(zip(hosts, ports, rooms, strict=True))
+
+        def _prepare(self, prompt: str, rid: str, pd: tuple, max_tokens: int, temperature: float,
+                     seed: int | None, request: _Request) -> _Gen:
+            """One prompt's answer as this server's role makes it; raises ``_Abort`` or ``_Fatal`` before
+            anything is sent."""
+            args = state.args
+            mode = args.disaggregation_mode
+            if mode == "null":
+                text = complete_text(prompt, max_tokens, temperature, seed, state.noise)
+                return _Gen(prompt, text, self._paced(text, request))
+            host, port, room = pd
+            fake = host == FAKE_BOOTSTRAP_HOST or args.disaggregation_transfer_backend == "fake"
+            if room is None and args.disaggregation_transfer_backend != "fake":
+                message = (f"Invalid request: Disaggregated request received without bootstrap room id. "
+                           f"req.rid={rid!r}")
+                _log(f"ERROR: {message}")
+                raise _Abort(400, message, rid)
+            if mode == "prefill":  # SGLang's _process_req: max_new_tokens = 1, whatever was asked
+                text = complete_text(prompt, 1, temperature, seed, state.noise)
+                if fake:
+                    return _Gen(prompt, text, self._paced(text, request))
+                made = self._prefill_room(prompt, rid, room, text, request)
+                return _Gen(prompt, "".join(made), iter(made))
+            if fake:  # a fake transfer: no KV arrived, the text is meaningless
+                text = complete_text(prompt + FAKE_KV_SUFFIX, max_tokens, temperature, seed, state.noise)
+                return _Gen(prompt + FAKE_KV_SUFFIX, text, self._paced(text, request))
+            kv = decode_handshake(state, rid, host, port, room)
+            if kv["prompt"] != prompt:
+                _log(f"WARNING: the KV of bootstrap_room {room} is for another prompt: generating from it")
+            tokens = complete_tokens(kv["prompt"], max_tokens, temperature, seed, state.noise)
+            if tokens:
+                tokens[0] = kv["first_token"]  # the prefill's token, sent with the KV
+            text = " " + " ".join(tokens) if tokens else ""
+            return _Gen(kv["prompt"], text, self._paced(text, request), kv["first_logits"])
+
+        def _prefill_room(self, prompt: str, rid: str, room: int, text: str, request: _Request) -> list[str]:
+            """A prefill's side of one room: wait for the decode (bootstrap queue), compute (the first token's
+            latency), leave the KV and wait until the decode took it (inflight queue); the tokens made."""
+            start = time.monotonic()
+            with state.pd_queue("prefill_bootstrap"):
+                connected = state.rooms.wait_decode(room, state.bootstrap_timeout)
+            if not connected:
+                state.pd_failed("bootstrap")
+                message = (f"Prefill bootstrap failed for request rank=0 req.rid={rid!r} req.bootstrap_room={room} "
+                           f"with exception KVTransferError(bootstrap_room={room}): Request {room} timed out after "
+                           f"{time.monotonic() - start:.1f}s in KVPoll.Bootstrapping")
+                _log(f"WARNING: {message}")
+                raise _Abort(500, message, rid)
+            made = list(self._paced(text, request))
+            first = _word_tokens(text)[0]
+            kv = {"bootstrap_room": room, "rid": rid, "prompt": prompt, "first_token": first,
+                  "first_logits": _logits(prompt, 0, _intended(prompt, 1)[0], state.noise),
+                  "page_size": state.args.page_size, "kv_cache_dtype": _kv_cache_dtype(state.args),
+                  "tp_size": state.args.tp_size}
+            with state.pd_queue("prefill_inflight"):
+                taken = state.rooms.offer(room, kv, KV_TTL)
+            if not taken:
+                state.pd_failed("transfer")
+                message = (f"Prefill transfer failed for request rank=0 req.rid={rid!r} req.bootstrap_room={room} "
+                           f"with exception KVTransferError(bootstrap_room={room}): the decode did not receive "
+                           f"the KV")
+                _log(f"WARNING: {message}")
+                raise _Abort(500, message, rid)
+            return made
+
+        def _abort(self, path: str, stream: bool, exc: _Abort) -> None:
+            """An aborted request as SGLang answers it: non-streamed, 400 as a ValueError and 500 as an
+            HTTPException; streamed, an error event then ``[DONE]``."""
+            code, message = exc.status, exc.message
+            if stream and path == "/v1/completions":
+                self._events([{"error": {"object": "error", "message": message, "type": HTTPStatus(code).name,
+                                         "param": None, "code": code}}])
+            elif stream:
+                self._events([{"text": "", "output_ids": [], "meta_info": {
+                    "id": exc.rid, "finish_reason": {"type": "abort", "message": message, "status_code": code},
+                    "completion_tokens": 0}}])
+            elif code == 400 and path == "/generate":
+                self._json(400, {"error": {"message": message}})
+            elif code == 400:
+                self._json(400, {"object": "error", "message": message, "type": "BadRequest", "param": None,
+                                 "code": 400})
+            else:
+                self._json(code, {"object": "error", "message": message, "type": str(code), "param": None,
+                                  "code": code})
 
     return Handler
 
@@ -1475,7 +2188,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if unknown:
         _log("ignoring unsupported flags: " + " ".join(unknown))
+    if args.disaggregation_transfer_backend == "mooncake_tcp":  # SGLang's handle_pd_disaggregation
+        os.environ.setdefault("MC_FORCE_TCP", "1")
+        args.disaggregation_transfer_backend, args.disaggregation_ib_device = "mooncake", None
+        _log("disaggregation transfer backend 'mooncake_tcp' -> mooncake with MC_FORCE_TCP=1 (TCP transport, no RDMA)")
     _log(_server_args_line(args))
+    if args.disaggregation_mode != "null":
+        _log(f"Disaggregation mode {args.disaggregation_mode}: transfer backend "
+             f"{args.disaggregation_transfer_backend}, IB device(s) {args.disaggregation_ib_device or 'auto'}, "
+             f"bootstrap port {args.disaggregation_bootstrap_port}")
     load_plugins()
 
     import multiprocessing
@@ -1522,14 +2243,39 @@ def main(argv: list[str] | None = None) -> int:
                          daemon=True).start()
         serving = True
 
+    bootstrap_httpd = None  # a prefill head's bootstrap server
+    bootstrap_dead = None   # REFSERVER_BOOTSTRAP_DOWN: a socket that accepts connections and never answers
+
     def close_http() -> None:
         if serving:
             httpd.shutdown()
         httpd.server_close()
+        if bootstrap_httpd is not None:
+            bootstrap_httpd.shutdown()
+            bootstrap_httpd.server_close()
+        if bootstrap_dead is not None:
+            bootstrap_dead.close()
 
     if not follower:
         serve()
         _log(f"HTTP server listening on http://{_hostport(*httpd.server_address[:2])} (health: 503 until ready)")
+    if args.disaggregation_mode == "prefill" and not follower:  # SGLang's start_disagg_service
+        where = _hostport(args.host, args.disaggregation_bootstrap_port)
+        try:
+            if _env_flag(ENV_BOOTSTRAP_DOWN):
+                bootstrap_dead = socket.socket(Server.address_family, socket.SOCK_STREAM)
+                bootstrap_dead.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                bootstrap_dead.bind((args.host, args.disaggregation_bootstrap_port))
+                bootstrap_dead.listen(128)
+                _log(f"{ENV_BOOTSTRAP_DOWN}=1: the bootstrap server at {where} accepts connections and never answers")
+            else:
+                bootstrap_httpd = Server((args.host, args.disaggregation_bootstrap_port),
+                                         _make_bootstrap_handler(state, _BootstrapTable()))
+                threading.Thread(target=bootstrap_httpd.serve_forever, kwargs={"poll_interval": 0.1},
+                                 name="bootstrap", daemon=True).start()
+                _log(f"CommonKVBootstrapServer started successfully on {where}")
+        except OSError as exc:  # SGLang logs it and runs on without a bootstrap server
+            _log(f"ERROR: Server error: cannot listen on {where}: {exc}")
 
     group = _Group(args) if args.nnodes > 1 else None
     if group and not follower:
@@ -1565,6 +2311,20 @@ def main(argv: list[str] | None = None) -> int:
                 pass
         except OSError:
             pass
+
+    def wake() -> None:  # from another thread: the supervision wait looks again
+        with contextlib.suppress(OSError):
+            os.write(wake_w, b"\0")
+
+    state.wake = wake
+    # A prefill node registers its ranks with the bootstrap server once its schedulers are up (SGLang does it in
+    # each scheduler's start); it is ready only after. A head whose bootstrap port never answers skips it.
+    registered = threading.Event()
+
+    def register() -> None:
+        register_ranks(args, ranks)
+        registered.set()
+        wake()
 
     ctx = multiprocessing.get_context("spawn")
     cfg = {"mem_fraction_static": args.mem_fraction_static,
@@ -1604,6 +2364,7 @@ def main(argv: list[str] | None = None) -> int:
         if group is None:
             start_workers()
         slow = _env_float(ENV_SLOW_START) or 0.0
+        announced = False  # a follower told the head it is ready
         ready_ranks: set[int] = set()
         ready_at: float | None = None
         while True:
@@ -1640,11 +2401,19 @@ def main(argv: list[str] | None = None) -> int:
                     ready_ranks.add(msg[1])
                     if len(ready_ranks) == len(ranks):
                         _log(f"All {len(ranks)} scheduler(s) ready in {time.monotonic() - t0:.2f} s")
-                        if follower:
-                            group.send_ready()
-                            serve()
-                            _log("Dummy health check server started in background thread at "
-                                 f"{_hostport(*httpd.server_address[:2])}")
+                        if args.disaggregation_mode == "prefill" and (follower or bootstrap_dead is None):
+                            threading.Thread(target=register, name="register", daemon=True).start()
+                        else:
+                            registered.set()
+            if follower and registered.is_set() and not announced:
+                announced = True
+                group.send_ready()
+                serve()
+                _log("Dummy health check server started in background thread at "
+                     f"{_hostport(*httpd.server_address[:2])}")
+            if state.fatal:
+                _log(f"Scheduler hit an exception: RuntimeError: {state.fatal}", _rank_tag(ranks[0], args.tp_size))
+                return fail("Received sigquit from a child process. It usually means the child failed.")
             dead = [(rank, p) for rank, p in zip(ranks, procs, strict=False)
                     if p.sentinel in fired or not p.is_alive()]
             if dead:
@@ -1659,7 +2428,7 @@ def main(argv: list[str] | None = None) -> int:
                         _log(f"ERROR: scheduler TP{rank} (pid {p.pid}) died with exit code {p.exitcode}; "
                              f"terminating the other scheduler(s) and exiting")
                 return fail()
-            if (ready_at is None and not follower and len(ready_ranks) == len(ranks)
+            if (ready_at is None and not follower and len(ready_ranks) == len(ranks) and registered.is_set()
                     and (group is None or len(group.ready_nodes) == args.nnodes - 1)):
                 if slow > 0:
                     _log(f"{ENV_SLOW_START}={slow:g}: becoming ready in {slow:g} s")

@@ -129,3 +129,39 @@ def test_logprobs_shape_and_metric_families_are_sglangs(sglang_python: str):
     assert _list_literal(collector, "bucket_inter_token_latency") == refserver.ITL_BUCKETS
     assert _list_literal(collector, "bucket_e2e_request_latency") == refserver.E2E_BUCKETS
     assert _histogram_buckets(collector, "sglang:queue_time_seconds") == refserver.QUEUE_BUCKETS
+
+
+def _str_list(source: str, variable: str) -> tuple[str, ...]:
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == variable and isinstance(node.value, ast.List)):
+            return tuple(ast.literal_eval(e) for e in node.value.elts)
+    raise AssertionError(f"no list {variable} in the source")
+
+
+def test_pd_names_and_messages_are_sglangs(sglang_python: str):
+    """Issue 41: the prefill/decode modes' choices, fake bootstrap host, gauges and error messages are SGLang
+    0.5.23's (read from its source; a real pair cannot run here: no mooncake or nixl in the CPU venv)."""
+    choices = _sglang_source(sglang_python, "srt/arg_groups/choices.py")
+    assert _str_list(choices, "DISAGG_TRANSFER_BACKEND_CHOICES") == refserver._TRANSFER_BACKENDS
+    fields = _sglang_source(sglang_python, "srt/arg_groups/fields/disagg.py")
+    assert re.search(r"disaggregation_bootstrap_port: A\[\s*int, [^]]*\] = " + str(refserver.BOOTSTRAP_PORT), fields)
+    utils = _sglang_source(sglang_python, "srt/disaggregation/utils.py")
+    assert f'FAKE_BOOTSTRAP_HOST = "{refserver.FAKE_BOOTSTRAP_HOST}"' in utils
+    hook = _sglang_source(sglang_python, "srt/arg_groups/pd_disaggregation_hook.py")
+    assert "Prefill server does not support 'fake' as the transfer backend" in hook
+    decode = _sglang_source(sglang_python, "srt/disaggregation/decode.py")
+    assert ('f"Decode handshake failed for request rank={self.tp_rank} {decode_req.req.rid=} '
+            '{decode_req.req.bootstrap_room=}"') in decode
+    prefill = _sglang_source(sglang_python, "srt/disaggregation/prefill.py")
+    assert 'f"Prefill bootstrap failed for request rank={get_parallel().tp_rank} "' in prefill
+    scheduler = _sglang_source(sglang_python, "srt/managers/scheduler.py")
+    assert 'f"bootstrap room id. {req.rid=}"' in scheduler
+    collector = _sglang_source(sglang_python, "srt/observability/metrics_collector.py")
+    names = set(re.findall(r'name="(sglang:[a-z0-9_]+)"', collector))
+    pd = {"sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_inflight_queue_reqs",
+          "sglang:num_decode_prealloc_queue_reqs", "sglang:num_decode_transfer_queue_reqs",
+          "sglang:num_bootstrap_failed_reqs_total", "sglang:num_transfer_failed_reqs_total"}
+    assert pd <= names, pd - names
+    source = (REPO / "lab" / "kdeploy_lab" / "refserver.py").read_text()
+    assert all(f'"{name}"' in source for name in pd)
