@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from kdeploy.core.errors import PreflightRefused
+from kdeploy.core.errors import KdeployError
 from kdeploy.core.inventory import HostConfig, Inventory
 from kdeploy.flows.options import Reach
 from kdeploy.flows.session import open_remote
@@ -42,7 +42,8 @@ def bootstrap_host(prefill: HostConfig) -> str:
 def pair_for(inventory: Inventory, host: HostConfig, client: RouterClient | None,
              reach: Reach) -> Iterator[Pairing | None]:
     """The pairing of ``host``'s server (its head) for a gate, open while the gate runs; None for a unified
-    server. A PD server with no serving partner is refused before anything changes (exit 7)."""
+    server. With no serving partner (behind a router: none it lists healthy with the other role) the server is
+    gated alone, and its pair is proven by the gate of the first server of the other role after it."""
     role = host.service.role
     if role == "unified":
         yield None
@@ -51,20 +52,23 @@ def pair_for(inventory: Inventory, host: HostConfig, client: RouterClient | None
     if client is not None:
         serving = {w.url for w in client.workers() if w.healthy and w.type == OTHER[role]}
     found = partners(inventory, host, serving)
-    if not found:
-        where = f" in router {host.router.url}" if host.router else ""
-        raise PreflightRefused(f"{host.name}: no serving {OTHER[role]} server{where} to gate this {role} server "
-                               "through (a prefill/decode server is proven by a completion through a pair)")
-    partner = inventory.hosts[found[0]]
-    prefill = host if role == "prefill" else partner
-    pd = prefill.service.sglang.disaggregation
-    assert pd is not None and pd.bootstrap_port is not None
     from kdeploy.ssh.tunnel import ServiceHttp
 
-    remote = open_remote(inventory, partner, reach)
-    try:
-        with ServiceHttp(remote, partner.service.sglang.host, partner.service.sglang.port,
-                         timeout=10.0) as http:
-            yield Pairing(partner.name, http, role, bootstrap_host(prefill), pd.bootstrap_port)
-    finally:
-        remote.close()
+    for name in found:
+        partner = inventory.hosts[name]
+        prefill = host if role == "prefill" else partner
+        pd = prefill.service.sglang.disaggregation
+        assert pd is not None and pd.bootstrap_port is not None
+        try:
+            remote = open_remote(inventory, partner, reach)
+        except KdeployError:  # a partner that cannot be reached is no partner: the next one
+            continue
+        try:
+            with ServiceHttp(remote, partner.service.sglang.host, partner.service.sglang.port, timeout=10.0) as http:
+                if serving is None and http.status(partner.service.gate.ready_path) != 200:
+                    continue  # without a router to ask: the first partner that answers its readiness path
+                yield Pairing(partner.name, http, role, bootstrap_host(prefill), pd.bootstrap_port)
+                return
+        finally:
+            remote.close()
+    yield Pairing.alone(role)  # the fleet's first deploy: nothing of the other role serves yet

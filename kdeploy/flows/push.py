@@ -306,16 +306,16 @@ class HostPush:
         self.result.release = self.at.target
         return True
 
-    def node(self, pending: provisional.Pending | None = None) -> Node:
+    def node(self, pending: provisional.Pending | None = None, pair: Pairing | None = None) -> Node:
         """Staged -> Switched: its part of the server's switch, under the server's ``pending`` token and
         deadline (its own target and previous release); the head's parity baseline is taken here, before
-        the switch."""
+        the switch (through its ``pair``, a prefill or decode server's partner)."""
         at, remote = self.at, self.remote
         assert isinstance(at, Staged) and remote is not None
         previous = at.state.confirmed
         spec = self.local.spec
         baseline = parity.baseline(remote, service_dir(self.host.service), self.result, spec, at.target,
-                                   (at.state.current, self._spec_of(at.state, at.state.current))
+                                   (at.state.current, self._spec_of(at.state, at.state.current)), pair
                                    ) if self.opts.verify and spec.serves else None
         mine = provisional.new_pending(previous, at.target, revert_after(self.host, spec),
                                        pending.token if pending else None)
@@ -324,7 +324,8 @@ class HostPush:
         self.at = Switched(at, mine)
         return Node(remote, self.host, self.result, mine, spec, self._spec_of(at.state, previous),
                     install_unit=at.decision.install_unit,
-                    secrets=self.local.secrets if at.decision.secrets_changed else None, baseline=baseline)
+                    secrets=self.local.secrets if at.decision.secrets_changed else None, baseline=baseline,
+                    pair=pair)
 
     def _stopped_by(self, exc: BaseException) -> None:
         """End the host with ``exc``'s result; the state says what the push leaves behind."""
@@ -564,7 +565,7 @@ class ServerPush:
     def _switch(self, pair: Pairing | None) -> Outcome:
         """Staged -> Switched on every node -> Confirmed or RolledBack. The reverts' deadline counts from
         here, not from before the drain. ``pair``: the head's partner (a prefill or decode server)."""
-        first = replace(self.head.node(), pair=pair)
+        first = self.head.node(pair=pair)
         outcome = switch_and_gate([first, *(n.node(first.pending) for n in self.nodes[1:])],
                                   verify=self.head.opts.verify)
         for node in self.nodes:

@@ -86,8 +86,8 @@ def rollback_server(inventory: Inventory, server: Server, opts: Options, results
                 node.result.release = node.target
 
             def restart(pair: Pairing | None) -> Outcome:  # the reverts' deadline counts from here, not the drain
-                contexts = [_node(inventory, n, opts) for n in nodes]
-                head = replace(contexts[0], pair=pair)
+                contexts = [_node(inventory, n, opts, pair if i == 0 else None) for i, n in enumerate(nodes)]
+                head = contexts[0]
                 deadline = head.pending.deadline
                 return switch_and_gate([head, *(_aligned(c, head.pending.token, deadline) for c in contexts[1:])],
                                        verify=opts.verify, success=Result.RESTORED)
@@ -112,18 +112,18 @@ def rollback_server(inventory: Inventory, server: Server, opts: Options, results
                                       if node.recorded and state is not None else "")
 
 
-def _node(inventory: Inventory, node: _Held, opts: Options) -> Node:
+def _node(inventory: Inventory, node: _Held, opts: Options, pair: Pairing | None = None) -> Node:
     """The node's part of the switch: its target gated as it was deployed, its parity baseline (the head's)
-    the target's own record."""
+    the target's own record; ``pair``: the head's partner, when it is a prefill or decode server."""
     state = node.state
     assert state is not None
     fallback = inventory_spec(inventory, node.host, opts.workers, opts.timeout)
     spec = overridden(state.gates.get(node.target, fallback), opts.workers, opts.timeout)
     baseline = parity.baseline(node.remote, service_dir(node.host.service), node.result, spec, node.target,
-                               None) if spec.serves else None
+                               None, pair) if spec.serves else None
     pending = provisional.new_pending(state.confirmed, node.target, revert_after(node.host, fallback))
     return Node(node.remote, node.host, node.result, pending, spec, state.gates.get(state.confirmed or "", fallback),
-                baseline=baseline)
+                baseline=baseline, pair=pair)
 
 
 def _aligned(node: Node, token: str, deadline: float) -> Node:

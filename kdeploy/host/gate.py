@@ -276,6 +276,16 @@ def _serving_phases(remote: Remote, spec: GateSpec, result: HostResult, state: s
                 if watch is not None:
                     watch.close()
 
+        if pair is not None and pair.http is None:  # no serving partner yet: this server alone, status only
+            with result.phase("completion") as phase:
+                status, text = http.post_json("/v1/completions", {**_body(spec.model, "kdeploy", 1), **pair.fields()},
+                                              timeout=120)
+                if status != 200:
+                    raise PhaseFailed(f"POST /v1/completions (fake bootstrap {pair.bootstrap_host}) -> HTTP "
+                                      f"{status}: {text[:120]!r}")
+                phase.detail = (f"no serving {pair.other} server to pair with: answered alone through SGLang's fake "
+                                f"bootstrap host (HTTP 200); the pair is proven by the next {pair.other} server's gate")
+            return None
         gen = PairedHttp(http, pair) if pair is not None else http
         with result.phase("completion") as phase:
             answers = []
@@ -300,9 +310,12 @@ def _serving_phases(remote: Remote, spec: GateSpec, result: HostResult, state: s
     return record
 
 
+def _body(model: str, prompt: str, max_tokens: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+
+
 def _complete(http: ServiceHttp | PairedHttp, model: str, prompt: str, max_tokens: int) -> str:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    status, text = http.post_json("/v1/completions", body, timeout=120)
+    status, text = http.post_json("/v1/completions", _body(model, prompt, max_tokens), timeout=120)
     if status is None:
         raise PhaseFailed(f"POST /v1/completions failed: {text}")
     if status != 200:

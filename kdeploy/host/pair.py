@@ -19,16 +19,29 @@ if TYPE_CHECKING:
     from kdeploy.ssh.tunnel import ServiceHttp
 
 
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang/srt/disaggregation/utils.py: no peer is contacted (SGLang's own /health)
+
+
 @dataclass(frozen=True)
 class Pairing:
     """The partner of a server under test: a serving server of the other role, reached over its own SSH
-    connection, and where the pair's decode finds the prefill's bootstrap server."""
+    connection, and where the pair's decode finds the prefill's bootstrap server. Without a partner (none
+    serves yet: the fleet's first deploy) ``http`` is None and the server answers alone through SGLang's fake
+    bootstrap host."""
 
-    partner: str  # the partner's host name
-    http: ServiceHttp
+    partner: str | None  # the partner's host name
+    http: ServiceHttp | None
     own_role: str  # "prefill" or "decode": the server under test
     bootstrap_host: str
-    bootstrap_port: int
+    bootstrap_port: int | None
+
+    @property
+    def other(self) -> str:
+        return "decode" if self.own_role == "prefill" else "prefill"
+
+    @classmethod
+    def alone(cls, own_role: str) -> Pairing:
+        return cls(None, None, own_role, FAKE_BOOTSTRAP_HOST, None)
 
     def fields(self) -> dict:
         """What the router adds to a request it sends to a pair."""
@@ -49,9 +62,11 @@ class PairedHttp:
         """``body`` to both servers at once with the bootstrap fields; the decode's answer, unless the prefill
         side failed (its answer, named)."""
         paired = {**body, **self.pairing.fields()}
+        partner = self.pairing.http
+        assert partner is not None
         with ThreadPoolExecutor(2, thread_name_prefix="kdeploy-pair") as pool:
             mine = pool.submit(self.own.post_json, path, paired, timeout=timeout)
-            theirs = pool.submit(self.pairing.http.post_json, path, paired, timeout=timeout)
+            theirs = pool.submit(partner.post_json, path, paired, timeout=timeout)
         own, partner = mine.result(), theirs.result()
         prefill, decode = (own, partner) if self.pairing.own_role == "prefill" else (partner, own)
         side = "this prefill server" if self.pairing.own_role == "prefill" else f"prefill {self.pairing.partner}"

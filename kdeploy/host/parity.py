@@ -28,7 +28,7 @@ from kdeploy.core.step import Step
 
 if TYPE_CHECKING:
     from kdeploy.core.report import HostResult
-    from kdeploy.host.pair import PairedHttp
+    from kdeploy.host.pair import PairedHttp, Pairing
     from kdeploy.ssh.remote import Remote
     from kdeploy.ssh.tunnel import ServiceHttp
 
@@ -254,12 +254,12 @@ def model_change(host: str, current: str | None, before: GateSpec | None, spec: 
 
 
 def baseline(remote: Remote, service_dir: str, result: HostResult, spec: GateSpec, target: str,
-             running: tuple[str | None, GateSpec] | None) -> Baseline | None:
+             running: tuple[str | None, GateSpec] | None, pair: Pairing | None = None) -> Baseline | None:
     """Phase ``parity-baseline``, before the switch: ``target``'s own record when it has one (a release
     deployed before, a rollback); else the running release's (``running``: its id and spec) record, or its
     answers captured now and kept beside it; nothing on a first deploy, a model change, or a service that
     does not answer (the phase then only records: an old release that does not serve must not hold its
-    fix back)."""
+    fix back). ``pair``: a prefill or decode server answers only through its pair."""
     golden = spec.parity
     if golden is None:
         return None
@@ -281,7 +281,7 @@ def baseline(remote: Remote, service_dir: str, result: HostResult, spec: GateSpe
             if usable(stored, golden, spec.model):
                 phase.detail = f"record of {current} of {stored.captured}"
                 return Baseline(stored, phase.detail)
-            record, why = _capture_running(remote, current_spec, golden, spec.model, current)
+            record, why = _capture_running(remote, current_spec, golden, spec.model, current, pair)
             if record is not None:
                 keep(remote, service_dir, result, current, record)
                 phase.detail = f"captured from {current} (running): {len(record.samples)} prompts, kept beside it"
@@ -291,16 +291,19 @@ def baseline(remote: Remote, service_dir: str, result: HostResult, spec: GateSpe
 
 
 def _capture_running(remote: Remote, running: GateSpec, golden: ParitySpec, model: str,
-                     release: str) -> tuple[Record | None, str]:
-    """The running service's answers, or None and why it gave none."""
+                     release: str, pair: Pairing | None) -> tuple[Record | None, str]:
+    """The running service's answers (through its ``pair``, if it has one), or None and why it gave none."""
+    from kdeploy.host.pair import PairedHttp
     from kdeploy.ssh.tunnel import ServiceHttp  # httpx loads only when a gate runs
 
+    if pair is not None and pair.http is None:
+        return None, f"no serving {pair.other} server to pair with"
     with ServiceHttp(remote, running.host, running.port) as http:
         status = http.status(running.ready_path)
         if status != 200:
             return None, f"GET {running.ready_path}: {status}"
         try:
-            return capture(http, golden, model, release), ""
+            return capture(PairedHttp(http, pair) if pair is not None else http, golden, model, release), ""
         except PhaseFailed as exc:
             return None, exc.detail
 

@@ -34,7 +34,11 @@ from kdeploy.ssh.tunnel import dial_address
 POLL = 0.25
 ADMIT_TIMEOUT = 60.0  # registration probes the worker (health, server_info, model_info, tokenizer)
 CHANGE_TIMEOUT = 30.0
-IN_FLIGHT_GAUGES = ("sglang:num_running_reqs", "sglang:num_queue_reqs")  # sglang/srt/observability
+# sglang/srt/observability: running and queued, plus the queues of a prefill/decode pair, which neither counts (a
+# prefill's requests waiting for their decode or handing their KV over, a decode's waiting for or receiving it)
+IN_FLIGHT_GAUGES = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:num_prefill_bootstrap_queue_reqs",
+                    "sglang:num_prefill_inflight_queue_reqs", "sglang:num_decode_prealloc_queue_reqs",
+                    "sglang:num_decode_transfer_queue_reqs")
 READMIT_TRYING = 900  # seconds the host's re-admit keeps waiting for a healthy, confirmed service once it fired
 READMIT_MARGIN = 60
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(?P<value>\S+)")

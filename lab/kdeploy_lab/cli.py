@@ -31,6 +31,8 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
                                                         "sandbox CA; known_hosts trusts only the CA.")] = False,
                router: Annotated[bool, typer.Option("--router", help="Also run the real SGLang router on one "
                                                     "extra host (docs/router.md).")] = False,
+               pd: Annotated[bool, typer.Option("--pd", help="Prefill/decode: half the servers prefill, half decode, "
+                                                "behind the real router in PD mode (implies --router).")] = False,
                light: Annotated[bool, typer.Option("--light", help="Scale runs: no SGLang venv in the hosts; the "
                                                    "inventory's service is the reference server at tp=1.")]
                = False,
@@ -45,6 +47,10 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
 
     from kdeploy_lab import demo, sandbox, sandbox_router
 
+    router = router or pd
+    if pd and hosts // nodes_per_server < 2:
+        raise InvalidInput(f"sandbox up: --pd needs two servers at least (one prefill, one decode): --hosts {hosts} "
+                           f"with --nodes-per-server {nodes_per_server} make {hosts // nodes_per_server}")
     if hosts % nodes_per_server:  # before the boot: checked again on writing, by then the hosts would be wasted
         raise InvalidInput(f"sandbox up: --hosts {hosts} is not a multiple of --nodes-per-server {nodes_per_server}")
     box = sandbox.Sandbox(instance=instance, sglang=False if light else None)
@@ -58,12 +64,13 @@ def sandbox_up(hosts: Annotated[int, typer.Option("--hosts", min=1, max=200, hel
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     if router:
         try:
-            url = sandbox_router.install(box, booted[-1])
-            sandbox_router.write_inventory(box, inventory_out, service, booted[-1], url, nodes_per_server)
+            url = sandbox_router.install(box, booted[-1], pd=pd)
+            sandbox_router.write_inventory(box, inventory_out, service, booted[-1], url, nodes_per_server, pd)
         except BaseException:
             box.down()
             raise
-        err.print(f"router on {booted[-1].name}: {url} (first push: --router-add-missing)")
+        err.print(f"router{' in PD mode' if pd else ''} on {booted[-1].name}: {url} (first push: "
+                  "--router-add-missing)")
     else:
         box.write_inventory(inventory_out, service, nodes_per_server)
     err.print(f"{len(booted)} hosts up in {time.monotonic() - started:.1f}s: "

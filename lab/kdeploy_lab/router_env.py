@@ -63,15 +63,19 @@ def ensure_venv(path: Path | None = None) -> Path:
 
 def router_argv(python: Path, host: str, port: int, workers: list[str], *, prometheus_port: int,
                 retries: bool = True, policy: str = "round_robin", health_interval: int = 60,
-                health_failures: int = 3, api_key: str | None = None) -> list[str]:
+                health_failures: int = 3, api_key: str | None = None, pd: bool = False) -> list[str]:
     """The router's command line: ``round_robin`` so a fixed prompt reaches every worker (``cache_aware``, its
     default, sends identical prompts to one); its Prometheus exporter on ``prometheus_port`` (default 29000:
-    two routers on one machine would collide, and the second one panics)."""
+    two routers on one machine would collide, and the second one panics). ``pd``: PD mode
+    (``--pd-disaggregation``), where ``--worker-urls`` is ignored: it starts empty and servers join through its
+    API with their role."""
     argv = [str(python), "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
             "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
             "--policy", policy, "--health-check-interval-secs", str(health_interval),
             "--health-failure-threshold", str(health_failures)]
-    if workers:
+    if pd:
+        argv.append("--pd-disaggregation")
+    elif workers:
         argv += ["--worker-urls", *workers]
     if not retries:
         argv.append("--disable-retries")

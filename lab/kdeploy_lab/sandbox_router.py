@@ -40,7 +40,7 @@ def unit_text(argv: list[str]) -> str:
 
 
 def install(box: Sandbox, host: SandboxHost, *, workers: tuple[str, ...] = (), retries: bool = True,
-            timeout: float = 60.0) -> str:
+            timeout: float = 60.0, pd: bool = False) -> str:
     """Copy the router venv into ``host``, (re)start its unit with ``workers`` and ``retries``, wait until its
     API answers; its URL. Called again on the same host, it replaces the running router (the bench)."""
     venv = router_env.ensure_venv().parent.parent  # .../bin/python -> the venv
@@ -51,7 +51,7 @@ def install(box: Sandbox, host: SandboxHost, *, workers: tuple[str, ...] = (), r
     if done.returncode:
         raise SandboxError(f"copying the router venv into {host.name} failed: {done.stderr.strip()}")
     argv = router_env.router_argv(Path(HOST_DIR) / "bin" / "python", "0.0.0.0", PORT, list(workers),
-                                  prometheus_port=PROMETHEUS_PORT, retries=retries)
+                                  prometheus_port=PROMETHEUS_PORT, retries=retries, pd=pd)
     box.exec(host.name, ["sh", "-c", f"cat > /etc/systemd/system/{UNIT}.service && systemctl daemon-reload && "
                                      f"systemctl enable {UNIT} && systemctl restart {UNIT}"], input=unit_text(argv))
     url = f"http://{host.address}:{PORT}"
@@ -77,18 +77,38 @@ def routed_service(service: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_inventory(box: Sandbox, path: Path, service: dict[str, Any], router_host: SandboxHost, url: str,
-                    nodes_per_server: int = 1) -> None:
+                    nodes_per_server: int = 1, pd: bool = False) -> None:
     """The sandbox inventory without the router host, with a ``router:`` section for it; ``nodes_per_server``
-    as in :meth:`Sandbox.write_inventory`, over the hosts without the router's."""
+    as in :meth:`Sandbox.write_inventory`, over the hosts without the router's; ``pd``: the first half of the
+    servers prefill, the rest decode (groups ``prefill`` and ``decode``), behind the router in PD mode."""
     box.write_inventory(path, routed_service(service))
 
     def without_router_host(doc: dict) -> None:
         del doc["hosts"][router_host.name]
         doc["groups"]["sandbox"]["hosts"].remove(router_host.name)
-        doc["defaults"]["router"] = {"url": url, "drain_timeout": 120}
+        doc["defaults"]["router"] = {"url": url, "drain_timeout": 120, **({"mode": "pd"} if pd else {})}
         span_servers(doc, nodes_per_server)
+        if pd:
+            split_roles(doc, nodes_per_server)
 
     edit_inventory(path, without_router_host)
+
+
+BOOTSTRAP_PORT = 8998  # SGLang's default --disaggregation-bootstrap-port
+
+
+def split_roles(doc: dict, nodes_per_server: int) -> None:
+    """The first half of the inventory's servers (in host order, ``nodes_per_server`` hosts each) become prefill
+    servers, the rest decode servers: groups ``prefill`` and ``decode`` carrying the role."""
+    names = list(doc["groups"]["sandbox"]["hosts"])
+    servers = len(names) // nodes_per_server
+    if servers < 2:
+        raise SandboxError(f"--pd needs two servers at least (one prefill, one decode); {len(names)} host(s) of "
+                           f"{nodes_per_server} node(s) per server make {servers}")
+    half = (servers + 1) // 2 * nodes_per_server
+    roles = {"prefill": {"mode": "prefill", "bootstrap_port": BOOTSTRAP_PORT}, "decode": {"mode": "decode"}}
+    for role, members in (("prefill", names[:half]), ("decode", names[half:])):
+        doc["groups"][role] = {"hosts": members, "service": {"sglang": {"disaggregation": roles[role]}}}
 
 
 def wait_healthy(url: str, count: int, timeout: float = 60.0) -> None:

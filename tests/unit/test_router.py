@@ -48,6 +48,17 @@ def test_in_flight_sums_running_and_queued_only():
     assert in_flight("sglang:num_requests_total 3\n") is None
 
 
+def test_in_flight_counts_the_queues_of_a_prefill_decode_pair():
+    prefill = ('sglang:num_running_reqs{engine_type="prefill",tp_rank="0"} 0.0\n'
+               'sglang:num_queue_reqs{engine_type="prefill",tp_rank="0"} 0.0\n'
+               'sglang:num_prefill_bootstrap_queue_reqs{engine_type="prefill",tp_rank="0"} 2.0\n'
+               'sglang:num_prefill_inflight_queue_reqs{engine_type="prefill",tp_rank="0"} 1.0\n')
+    decode = ('sglang:num_running_reqs{engine_type="decode",tp_rank="0"} 1.0\n'
+              'sglang:num_decode_prealloc_queue_reqs{engine_type="decode",tp_rank="0"} 1.0\n'
+              'sglang:num_decode_transfer_queue_reqs{engine_type="decode",tp_rank="0"} 2.0\n')
+    assert (in_flight(prefill), in_flight(decode)) == (3, 4)
+
+
 def _w(url: str, healthy: bool = True) -> Worker:
     return Worker(url, url, healthy, 0)
 

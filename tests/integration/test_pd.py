@@ -1,0 +1,164 @@
+"""A prefill/decode fleet on sandbox hosts behind the real sglang-router 0.3.2 in PD mode: h1, h2 prefill and
+h3, h4 decode reference servers with a real bootstrap handshake over TCP, under the project's traffic client.
+
+Each test checks, from the router's own ``/workers`` while it runs, that no role is ever empty, and that the
+clients lost no request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kdeploy_lab import router_env
+from kdeploy_lab.traffic import Traffic
+from tests.conftest import TEST_MARKER, Deployment
+from tests.integration.test_router import _free_port
+
+pytestmark = pytest.mark.hosts(4)
+PREFILL, DECODE = ("h1", "h2"), ("h3", "h4")
+BOOTSTRAP = 8998
+
+
+@dataclass
+class Fleet:
+    dep: Deployment
+    url: str
+    seen: list[dict[str, int]] = field(default_factory=list)  # healthy workers per role, as the router listed them
+
+    def workers(self) -> list[dict]:
+        return httpx.get(f"{self.url}/workers", timeout=5).json()["workers"]
+
+    def roles(self) -> dict[str, int]:
+        out = {"prefill": 0, "decode": 0}
+        for w in self.workers():
+            if w["is_healthy"] and w["worker_type"] in out:
+                out[w["worker_type"]] += 1
+        return out
+
+    @contextmanager
+    def watched(self) -> Iterator[None]:
+        """The router's /workers read every 0.1 s meanwhile (into ``seen``)."""
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                self.seen.append(self.roles())
+                time.sleep(0.1)
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(5)
+
+    def releases(self) -> dict[str, str]:
+        return {h: self.dep.current(h) for h in (*PREFILL, *DECODE)}
+
+
+@pytest.fixture
+def pd(deployment: Deployment, tmp_path: Path) -> Iterator[Fleet]:
+    """Two prefill and two decode servers, first deployed without a router, then registered by role in a PD
+    router started here (the hosts reach it at this machine's bridge address)."""
+    def roles(doc: dict) -> None:
+        service = doc["defaults"]["service"]
+        service["sglang"].update(host="0.0.0.0", extra_args=["--enable-metrics"])
+        service["env"] = {"REFSERVER_TOKEN_DELAY": "0.02", "REFSERVER_SHUTDOWN_POLL": "1"}
+        service["gate"] = {"workers": 8, "poll_interval": 0.25, "markers": [TEST_MARKER], "timeout": 60}
+        doc["groups"] = {
+            "test": {"hosts": [*PREFILL, *DECODE]},
+            "prefill": {"hosts": list(PREFILL), "service": {"sglang": {"disaggregation": {
+                "mode": "prefill", "bootstrap_port": BOOTSTRAP}}}},
+            "decode": {"hosts": list(DECODE), "service": {"sglang": {"disaggregation": {"mode": "decode"}}}}}
+    deployment.edit(roles)
+    assert deployment.kdeploy("push", "test") == 0  # the first deploy: each server alone, then through pairs
+    gateway = deployment.fleet.gateway
+    port = _free_port()
+    url = f"http://{gateway}:{port}"
+    argv = router_env.router_argv(router_env.ensure_venv(), gateway, port, [], health_interval=1,
+                                  health_failures=1, prometheus_port=_free_port(), pd=True)
+    with router_env.running(argv, url, tmp_path / "router.log"):
+        deployment.edit(lambda doc: doc["defaults"].update(router={"url": url, "drain_timeout": 30, "mode": "pd"}))
+        assert deployment.kdeploy("router", "admit", "test") == 0
+        fleet = Fleet(deployment, url)
+        assert fleet.roles() == {"prefill": 2, "decode": 2}
+        yield fleet
+
+
+def test_push_set_env_on_decode_and_rollback_lose_no_request_and_never_empty_a_role(
+        pd: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
+    dep = pd.dep
+    listed = {w["url"]: (w["worker_type"], w.get("bootstrap_port")) for w in pd.workers()}
+    hosts = dep.load().hosts
+    assert listed[hosts["h1"].worker_url] == ("prefill", BOOTSTRAP) and listed[hosts["h3"].worker_url] == ("decode",
+                                                                                                          None)
+    with pd.watched(), Traffic(pd.url, threads=4, tokens=8) as traffic:
+        (dep.payload / "rev.txt").write_text("2")
+        code, doc = dep.json(capsys, "push", "test", "--batch", "1")
+        assert code == 0, doc
+        completion = {h["host"]: next(p["detail"] for p in h["phases"] if p["name"] == "completion")
+                      for h in doc["hosts"]}
+        assert all("through a pair with" in d for d in completion.values()), completion
+        assert {h["host"]: h["router"] for h in doc["hosts"]} == dict.fromkeys([*PREFILL, *DECODE], "in")
+        before = pd.releases()
+
+        code, doc = dep.json(capsys, "set-env", "KDTREE_DEFRAG_SORT=1", "--target", "decode")
+        assert code == 0, doc
+        assert sorted(h["host"] for h in doc["hosts"]) == list(DECODE)  # the decode role only
+        after = pd.releases()
+        assert [h for h in after if after[h] != before[h]] == list(DECODE)
+
+        code, doc = dep.json(capsys, "rollback", "decode")
+        assert code == 0, doc
+        assert pd.releases() == before
+        time.sleep(1)
+    assert set(traffic.codes) == {200} and traffic.codes[200] > 50, traffic.codes
+    assert pd.seen and min(s["prefill"] for s in pd.seen) >= 1 and min(s["decode"] for s in pd.seen) >= 1, pd.seen
+    assert min(s["prefill"] for s in pd.seen) == 1 and min(s["decode"] for s in pd.seen) == 1  # one out at a time
+
+
+def test_a_decode_whose_kernel_perturbs_logits_is_caught_by_parity_through_its_pair(
+        pd: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
+    dep = pd.dep
+    before = pd.releases()
+    code, doc = dep.json(capsys, "set-env", "REFSERVER_LOGIT_NOISE=1.5", "--target", "h4")
+    assert code == 4, doc
+    h4 = next(h for h in doc["hosts"] if h["host"] == "h4")
+    failed = next(p for p in h4["phases"] if not p["ok"])
+    assert h4["result"] == "rolled_back" and failed["name"] == "parity", h4
+    assert pd.releases() == before  # h4 back, the rest never touched
+    assert pd.roles() == {"prefill": 2, "decode": 2}
+
+
+def test_a_prefill_that_never_answers_its_bootstrap_port_is_rolled_back(
+        pd: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
+    dep = pd.dep
+    before = pd.releases()
+    code, doc = dep.json(capsys, "set-env", "REFSERVER_BOOTSTRAP_DOWN=1", "--target", "h1")
+    assert code == 4, doc
+    h1 = next(h for h in doc["hosts"] if h["host"] == "h1")
+    failed = next(p for p in h1["phases"] if not p["ok"])
+    assert h1["result"] == "rolled_back" and failed["name"] in ("ready", "completion"), h1
+    assert pd.releases() == before
+    assert pd.roles() == {"prefill": 2, "decode": 2}
+
+
+def test_a_plan_that_would_empty_a_role_is_refused_before_anything_changes(
+        pd: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
+    dep = pd.dep
+    before = pd.releases()
+    (dep.payload / "rev.txt").write_text("3")
+    code, doc = dep.json(capsys, "push", "test", "--batch", "3")  # roles take turns: p, d, p: no prefill left
+    assert code == 7, doc
+    assert "only 2 healthy prefill server(s) in the router: a batch of 2 would leave none serving" in \
+        doc["hosts"][0]["error"], doc["hosts"][0]
+    assert pd.releases() == before
