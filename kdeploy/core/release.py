@@ -433,7 +433,7 @@ def release_meta(manifest: dict[str, str], modes: dict[str, int], unit_text: str
 
 
 def activate_script(service_dir: str, release: str, unit_file: str, install_unit: bool, arm: str = "",
-                    env_step: str = "") -> str:
+                    env_step: str = "", restart: bool = True) -> str:
     """Point ``current`` at ``release`` and restart on it; with ``install_unit``, install that release's own
     unit and reload.
 
@@ -447,6 +447,9 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
     costs the service's own stop and start, nothing of kdeploy's. From the stop on, the script ignores the
     signals a lost SSH session or a killed controller could bring and no longer exits on the first error, so
     a stopped service is always restarted (a failed reload still fails the activation, after the restart).
+    Without ``restart`` (a node of a server that spans hosts) the old run is only asked to stop: the server
+    starts its nodes once every old run is gone (``systemd.start_step``), so no old follower, still waiting
+    for a head, joins the new group.
     """
     d = shlex.quote(service_dir)
     rel = f"{d}/{RELEASES}/{shlex.quote(release)}"
@@ -469,7 +472,7 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
         "set +e",
         " && ".join([f"{{ {_enable_command(unit_file, reload=not install_unit)}; }}",
                      *(["systemctl daemon-reload"] if install_unit else [])]) + "; rc=$?",
-        f"{restart_command(unit_file)} || rc=1",
+        *([f"{restart_command(unit_file)} || rc=1"] if restart else []),
         '[ "$rc" = 0 ] && echo ACTIVATED; exit "$rc"',
     ]
     return "\n".join(lines) + "\n"
@@ -505,7 +508,7 @@ def stage_step(service_dir: str, release: str, has_current: bool, delta: Delta) 
 
 
 def activate_step(service_dir: str, release: str, unit_file: str, install_unit: bool, arm: str = "",
-                  env_step: str = "") -> Step[str]:
+                  env_step: str = "", restart: bool = True) -> Step[str]:
     """``activate_script`` as a step: the run it replaces (``systemd.parse_old_run``)."""
-    return Step(activate_script(service_dir, release, unit_file, install_unit, arm, env_step),
+    return Step(activate_script(service_dir, release, unit_file, install_unit, arm, env_step, restart),
                 lambda out: parse_old_run(out.stdout), 120, fails=f"switching to {release} failed")

@@ -77,6 +77,28 @@ def restart_command(unit: str) -> str:
     return f"systemctl restart --no-block {shlex.quote(unit)}"
 
 
+def gone_command(unit: str, old: str, timeout: float, poll: float) -> str:
+    """Wait ON THE HOST until run ``old`` is gone (the unit inactive or failed, or another run), at most
+    ``timeout`` seconds; prints ``@@gone`` and the wait's exit status (124: still there)."""
+    u = shlex.quote(unit)
+    still = (f'[ "$(systemctl show -p InvocationID --value {u})" = {shlex.quote(old)} ] && '
+             f'case "$(systemctl show -p ActiveState --value {u})" in inactive|failed) false;; *) true;; esac')
+    loop = f"while {still}; do sleep {poll:g}; done"
+    return f"timeout {int(timeout)} sh -c {shlex.quote(loop)}; rc=$?; echo @@gone; echo $rc"
+
+
+def gone_step(unit: str, old: str, timeout: float, poll: float) -> Step[bool]:
+    """``gone_command`` as a step: True once the old run is gone."""
+    return Step(gone_command(unit, old, timeout, poll), lambda out: out.stdout.split()[-2:] == ["@@gone", "0"],
+                timeout + 30, fails="waiting for the old run to stop failed")
+
+
+def start_step(unit: str) -> Step[None]:
+    """Start the unit unless it runs (a run systemd restarted by itself on the new release is kept)."""
+    return Step(f"systemctl start --no-block {shlex.quote(unit)}", lambda out: None, 30,
+                fails=f"starting {unit} failed")
+
+
 def parse_old_run(text: str) -> str:
     """The invocation :func:`stop_command` printed ("" when the unit had never run)."""
     for line in text.splitlines():

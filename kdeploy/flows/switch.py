@@ -85,10 +85,10 @@ def revert_after(host: HostConfig, spec: GateSpec) -> float:
 
 
 def switch(node: Node, target: str, install_unit: bool, pending: provisional.Pending, *,
-           secrets: secret.Secrets | None = None, restore: bool = False) -> str:
+           secrets: secret.Secrets | None = None, restore: bool = False, restart: bool = True) -> str:
     """Arm the node's revert, then write ``secrets`` (over stdin) or, with ``restore``, put the last confirmed
-    ones back, then switch ``current`` (and the unit) and restart: one round trip. Returns the run it
-    replaces."""
+    ones back, then switch ``current`` (and the unit) and restart (without ``restart``: stop only): one round
+    trip. Returns the run it replaces."""
     sv = node.host.service
     sdir = service_dir(sv)
     unit = unit_filename(sv)
@@ -101,9 +101,10 @@ def switch(node: Node, target: str, install_unit: bool, pending: provisional.Pen
     elif restore and sv.environment_file and sv.secrets.configured:
         env_step = secret.restore_script(sdir, sv.environment_file)
     with node.result.phase("activate") as phase:
-        old = node.remote.ask(release.activate_step(sdir, target, unit, install_unit, arm, env_step), stdin=stdin)
+        old = node.remote.ask(release.activate_step(sdir, target, unit, install_unit, arm, env_step, restart),
+                              stdin=stdin)
         phase.detail = (f"current -> {target}" + ("; unit installed, daemon-reload" if install_unit else "")
-                        + "; old run stopping, restart queued"
+                        + ("; old run stopping, restart queued" if restart else "; old run stopping")
                         + (f"; secrets written ({', '.join(secrets.masked())} = {secret.MASK})" if stdin else "")
                         + f"; reverts to {pending.previous or 'nothing'} by itself unless confirmed within "
                           f"{max(0, pending.deadline - time.time()):.0f}s")
@@ -165,10 +166,31 @@ def on_each(nodes: Sequence[Node], step: Callable[[Node], _T]) -> list[_T]:
 
 def _switch_all(nodes: Sequence[Node], targets: Sequence[provisional.Pending], *, restore: bool = False,
                 secrets: bool = True) -> list[str]:
-    """Switch every node, head first: its stop broadcasts the shutdown the followers' stop waits for, and a
-    follower started before the head would look for a group that is ending. Returns each node's old run."""
-    return [switch(n, p.target, n.install_unit or restore, p, secrets=n.secrets if secrets else None,
-                   restore=restore) for n, p in zip(nodes, targets, strict=True)]
+    """Switch every node and restart it; returns each node's old run. A server of several nodes restarts as
+    SGLang's nodes must: stopped head first (its shutdown broadcast is what a follower's stop waits for), every
+    old run gone, then every node started; a follower's old run still waiting for a head would otherwise join
+    the new group."""
+    if len(nodes) == 1:
+        node, pending = nodes[0], targets[0]
+        return [switch(node, pending.target, node.install_unit or restore, pending,
+                       secrets=node.secrets if secrets else None, restore=restore)]
+    olds = [switch(n, p.target, n.install_unit or restore, p, secrets=n.secrets if secrets else None,
+                   restore=restore, restart=False) for n, p in zip(nodes, targets, strict=True)]
+    runs = dict(zip((n.host.name for n in nodes), olds, strict=True))
+    on_each(nodes, lambda n: _stopped(n, runs[n.host.name]))
+    for node in nodes:
+        node.remote.ask(systemd.start_step(unit_filename(node.host.service)))
+    return olds
+
+
+def _stopped(node: Node, old: str) -> None:
+    """Phase ``stop``: the node's old run is gone (within the unit's TimeoutStopSec and a margin)."""
+    timeout = node.host.service.unit.timeout_stop_sec + 60
+    with node.result.phase("stop") as phase:
+        if not old or node.remote.ask(systemd.gone_step(unit_filename(node.host.service), old, timeout, 0.1)):
+            phase.detail = "old run gone; the server's nodes start together"
+            return
+        raise PhaseFailed(f"the old run {old[:12]} still runs after {timeout:.0f}s")
 
 
 def _restart_and_gate(node: Node, old: str, verify: bool, target: str, spec: GateSpec,

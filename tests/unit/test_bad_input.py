@@ -480,6 +480,7 @@ def option_cases() -> list[Case]:
         "sandbox-bad-hosts": ("sandbox", "up", "--hosts", "0"),
         "sandbox-hosts-not-multiple": ("sandbox", "up", "--hosts", "3", "--nodes-per-server", "2"),
         "sandbox-bad-nodes-per-server": ("sandbox", "up", "--nodes-per-server", "0"),
+        "sandbox-pd-one-server": ("sandbox", "up", "--pd", "--hosts", "2", "--nodes-per-server", "2"),
     }
     result = [Case(f"option-{name}", argv, inv) for name, argv in cases.items()]
     env_cases = {

@@ -99,3 +99,33 @@ def test_with_the_router_the_router_host_is_no_node(tmp_path: Path) -> None:
     # one node per server: the router inventory of before
     sandbox_router.write_inventory(box, tmp_path / "one.yaml", light_service(), router_host, "http://x:1")
     assert "servers" not in (tmp_path / "one.yaml").read_text()
+
+
+@pytest.mark.parametrize(("hosts", "nodes", "prefill", "decode"), [
+    (4, 1, ["h1", "h2"], ["h3", "h4"]),
+    (3, 1, ["h1", "h2"], ["h3"]),
+    (6, 2, ["h1", "h2", "h3", "h4"], ["h5", "h6"]),  # 3 servers of 2 nodes: 2 prefill, 1 decode
+])
+def test_pd_splits_the_servers_into_prefill_and_decode_behind_a_pd_router(tmp_path: Path, hosts: int, nodes: int,
+                                                                          prefill: list[str],
+                                                                          decode: list[str]) -> None:
+    from kdeploy.core import inventory
+
+    box = _box(tmp_path, hosts + 1)
+    path = tmp_path / "inv.yaml"
+    router_host = box.hosts()[-1]
+    sandbox_router.write_inventory(box, path, light_service(), router_host, "http://10.213.8.99:30080", nodes,
+                                   pd=True)
+    doc = YAML(typ="safe").load(path.read_text())
+    assert doc["defaults"]["router"]["mode"] == "pd"
+    assert doc["groups"]["prefill"]["hosts"] == prefill and doc["groups"]["decode"]["hosts"] == decode
+    loaded = inventory.load(path)  # a PD fleet kdeploy accepts: both roles, a PD router, a bootstrap port
+    assert {h.service.role for h in loaded.hosts.values()} == {"prefill", "decode"}
+    assert loaded.hosts[prefill[0]].service.sglang.disaggregation.bootstrap_port == sandbox_router.BOOTSTRAP_PORT
+
+
+def test_pd_needs_two_servers(tmp_path: Path) -> None:
+    box = _box(tmp_path, 3)
+    with pytest.raises(SandboxError, match="--pd needs two servers at least"):
+        sandbox_router.write_inventory(box, tmp_path / "inv.yaml", light_service(), box.hosts()[-1],
+                                       "http://10.213.8.99:30080", 2, pd=True)
