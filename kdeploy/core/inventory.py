@@ -616,14 +616,13 @@ class Inventory:
     limit: tuple[str, ...] | None = None  # ``--limit``'s patterns: every TARGET is narrowed to them
     source: Path | None = None  # an Ansible inventory: what ``-i`` named (``path`` is then the service file)
     locator: typing.Callable[[str, tuple], str] | None = field(default=None, compare=False, repr=False)
-    spanning: dict[str, Server] = field(default_factory=dict)  # ``servers:``: the servers of two nodes or more
+    spanning: dict[str, Server] = field(default_factory=dict)  # ``servers:`` by name
+    owner: dict[str, str] = field(default_factory=dict)  # a host of ``spanning`` -> its server's name
 
     def server_of(self, host: str) -> Server:
         """The server ``host`` runs a node of: a declared one, else its own one-node server."""
-        for server in self.spanning.values():
-            if host in server.nodes:
-                return server
-        return Server(host, (host,))
+        name = self.owner.get(host)
+        return self.spanning[name] if name is not None else Server(host, (host,))
 
     def result(self, host: str, listener: Any = None) -> HostResult:
         """A new report entry for ``host``, naming its server when that spans hosts."""
@@ -643,7 +642,8 @@ class Inventory:
         """``names`` for a command that restarts: a server is restarted, gated and rolled back as one, so a
         selection of part of a server's nodes is refused, naming the server and its nodes."""
         chosen = set(names)
-        for server in self.spanning.values():
+        touched = {self.owner[n] for n in names if n in self.owner}
+        for server in (s for s in self.spanning.values() if s.name in touched):
             part = [n for n in server.nodes if n in chosen]
             if part and len(part) < len(server.nodes):
                 raise InvalidInput(f"{command}: TARGET selects {', '.join(part)} of server {server.name} (nodes "
@@ -819,6 +819,7 @@ def parse(raw: dict, path: Path, locate: typing.Callable[[tuple], str] | None = 
     spanning = _servers(_mapping(raw.get("servers"), ("servers",), errors), hosts, groups, errors)
     _roles(spanning, hosts, host_layers, errors)
     return Inventory(path=path, hosts=hosts, groups=groups, spanning=spanning,
+                     owner={n: s.name for s in spanning.values() for n in s.nodes},
                      locator=lambda host, key: errors.locate(_source(key, host_layers[host])))
 
 

@@ -72,18 +72,25 @@ def settings(inventory: Inventory, names: list[str], duration: float | None) -> 
 
 
 def baseline_of(inventory: Inventory, canary: list[str], rest: list[str]) -> tuple[list[str], str | None]:
-    """The baseline (hosts of ``rest`` behind a router of the canary's) and why no analysis is possible, if so."""
+    """The baseline (hosts of ``rest`` behind a router of the canary's, of the canary's role) and why no analysis
+    is possible, if so. A prefill server is compared with prefill servers only, a decode server with decode
+    servers (time to first token is mostly a prefill's, inter-token latency a decode's)."""
     from kdeploy.host.router import key_of
 
     without = [n for n in canary if inventory.hosts[n].router is None]
     if without:
         return [], (f"{', '.join(without)}: no router in the inventory (the analysis compares a canary that serves "
                     "its router's traffic with the hosts the router also serves)")
+    roles = {inventory.hosts[n].service.role for n in canary}
+    if len(roles) > 1:
+        return [], (f"a canary of servers of several roles ({', '.join(sorted(roles))}): each role is compared with "
+                    "its own baseline, so a canary takes servers of one role (--canary 1)")
     keys = {key_of(r) for n in canary if (r := inventory.hosts[n].router) is not None}
-    baseline = [n for n in rest if (r := inventory.hosts[n].router) is not None and key_of(r) in keys]
+    baseline = [n for n in rest if (r := inventory.hosts[n].router) is not None and key_of(r) in keys
+                and inventory.hosts[n].service.role in roles]
     if not baseline:
         return [], ("no baseline: no host behind the canary's router is left to deploy after it (--canary N must "
-                    "leave hosts of the router on the old release)")
+                    "leave hosts of the router, of the canary's role, on the old release)")
     return baseline, None
 
 

@@ -166,7 +166,7 @@ class HostPush:
             raise_if_cancelled(self.cancel)
             return True
         except (PhaseFailed, KdeployError, Cancelled) as exc:
-            self._stopped_by(exc)
+            self.stopped_by(exc)
             self.close()
             return False
 
@@ -184,7 +184,7 @@ class HostPush:
                 self.at = self._decide(self.at.state, force_restart=True)
             self.at = self._stage_if_needed(self.at)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
-            self._stopped_by(exc)
+            self.stopped_by(exc)
         finally:
             if not isinstance(self.at, Staged):
                 self.close()
@@ -327,7 +327,7 @@ class HostPush:
                     secrets=self.local.secrets if at.decision.secrets_changed else None, baseline=baseline,
                     pair=pair)
 
-    def _stopped_by(self, exc: BaseException) -> None:
+    def stopped_by(self, exc: BaseException) -> None:
         """End the host with ``exc``'s result; the state says what the push leaves behind."""
         self.result.fail(exc)
         if isinstance(exc, Cancelled | PreflightRefused) and isinstance(self.at, Staged):
@@ -341,7 +341,7 @@ class HostPush:
         stored = state.gates.get(release_id or "")
         return stored or self.local.spec.model_copy(update={"config_line": None, "config": {}})
 
-    def _reconnect_and_go_back(self, lost: Unreachable) -> None:
+    def reconnect_and_go_back(self, lost: Unreachable) -> None:
         """The link dropped after the switch began: reconnect, take the lock again, and put the last confirmed
         release back, unless the host already did so by itself."""
         relocked = self.relock(lost)
@@ -489,10 +489,6 @@ class ServerPush:
         failed = next((n for n in self.nodes if n.result.done and not n.result.ok), None)
         if failed is not None:
             self._abandon(failed)
-        elif not restart:
-            return
-        elif not self.pending:  # a node ended unchanged although a peer changes: cannot happen, never half
-            self._abandon(next(n for n in self.nodes if not n.pending))
 
     def _abandon(self, failed: HostPush) -> None:
         """``failed`` ended the server's push before any switch: every other node ends as it was (a staged
@@ -536,12 +532,12 @@ class ServerPush:
                               lambda: self._switch(pair))
         except Unreachable as exc:
             if len(nodes) == 1:
-                self.head._reconnect_and_go_back(exc)
+                self.head.reconnect_and_go_back(exc)
             else:
                 self._recover(exc)
         except (PhaseFailed, KdeployError, Cancelled) as exc:
             for node in nodes:
-                node._stopped_by(exc)
+                node.stopped_by(exc)
         finally:
             self.close()
 

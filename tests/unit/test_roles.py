@@ -155,3 +155,14 @@ def test_a_pd_server_is_gated_through_a_server_of_the_other_role_behind_its_rout
     assert partners(inv, inv.hosts["d0"], {"http://10.0.0.2:30000"}) == ["p1"]  # the router lists p1 serving
     assert partners(inv, inv.hosts["d0"], set()) == []
     assert bootstrap_host(inv.hosts["p1"]) == "10.0.0.2"
+
+
+def test_a_pd_canary_is_compared_with_servers_of_its_own_role(tmp_path: Path) -> None:
+    from kdeploy.flows.canary import baseline_of
+
+    inv = _load(tmp_path, BASE)
+    assert baseline_of(inv, ["p0"], ["d0", "p1"]) == (["p1"], None)
+    baseline, why = baseline_of(inv, ["d0"], ["p0", "p1"])
+    assert baseline == [] and why is not None and why.startswith("no baseline")
+    baseline, why = baseline_of(inv, ["p0", "d0"], ["p1"])
+    assert baseline == [] and why is not None and "a canary of servers of several roles (decode, prefill)" in why
