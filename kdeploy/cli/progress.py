@@ -48,8 +48,10 @@ def phase_line(clock: str, host: str, phase: str, status: str, seconds: float | 
 
 
 def host_name(host: HostResult) -> str:
-    """The host, with its server and rank when it is a node of a server that spans hosts."""
-    return f"{host.host} ({host.server.describe()})" if host.server else host.host
+    """The host, with its server and rank when it is a node of a server that spans hosts, and its role in a
+    prefill/decode fleet."""
+    about = [x for x in (host.server.describe() if host.server else None, host.role) if x]
+    return f"{host.host} ({', '.join(about)})" if about else host.host
 
 
 def host_line(host: HostResult) -> str:

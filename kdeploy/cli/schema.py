@@ -113,6 +113,8 @@ class HostDoc(_Doc):
                                                                         "command left the host (docs/router.md).")
     server: ServerDoc | None = Field(default=None, description="The server that spans hosts this host is a node "
                                                                "of (docs/topologies.md); absent for a single host.")
+    role: Literal["prefill", "decode"] | None = Field(default=None, description="The host's server's role in a "
+                                                      "prefill/decode fleet (docs/topologies.md); absent: unified.")
     plan: PlanDoc | None = Field(default=None, description="plan: what a push would change.")
     status: StatusDoc | None = Field(default=None, description="status: the service's live state and drift.")
     history: list[dict[str, Any]] | None = Field(default=None, description="history: the host's raw history "

@@ -625,10 +625,12 @@ class Inventory:
         return self.spanning[name] if name is not None else Server(host, (host,))
 
     def result(self, host: str, listener: Any = None) -> HostResult:
-        """A new report entry for ``host``, naming its server when that spans hosts."""
+        """A new report entry for ``host``, naming its server when that spans hosts and its role in a
+        prefill/decode fleet."""
         server = self.server_of(host)
         ref = ServerRef(server.name, server.nodes.index(host), server.nodes) if server.spans else None
-        return HostResult(host, listener=listener, server=ref)
+        role = self.hosts[host].service.role
+        return HostResult(host, listener=listener, server=ref, role=None if role == "unified" else role)
 
     def servers(self, names: list[str]) -> list[Server]:
         """The servers of ``names``, each once, in the order their first node comes."""

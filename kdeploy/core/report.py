@@ -138,6 +138,7 @@ class HostResult:
     details: Details | None = None  # the command's own findings (plan, status, history, lock, probe)
     router: str | None = None  # membership in the SGLang router as this command left it: "in" or "out"
     server: ServerRef | None = None  # the server it is a node of, when that spans hosts
+    role: str | None = None  # "prefill" or "decode": its server's half of a prefill/decode pair
     listener: Listener | None = field(default=None, repr=False, compare=False)
     done: bool = field(default=False, repr=False, compare=False)
     prefix: str = field(default="", repr=False, compare=False)
@@ -200,7 +201,7 @@ class HostResult:
                "phases": [p.to_json() for p in self.phases], "exit_code": self.exit_code, "error": self.error}
         if self.log:
             out["log"] = self.log
-        for key in ("attempted", "restored", "traceback", "router"):
+        for key in ("attempted", "restored", "traceback", "router", "role"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.server is not None:

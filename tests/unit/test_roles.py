@@ -166,3 +166,19 @@ def test_a_pd_canary_is_compared_with_servers_of_its_own_role(tmp_path: Path) ->
     assert baseline == [] and why is not None and why.startswith("no baseline")
     baseline, why = baseline_of(inv, ["p0", "d0"], ["p1"])
     assert baseline == [] and why is not None and "a canary of servers of several roles (decode, prefill)" in why
+
+
+def test_reports_name_each_hosts_role_and_server(tmp_path: Path) -> None:
+    from kdeploy.cli import progress, schema
+
+    text = BASE + "servers:\n  pf:\n    nodes: [p0, p1]\n    rendezvous_port: 20000\n"
+    inv = _load(tmp_path, text.replace("sglang: {model_path: /models/dsv3, tp: 8}",
+                                       "sglang: {model_path: /models/dsv3, tp: 8, host: 0.0.0.0}"))
+    follower, decode = inv.result("p1").finish("deployed"), inv.result("d0").finish("deployed")
+    assert progress.host_name(follower) == "p1 (pf node 1, prefill)" and progress.host_name(decode) == "d0 (decode)"
+    doc = follower.as_json()
+    assert doc["role"] == "prefill" and doc["server"] == {"name": "pf", "node_rank": 1, "nodes": ["p0", "p1"]}
+    schema.HostDoc.model_validate(doc)
+    assert "role" not in _load(tmp_path, BASE.replace("  router: {url: 'http://10.0.0.100:30000', mode: pd}\n", "")
+                               .replace("disaggregation: {mode: prefill, bootstrap_port: 8998, ib_device: mlx5_0}",
+                                        "{}").replace("disaggregation: {mode: decode}", "{}")).result("p0").as_json()
