@@ -26,18 +26,10 @@ from kdeploy.core import inventory  # noqa: E402
 from kdeploy.flows import fleet  # noqa: E402
 from kdeploy.flows.options import Options  # noqa: E402
 from kdeploy_lab.demo import light_service  # noqa: E402
-from kdeploy_lab.sandbox import Sandbox  # noqa: E402
+from kdeploy_lab.sandbox import free_sandbox  # noqa: E402
 
 HOSTS = 4
 
-
-def free_sandbox() -> Sandbox:
-    for instance in range(7):
-        box = Sandbox(instance=instance, sglang=False)
-        box.check_requirements()
-        if not box.hosts():
-            return box
-    sys.exit("no free sandbox instance (0-6)")
 
 
 def timed_push(path: Path, payload: Path, change: bool, round_no: int) -> float:

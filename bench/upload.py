@@ -37,21 +37,13 @@ sys.path.insert(0, str(ROOT))
 from kdeploy.core import inventory, release  # noqa: E402
 from kdeploy.ssh import remote, sshconfig  # noqa: E402
 from kdeploy_lab.demo import demo_service, project_dir  # noqa: E402
-from kdeploy_lab.sandbox import Sandbox  # noqa: E402
+from kdeploy_lab.sandbox import Sandbox, free_sandbox  # noqa: E402
 
 HOSTS = 8
 DEST = "/tmp/bench-upload.bin"  # where scp and rsync write
 SIZES_MB = (1, 50, 200)
 BENCH_DIR = "/srv/kdeploy-bench-upload"
 
-
-def free_sandbox() -> Sandbox:
-    for instance in range(7):
-        box = Sandbox(instance=instance, sglang=False)
-        box.check_requirements()
-        if not box.hosts():
-            return box
-    sys.exit("no free sandbox instance (0-6)")
 
 
 def make_payload(root: Path, mb: int) -> release.Payload:

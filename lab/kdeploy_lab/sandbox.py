@@ -1151,3 +1151,13 @@ class Sandbox:
             shutil.rmtree(base / host.machine, ignore_errors=True)
         self._boot(host)
         self._wait_ready(host, time.monotonic() + timeout, timeout)
+
+
+def free_sandbox(instances: range = range(7)) -> Sandbox:
+    """The first sandbox instance not up (the benchmarks': a test run may hold another), without the SGLang venv."""
+    for instance in instances:
+        box = Sandbox(instance=instance, sglang=False)
+        box.check_requirements()
+        if not box.hosts():
+            return box
+    raise SandboxError(f"no free sandbox instance ({instances.start}-{instances.stop - 1})")
