@@ -162,3 +162,61 @@ def test_a_plan_that_would_empty_a_role_is_refused_before_anything_changes(
     assert "only 2 healthy prefill server(s) in the router: a batch of 2 would leave none serving" in \
         doc["hosts"][0]["error"], doc["hosts"][0]
     assert pd.releases() == before
+
+
+def test_sandbox_pd_router_and_a_first_push_register_each_server_with_its_role(
+        deployment: Deployment, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`sandbox up --pd`'s pieces on the fleet's last host: the router as a unit there in PD mode, an inventory
+    whose first half of servers are prefill and the rest decode, and a first push that gates each server (the
+    first alone, the next through a pair) and registers it with its role."""
+    import json
+
+    from ruamel.yaml import YAML
+
+    from kdeploy_lab import sandbox_router
+
+    box = deployment.fleet
+    router_host = box.hosts()[-1]
+    url = sandbox_router.install(box, router_host, pd=True)
+    try:
+        path = tmp_path / "pd.yaml"
+        service = YAML().load(deployment.path.read_text())["defaults"]["service"]
+        sandbox_router.write_inventory(box, path, json.loads(json.dumps(service)), router_host, url, pd=True)
+        doc = YAML().load(path.read_text())
+        names = [h.name for h in box.hosts()[:-1]]
+        half = (len(names) + 1) // 2
+        assert doc["defaults"]["router"] == {"url": url, "drain_timeout": 120, "mode": "pd"}
+        assert doc["groups"]["prefill"]["hosts"] == names[:half] and doc["groups"]["decode"]["hosts"] == names[half:]
+        assert doc["groups"]["prefill"]["service"]["sglang"]["disaggregation"] == {
+            "mode": "prefill", "bootstrap_port": sandbox_router.BOOTSTRAP_PORT}
+        doc["hosts"] = {h: v for h, v in doc["hosts"].items() if h in {"h1", "h5"}}  # one prefill, one decode
+        doc["groups"] = {"test": {"hosts": ["h1", "h5"]},
+                         "prefill": {**doc["groups"]["prefill"], "hosts": ["h1"]},
+                         "decode": {**doc["groups"]["decode"], "hosts": ["h5"]}}
+        with path.open("w") as fh:
+            YAML().dump(doc, fh)
+        routed = Deployment(box, path, deployment.payload, deployment.service, ["h1", "h5"], deployment.port)
+        try:
+            code, out = routed.json(capsys, "push", "test", "--router-add-missing")
+            assert code == 0, out
+            completion = {h["host"]: next(p["detail"] for p in h["phases"] if p["name"] == "completion")
+                          for h in out["hosts"]}
+            assert "answered alone through SGLang's fake bootstrap host" in completion["h1"], completion
+            assert completion["h5"].endswith("through a pair with h1"), completion
+            listed = {w["url"]: (w["worker_type"], w.get("bootstrap_port"), w["is_healthy"])
+                      for w in httpx.get(f"{url}/workers", timeout=5).json()["workers"]}
+            hosts = routed.load().hosts
+            assert listed == {hosts["h1"].worker_url: ("prefill", sandbox_router.BOOTSTRAP_PORT, True),
+                              hosts["h5"].worker_url: ("decode", None, True)}
+            answer = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "The capital of France is",
+                                                                "max_tokens": 4, "temperature": 0}, timeout=30)
+            assert answer.status_code == 200 and "Paris" in answer.json()["choices"][0]["text"]
+        finally:
+            for host in ("h5",):  # h1 is the deployment's own: its fixture cleans it
+                box.exec(host, ["sh", "-c", f"systemctl disable --now {deployment.service} 2>/dev/null; "
+                                            f"rm -rf /etc/systemd/system/{deployment.service}.service "
+                                            f"/srv/kdeploy/{deployment.service}"], check=False)
+    finally:
+        box.exec(router_host.name, ["sh", "-c", f"systemctl disable --now {sandbox_router.UNIT}; rm -f "
+                                                f"/etc/systemd/system/{sandbox_router.UNIT}.service; "
+                                                f"rm -rf {sandbox_router.HOST_DIR}"], check=False)
