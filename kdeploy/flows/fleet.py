@@ -490,7 +490,7 @@ def _revert(edit: settings.Edit, report: Report, opts: Options, parallel: int, l
         facts["inventory"]["conflicts"] = [f"the edit could not be reverted: {exc}"]
     else:
         facts["inventory"].update(reverted=True, conflicts=conflicts)
-    moved = [h.host for h in report.hosts if h.result == "deployed"]
+    moved = [h.host for h in report.hosts if h.result == Result.DEPLOYED]
     if moved:
         # Its own cancel state: the Ctrl-C that stopped the rollout must not stop the way back (a new one
         # does). No canary or max-fail either: every host that moved goes back.

@@ -11,7 +11,7 @@ cannot hand its KV over, or a decode that cannot fetch it, fails the gate.
 from __future__ import annotations
 
 import random
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -59,19 +59,31 @@ class PairedHttp:
         return self.own.status(path)
 
     def post_json(self, path: str, body: dict, *, timeout: float) -> tuple[int | None, str]:
-        """``body`` to both servers at once with the bootstrap fields; the decode's answer, unless the prefill
-        side failed (its answer, named)."""
+        """``body`` to both servers at once with the bootstrap fields; the decode's answer, unless a side failed
+        (its answer, named). A side that fails first ends the wait at once: its peer would wait for it until
+        SGLang's own timeout (a prefill waits 300 s for a decode that never fetches its KV)."""
         paired = {**body, **self.pairing.fields()}
         partner = self.pairing.http
         assert partner is not None
-        with ThreadPoolExecutor(2, thread_name_prefix="kdeploy-pair") as pool:
+        pool = ThreadPoolExecutor(2, thread_name_prefix="kdeploy-pair")
+        try:
             mine = pool.submit(self.own.post_json, path, paired, timeout=timeout)
             theirs = pool.submit(partner.post_json, path, paired, timeout=timeout)
-        own, partner = mine.result(), theirs.result()
-        prefill, decode = (own, partner) if self.pairing.own_role == "prefill" else (partner, own)
-        side = "this prefill server" if self.pairing.own_role == "prefill" else f"prefill {self.pairing.partner}"
-        if prefill[0] != 200:
-            return prefill[0], f"{side} answered {prefill[0]}: {prefill[1]}"
-        if decode[0] != 200 and self.pairing.own_role == "prefill":
-            return decode[0], f"decode {self.pairing.partner} answered {decode[0]}: {decode[1]}"
-        return decode
+            first = next(iter(wait([mine, theirs], return_when=FIRST_COMPLETED).done))
+            if first.result()[0] == 200:
+                wait([mine, theirs])
+            answers = {mine: self.pairing.own_role, theirs: self.pairing.other}
+            for future in (f for f in (first, mine, theirs) if f.done()):
+                status, text = future.result()
+                if status != 200:
+                    return status, self._named(answers[future], future is mine, status, text)
+            return (mine if self.pairing.own_role == "decode" else theirs).result()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # a peer left waiting ends with the gate's tunnel
+
+    def _named(self, role: str, own: bool, status: int | None, text: str) -> str:
+        """A failed side's answer: the server under test's own decode answer as it is, the others named."""
+        if own and role == "decode":
+            return text
+        who = f"this {role} server" if own else f"{role} {self.pairing.partner}"
+        return f"{who} answered {status}: {text}"

@@ -34,7 +34,7 @@ def server(deployment: Deployment) -> Deployment:
         service = doc["defaults"]["service"]
         service["sglang"]["tp"] = 16
         service["gate"] = {"workers": 16, "poll_interval": 0.25, "markers": [TEST_MARKER], "timeout": 60,
-                           "revert_after": 40}
+                           "revert_after": 30}
     deployment.edit(spanning)
     return deployment
 
@@ -117,7 +117,7 @@ def test_controller_killed_after_the_switch_leaves_both_nodes_on_one_release(
         server: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     assert server.kdeploy("push", "s1") == 0
     before = _releases(server)
-    server.set_service(env={"REFSERVER_SLOW_START": "30"})
+    server.set_service(env={"REFSERVER_SLOW_START": "20"})
     invocation = server.show("h2", "InvocationID")
     proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "s1", "--inventory", str(server.path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

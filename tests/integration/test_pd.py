@@ -126,34 +126,11 @@ def test_push_set_env_on_decode_and_rollback_lose_no_request_and_never_empty_a_r
     assert min(s["prefill"] for s in pd.seen) == 1 and min(s["decode"] for s in pd.seen) == 1  # one out at a time
 
 
-def test_a_decode_whose_kernel_perturbs_logits_is_caught_by_parity_through_its_pair(
+def test_a_plan_that_empties_a_role_is_refused_and_a_bad_decode_or_prefill_is_rolled_back_alone(
         pd: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
-    dep = pd.dep
-    before = pd.releases()
-    code, doc = dep.json(capsys, "set-env", "REFSERVER_LOGIT_NOISE=1.5", "--target", "h4")
-    assert code == 4, doc
-    h4 = next(h for h in doc["hosts"] if h["host"] == "h4")
-    failed = next(p for p in h4["phases"] if not p["ok"])
-    assert h4["result"] == "rolled_back" and failed["name"] == "parity", h4
-    assert pd.releases() == before  # h4 back, the rest never touched
-    assert pd.roles() == {"prefill": 2, "decode": 2}
-
-
-def test_a_prefill_that_never_answers_its_bootstrap_port_is_rolled_back(
-        pd: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
-    dep = pd.dep
-    before = pd.releases()
-    code, doc = dep.json(capsys, "set-env", "REFSERVER_BOOTSTRAP_DOWN=1", "--target", "h1")
-    assert code == 4, doc
-    h1 = next(h for h in doc["hosts"] if h["host"] == "h1")
-    failed = next(p for p in h1["phases"] if not p["ok"])
-    assert h1["result"] == "rolled_back" and failed["name"] in ("ready", "completion"), h1
-    assert pd.releases() == before
-    assert pd.roles() == {"prefill": 2, "decode": 2}
-
-
-def test_a_plan_that_would_empty_a_role_is_refused_before_anything_changes(
-        pd: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
+    """Three faults on one fleet: a batch that would take both prefill servers out is refused before anything
+    changes (exit 7); a decode whose kernel perturbs logits is caught by parity through its pair, and a prefill
+    whose bootstrap port never answers fails its gate (exit 4 each), each rolled back, the rest untouched."""
     dep = pd.dep
     before = pd.releases()
     (dep.payload / "rev.txt").write_text("3")
@@ -162,6 +139,24 @@ def test_a_plan_that_would_empty_a_role_is_refused_before_anything_changes(
     assert "only 2 healthy prefill server(s) in the router: a batch of 2 would leave none serving" in \
         doc["hosts"][0]["error"], doc["hosts"][0]
     assert pd.releases() == before
+    (dep.payload / "rev.txt").unlink()
+
+    code, doc = dep.json(capsys, "set-env", "REFSERVER_LOGIT_NOISE=1.5", "--target", "h4")
+    assert code == 4, doc
+    h4 = next(h for h in doc["hosts"] if h["host"] == "h4")
+    failed = next(p for p in h4["phases"] if not p["ok"])
+    assert h4["result"] == "rolled_back" and failed["name"] == "parity", h4
+    assert pd.releases() == before  # h4 back, the rest never touched
+    assert pd.roles() == {"prefill": 2, "decode": 2}
+
+    code, doc = dep.json(capsys, "set-env", "REFSERVER_BOOTSTRAP_DOWN=1", "--target", "h1")
+    assert code == 4, doc
+    h1 = next(h for h in doc["hosts"] if h["host"] == "h1")
+    failed = next(p for p in h1["phases"] if not p["ok"])
+    assert h1["result"] == "rolled_back" and failed["name"] == "completion", h1
+    assert "Decode handshake failed" in failed["detail"], failed
+    assert pd.releases() == before
+    assert pd.roles() == {"prefill": 2, "decode": 2}
 
 
 def test_sandbox_pd_router_and_a_first_push_register_each_server_with_its_role(

@@ -182,3 +182,26 @@ def test_reports_name_each_hosts_role_and_server(tmp_path: Path) -> None:
     assert "role" not in _load(tmp_path, BASE.replace("  router: {url: 'http://10.0.0.100:30000', mode: pd}\n", "")
                                .replace("disaggregation: {mode: prefill, bootstrap_port: 8998, ib_device: mlx5_0}",
                                         "{}").replace("disaggregation: {mode: decode}", "{}")).result("p0").as_json()
+
+
+def test_a_side_that_fails_ends_the_pair_without_waiting_for_its_peer() -> None:
+    """A decode that cannot fetch the KV answers 500 while its prefill waits for it (SGLang: up to 300 s): the
+    gate's pair request ends with the decode's answer, the prefill left waiting is not waited for."""
+    import threading
+
+    from kdeploy.host.pair import PairedHttp, Pairing
+
+    release = threading.Event()
+
+    class _Waiting(_Http):
+        def post_json(self, path: str, body: dict, *, timeout: float) -> tuple[int | None, str]:
+            release.wait(30)
+            return 200, "{}"
+
+    failing = _Http((500, "Decode handshake failed for request rank=0"))
+    paired = PairedHttp(failing, Pairing("pf-a0", _Waiting((200, "")), "decode", "10.1.0.10", 8998))  # type: ignore[arg-type]
+    try:
+        assert paired.post_json("/v1/completions", {"prompt": "x"}, timeout=60) == failing.answer
+        assert not release.is_set()  # answered while the prefill still waited
+    finally:
+        release.set()
