@@ -632,19 +632,26 @@ def document(found: AnsibleInventory, service: Path | None,
     if service_text is None:
         service_text = read_text(service, *SERVICE_FILE)
     defaults = parse_yaml(service_text, service, "the service file must be a mapping like defaults:")
+    # The topology: Ansible has no place for it, the service file does (beside the defaults, not one of them).
+    servers_line = defaults.lc.key("servers")[0] + 1 if "servers" in defaults else None
+    servers = defaults.pop("servers", None)
     hosts: dict[str, dict] = {}
     sources: dict[str, dict[str, str]] = {}
     for host in found.hosts:
         file, line = found.where(host)
         hosts[host], sources[host] = to_kdeploy(host, found.host_vars(host), line, file)
     groups = {g: found.members(g) for g in found.groups if g != "all"}
-    raw = {"defaults": defaults, "groups": {g: {"hosts": m} for g, m in groups.items()}, "hosts": hosts}
+    raw = {"defaults": defaults, "groups": {g: {"hosts": m} for g, m in groups.items()}, "hosts": hosts,
+           **({"servers": servers} if servers is not None else {})}
 
     def locate(where: tuple) -> str:
         level, rest = where[0], where[1:]
         if level == "defaults":
             line = line_of(defaults, rest)
             return f"{service}{f':{line}' if line else ''}: {'.'.join(map(str, rest))}"
+        if level == "servers":  # a line of the service file, where the section is
+            line = line_of(servers, rest) or servers_line
+            return f"{service}{f':{line}' if line else ''}: {'.'.join(map(str, where))}"
         if level == "hosts" and len(rest) > 1:
             name, key = str(rest[0]), str(rest[1])
             var = sources[name].get(key, f"{PREFIX}{key}")

@@ -185,3 +185,16 @@ def test_the_example_inventories_of_docs_topologies_load_and_render(tmp_path: Pa
     assert {h: pd.hosts[h].service.role for h in pd.hosts} == {
         "pf-a0": "prefill", "pf-a1": "prefill", "pf-b": "prefill", "dc-a": "decode", "dc-b": "decode"}
     assert pd.server_of("pf-a1").head == "pf-a0"
+
+
+def test_an_ansible_inventorys_servers_live_in_the_service_file(tmp_path: Path) -> None:
+    (tmp_path / "hosts.ini").write_text("[gpu]\na0 ansible_host=10.0.0.1\na1 ansible_host=10.0.0.2\nb0\n")
+    service = ("service:\n  name: sglang\n  python: /opt/venv/bin/python\n"
+               "  sglang: {model_path: /models/dsv3, tp: 16}\n"
+               "servers:\n  dsv3:\n    nodes: [a0, a1]\n    rendezvous_port: 20000\n")
+    (tmp_path / "service.yaml").write_text(service)
+    inv = inventory.load(tmp_path / "hosts.ini", tmp_path / "service.yaml")
+    assert inv.server_of("a1").dist_init_addr == "10.0.0.1:20000" and inv.resolve("dsv3") == ["a0", "a1"]
+    (tmp_path / "service.yaml").write_text(service.replace("[a0, a1]", "[a0, zz]"))
+    with pytest.raises(InvalidInput, match=r"service\.yaml:7: servers\.dsv3\.nodes: unknown host 'zz'"):
+        inventory.load(tmp_path / "hosts.ini", tmp_path / "service.yaml")
