@@ -724,7 +724,8 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
                 ui.line(f"outside --limit {limit!r}, not rolled out (they drift until `kdeploy push`): "
                         f"{', '.join(outside)}")
         if not no_apply:
-            policy.check(len(local))  # before the diff: a refused rollout shows no change it will not make
+            # before the diff: a refused rollout shows no change it will not make
+            fleet.check_rollout(edit.new, list(local), command, policy)
         for line in edit.diff().splitlines():  # lines of the inventory file: what it holds may be anything
             ui.line(line)
         if no_apply:

@@ -7,6 +7,7 @@ because a newline in a value would inject a unit directive.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import types
@@ -570,11 +571,6 @@ class Placement:
     node_rank: int = 0
     dist_init_addr: str | None = None
 
-    @property
-    def head(self) -> bool:
-        """The node that answers HTTP for the server (a one-node server's only node)."""
-        return self.node_rank == 0
-
 
 ONE_NODE = Placement()  # a single host: no multi-node flags, every rank its own
 
@@ -617,7 +613,11 @@ class Inventory:
     source: Path | None = None  # an Ansible inventory: what ``-i`` named (``path`` is then the service file)
     locator: typing.Callable[[str, tuple], str] | None = field(default=None, compare=False, repr=False)
     spanning: dict[str, Server] = field(default_factory=dict)  # ``servers:`` by name
-    owner: dict[str, str] = field(default_factory=dict)  # a host of ``spanning`` -> its server's name
+
+    @functools.cached_property
+    def owner(self) -> dict[str, str]:
+        """A host of ``spanning`` -> its server's name."""
+        return {n: s.name for s in self.spanning.values() for n in s.nodes}
 
     def server_of(self, host: str) -> Server:
         """The server ``host`` runs a node of: a declared one, else its own one-node server."""
@@ -628,7 +628,7 @@ class Inventory:
         """A new report entry for ``host``, naming its server when that spans hosts and its role in a
         prefill/decode fleet."""
         server = self.server_of(host)
-        ref = ServerRef(server.name, server.nodes.index(host), server.nodes) if server.spans else None
+        ref = ServerRef(server.name, server.place(host).node_rank, server.nodes) if server.spans else None
         role = self.hosts[host].service.role
         return HostResult(host, listener=listener, server=ref, role=None if role == "unified" else role)
 
@@ -821,7 +821,6 @@ def parse(raw: dict, path: Path, locate: typing.Callable[[tuple], str] | None = 
     spanning = _servers(_mapping(raw.get("servers"), ("servers",), errors), hosts, groups, errors)
     _roles(spanning, hosts, host_layers, errors)
     return Inventory(path=path, hosts=hosts, groups=groups, spanning=spanning,
-                     owner={n: s.name for s in spanning.values() for n in s.nodes},
                      locator=lambda host, key: errors.locate(_source(key, host_layers[host])))
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import shlex
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kdeploy import onhost
 from kdeploy.core import layout
@@ -62,6 +62,11 @@ class Pending:
 
     def line(self) -> str:
         return f"{self.token} {self.previous or NONE} {self.target} {self.deadline}\n"
+
+    def joined(self, head: Pending) -> Pending:
+        """This node's switch under its server's head's token and deadline: the nodes of one server are kept,
+        or go back by themselves, as one."""
+        return replace(self, token=head.token, deadline=head.deadline)
 
     def describe(self) -> str:
         left = self.deadline - time.time()

@@ -294,17 +294,21 @@ def push(inventory: Inventory, target: str | None, opts: Options | None = None, 
     """``cancel``: set it (or press Ctrl-C in the main thread) to stop before the next change."""
     opts = opts or Options()
     names = inventory.resolve(target)
-    if not dry_run:
-        inventory.whole(names, "push")
     local = prepare(inventory, names, opts)
     if dry_run:
         return fan_out(inventory, names, "plan",
                        lambda host, result: views.plan_host(inventory, host, local[host.name], opts, result),
                        parallel=parallel, listener=listener, cancel=cancel)
-    opts.policy.check(len(inventory.servers(names)))
+    check_rollout(inventory, names, "push", opts.policy)
     report = rollout(inventory, names, local, opts, parallel=parallel, listener=listener, cancel=cancel)
     hooks.post_rollout(inventory, report)
     return report
+
+
+def check_rollout(inventory: Inventory, names: list[str], command: str, policy: Policy) -> None:
+    """Before any host is touched, for every command that restarts: it takes whole servers (a selection of part
+    of one is refused, exit 2) and its policy fits the servers selected (a canary or batch counts servers)."""
+    policy.check(len(inventory.servers(inventory.whole(names, command))))
 
 
 def _each(inventory: Inventory, target: str | None, command: str, step: Callable, opts: Options | None,
@@ -326,9 +330,9 @@ def rollback(inventory: Inventory, target: str | None, opts: Options | None = No
     restarted, gated, admitted), after the router preflight. The inventory's hooks run as for a push:
     ``pre_host`` once the target is known, before the host changes."""
     opts = opts or Options()
-    names = inventory.whole(inventory.resolve(target), "rollback")
+    names = inventory.resolve(target)
+    check_rollout(inventory, names, "rollback", opts.policy)
     servers = {s.head: s for s in inventory.servers(names)}
-    opts.policy.check(len(servers))
     if opts.policy.analysis is not None:
         raise InvalidInput("rollback: --analysis is for push, set-env and set (a rollout to a new release)")
     cancel = threading.Event()
@@ -464,7 +468,7 @@ def apply_edit(edit: settings.Edit, local: dict[str, Wanted], command: str, opts
     """
     opts = opts or Options()
     names = list(local)
-    opts.policy.check(len(names))  # before the file is written
+    check_rollout(edit.new, names, command, opts.policy)  # before the file is written
     facts: dict = {"inventory": {"path": str(edit.path), "level": edit.level, "diff": edit.diff(),
                                  "rolled_out_to": names, "reverted": False}}
     settings.write(edit)

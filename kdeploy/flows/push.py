@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kdeploy.core import provisional, release
@@ -317,10 +317,9 @@ class HostPush:
         baseline = parity.baseline(remote, service_dir(self.host.service), self.result, spec, at.target,
                                    (at.state.current, self._spec_of(at.state, at.state.current)), pair
                                    ) if self.opts.verify and spec.serves else None
-        mine = provisional.new_pending(previous, at.target, revert_after(self.host, spec),
-                                       pending.token if pending else None)
+        mine = provisional.new_pending(previous, at.target, revert_after(self.host, spec))
         if pending is not None:
-            mine = replace(mine, deadline=pending.deadline)
+            mine = mine.joined(pending)
         self.at = Switched(at, mine)
         return Node(remote, self.host, self.result, mine, spec, self._spec_of(at.state, previous),
                     install_unit=at.decision.install_unit,

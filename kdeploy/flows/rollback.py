@@ -88,9 +88,8 @@ def rollback_server(inventory: Inventory, server: Server, opts: Options, results
             def restart(pair: Pairing | None) -> Outcome:  # the reverts' deadline counts from here, not the drain
                 contexts = [_node(inventory, n, opts, pair if i == 0 else None) for i, n in enumerate(nodes)]
                 head = contexts[0]
-                deadline = head.pending.deadline
-                return switch_and_gate([head, *(_aligned(c, head.pending.token, deadline) for c in contexts[1:])],
-                                       verify=opts.verify, success=Result.RESTORED)
+                return switch_and_gate([head, *(replace(c, pending=c.pending.joined(head.pending))
+                                                for c in contexts[1:])], verify=opts.verify, success=Result.RESTORED)
 
             head = nodes[0]
             with pair_for(inventory, head.host, router, opts.reach) as pair:
@@ -124,11 +123,6 @@ def _node(inventory: Inventory, node: _Held, opts: Options, pair: Pairing | None
     pending = provisional.new_pending(state.confirmed, node.target, revert_after(node.host, fallback))
     return Node(node.remote, node.host, node.result, pending, spec, state.gates.get(state.confirmed or "", fallback),
                 baseline=baseline, pair=pair)
-
-
-def _aligned(node: Node, token: str, deadline: float) -> Node:
-    """A follower armed under its head's token and deadline: the server goes back, or is kept, as one."""
-    return replace(node, pending=replace(node.pending, token=token, deadline=deadline))
 
 
 def _target(host: HostConfig, state: HostState, wanted: str | None) -> str:

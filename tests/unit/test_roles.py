@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kdeploy.core import inventory, render
-from kdeploy.core.errors import InvalidInput
+from kdeploy.core import render
+from tests.unit.inventories import load, refused
 
 BASE = """\
 defaults:
@@ -35,22 +35,10 @@ hosts:
 """
 
 
-def _load(tmp_path: Path, text: str) -> inventory.Inventory:
-    path = tmp_path / "inventory.yaml"
-    path.write_text(text)
-    return inventory.load(path)
-
-
-def _refused(tmp_path: Path, text: str) -> str:
-    with pytest.raises(InvalidInput) as err:
-        _load(tmp_path, text)
-    message = str(err.value)
-    assert len(message.splitlines()) == 1
-    return message
 
 
 def test_each_role_gets_its_disaggregation_flags(tmp_path: Path) -> None:
-    inv = _load(tmp_path, BASE)
+    inv = load(tmp_path, BASE)
     assert {h: inv.hosts[h].service.role for h in inv.hosts} == {"p0": "prefill", "p1": "prefill", "d0": "decode"}
     prefill = " ".join(render.launch_argv(inv.hosts["p0"].service))
     assert ("--disaggregation-mode prefill --disaggregation-transfer-backend mooncake "
@@ -59,7 +47,7 @@ def test_each_role_gets_its_disaggregation_flags(tmp_path: Path) -> None:
     assert decode[-4:] == ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"]
     unified = BASE.replace("  router: {url: 'http://10.0.0.100:30000', mode: pd}\n", "")
     unified = re.sub(r"groups:.*?hosts:\n", "hosts:\n", unified, flags=re.DOTALL)
-    assert "--disaggregation" not in " ".join(render.launch_argv(_load(tmp_path, unified).hosts["p0"].service))
+    assert "--disaggregation" not in " ".join(render.launch_argv(load(tmp_path, unified).hosts["p0"].service))
 
 
 @pytest.mark.parametrize(("change", "error"), [
@@ -84,21 +72,21 @@ def test_each_role_gets_its_disaggregation_flags(tmp_path: Path) -> None:
     (lambda t: t.replace("mode: decode", "mode: both"), r"invalid value 'both': expected one of 'prefill' or 'decode'"),
 ])
 def test_prefill_decode_fleets_the_inventory_refuses(tmp_path: Path, change, error: str) -> None:  # type: ignore[no-untyped-def]
-    message = _refused(tmp_path, change(BASE))
+    message = refused(tmp_path, change(BASE))
     assert re.search(error, message), message
 
 
 def test_servers_without_a_router_form_one_fleet(tmp_path: Path) -> None:
     no_router = BASE.replace("  router: {url: 'http://10.0.0.100:30000', mode: pd}\n", "")
-    assert _load(tmp_path, no_router).hosts["d0"].service.role == "decode"
+    assert load(tmp_path, no_router).hosts["d0"].service.role == "decode"
     only_prefill = no_router.replace("disaggregation: {mode: decode}", "{}")
-    assert "a prefill/decode fleet without a decode server" in _refused(tmp_path, only_prefill)
+    assert "a prefill/decode fleet without a decode server" in refused(tmp_path, only_prefill)
 
 
 def test_a_pd_server_registers_with_its_role_and_counts_as_in_only_so(tmp_path: Path) -> None:
     from kdeploy.host.router import Worker, registration
 
-    inv = _load(tmp_path, BASE)
+    inv = load(tmp_path, BASE)
     prefill, decode = inv.hosts["p0"], inv.hosts["d0"]
     body = registration(prefill)
     assert body == {"url": "http://10.0.0.1:30000", "worker_type": "prefill", "bootstrap_port": 8998}
@@ -149,7 +137,7 @@ def test_a_pd_servers_gate_goes_through_its_pair_as_the_router_sends_requests() 
 def test_a_pd_server_is_gated_through_a_server_of_the_other_role_behind_its_router(tmp_path: Path) -> None:
     from kdeploy.flows.pairing import bootstrap_host, partners
 
-    inv = _load(tmp_path, BASE)
+    inv = load(tmp_path, BASE)
     assert partners(inv, inv.hosts["p0"], None) == ["d0"]
     assert partners(inv, inv.hosts["d0"], None) == ["p0", "p1"]
     assert partners(inv, inv.hosts["d0"], {"http://10.0.0.2:30000"}) == ["p1"]  # the router lists p1 serving
@@ -160,7 +148,7 @@ def test_a_pd_server_is_gated_through_a_server_of_the_other_role_behind_its_rout
 def test_a_pd_canary_is_compared_with_servers_of_its_own_role(tmp_path: Path) -> None:
     from kdeploy.flows.canary import baseline_of
 
-    inv = _load(tmp_path, BASE)
+    inv = load(tmp_path, BASE)
     assert baseline_of(inv, ["p0"], ["d0", "p1"]) == (["p1"], None)
     baseline, why = baseline_of(inv, ["d0"], ["p0", "p1"])
     assert baseline == [] and why is not None and why.startswith("no baseline")
@@ -172,14 +160,14 @@ def test_reports_name_each_hosts_role_and_server(tmp_path: Path) -> None:
     from kdeploy.cli import progress, schema
 
     text = BASE + "servers:\n  pf:\n    nodes: [p0, p1]\n    rendezvous_port: 20000\n"
-    inv = _load(tmp_path, text.replace("sglang: {model_path: /models/dsv3, tp: 8}",
+    inv = load(tmp_path, text.replace("sglang: {model_path: /models/dsv3, tp: 8}",
                                        "sglang: {model_path: /models/dsv3, tp: 8, host: 0.0.0.0}"))
     follower, decode = inv.result("p1").finish("deployed"), inv.result("d0").finish("deployed")
     assert progress.host_name(follower) == "p1 (pf node 1, prefill)" and progress.host_name(decode) == "d0 (decode)"
     doc = follower.as_json()
     assert doc["role"] == "prefill" and doc["server"] == {"name": "pf", "node_rank": 1, "nodes": ["p0", "p1"]}
     schema.HostDoc.model_validate(doc)
-    assert "role" not in _load(tmp_path, BASE.replace("  router: {url: 'http://10.0.0.100:30000', mode: pd}\n", "")
+    assert "role" not in load(tmp_path, BASE.replace("  router: {url: 'http://10.0.0.100:30000', mode: pd}\n", "")
                                .replace("disaggregation: {mode: prefill, bootstrap_port: 8998, ib_device: mlx5_0}",
                                         "{}").replace("disaggregation: {mode: decode}", "{}")).result("p0").as_json()
 

@@ -11,6 +11,7 @@ from kdeploy.core import inventory, render
 from kdeploy.core.errors import InvalidInput
 from kdeploy.core.gatespec import gate_spec
 from kdeploy.flows.session import overridden
+from tests.unit.inventories import load, refused
 
 BASE = """\
 defaults:
@@ -32,25 +33,10 @@ servers:
 """
 
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "templates" / "sglang.service.j2"
-
-
-def _load(tmp_path: Path, text: str) -> inventory.Inventory:
-    (tmp_path / "templates").mkdir(exist_ok=True)
-    (tmp_path / "templates" / TEMPLATE.name).write_text(TEMPLATE.read_text())
-    path = tmp_path / "inventory.yaml"
-    path.write_text(text)
-    return inventory.load(path)
-
-
-def _refused(tmp_path: Path, text: str) -> str:
-    with pytest.raises(InvalidInput) as err:
-        _load(tmp_path, text)
-    return str(err.value)
 
 
 def test_a_server_is_its_nodes_in_rank_order_and_a_plain_host_its_own_server(tmp_path: Path) -> None:
-    inv = _load(tmp_path, BASE + SERVERS)
+    inv = load(tmp_path, BASE + SERVERS)
     dsv3 = inv.server_of("a1")
     assert (dsv3.name, dsv3.nodes, dsv3.head, dsv3.spans) == ("dsv3", ("a0", "a1"), "a0", True)
     assert dsv3.dist_init_addr == "10.0.0.1:20000"
@@ -62,7 +48,7 @@ def test_a_server_is_its_nodes_in_rank_order_and_a_plain_host_its_own_server(tmp
 
 
 def test_the_unit_of_each_node_carries_its_rank_and_the_rendezvous(tmp_path: Path) -> None:
-    inv = _load(tmp_path, BASE + SERVERS)
+    inv = load(tmp_path, BASE + SERVERS)
     argv = {h: render.launch_argv(inv.hosts[h].service, inv.server_of(h).place(h)) for h in inv.hosts}
     assert argv["a0"][-6:] == ["--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "10.0.0.1:20000"]
     assert argv["a1"][-6:] == ["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:20000"]
@@ -73,12 +59,12 @@ def test_the_unit_of_each_node_carries_its_rank_and_the_rendezvous(tmp_path: Pat
 
 
 def test_an_ipv6_rendezvous_is_bracketed(tmp_path: Path) -> None:
-    inv = _load(tmp_path, BASE + SERVERS + "    rendezvous_address: 'fd00::1'\n")
+    inv = load(tmp_path, BASE + SERVERS + "    rendezvous_address: 'fd00::1'\n")
     assert inv.server_of("a0").dist_init_addr == "[fd00::1]:20000"
 
 
 def test_each_node_is_gated_on_its_own_ranks_and_only_the_head_on_http(tmp_path: Path) -> None:
-    inv = _load(tmp_path, BASE + SERVERS)
+    inv = load(tmp_path, BASE + SERVERS)
     head, follower, alone = (gate_spec(inv.hosts[h].service, None, place=inv.server_of(h).place(h))
                              for h in ("a0", "a1", "b0"))
     assert (head.workers, head.serves, follower.workers, follower.serves) == (8, True, 8, False)
@@ -89,7 +75,7 @@ def test_each_node_is_gated_on_its_own_ranks_and_only_the_head_on_http(tmp_path:
 
 
 def test_a_restart_of_part_of_a_server_is_refused_naming_it(tmp_path: Path) -> None:
-    inv = _load(tmp_path, BASE + SERVERS)
+    inv = load(tmp_path, BASE + SERVERS)
     assert inv.whole(["a0", "a1", "b0"], "push") == ["a0", "a1", "b0"]
     with pytest.raises(InvalidInput, match=r"push: TARGET selects a1 of server dsv3 \(nodes a0, a1\)"):
         inv.whole(inv.resolve("a1,b0"), "push")
@@ -114,21 +100,21 @@ def test_a_restart_of_part_of_a_server_is_refused_naming_it(tmp_path: Path) -> N
      r"servers\.x\.nodes: service\.sglang\.tp 16 is not divisible by 3 nodes"),
 ])
 def test_servers_the_inventory_refuses(tmp_path: Path, extra: str, error: str) -> None:
-    message = _refused(tmp_path, BASE + extra)  # `servers:` is line 11
+    message = refused(tmp_path, BASE + extra)  # `servers:` is line 11
     assert len(message.splitlines()) == 1
     assert re.search(error, message), message
 
 
-def test_nodes_that_differ_where_they_must_agree_are_refused(tmp_path: Path) -> None:
+def test_nodes_that_differ_where_they_must_agree_arerefused(tmp_path: Path) -> None:
     text = BASE.replace("  a1: {address: 10.0.0.2}", "  a1: {address: 10.0.0.2, service: {env: {X: '1'}}}")
-    message = _refused(tmp_path, text + SERVERS)
+    message = refused(tmp_path, text + SERVERS)
     assert "servers.dsv3.nodes: a1 differs from the head a0 in service.env" in message
     model = BASE.replace("  a1: {address: 10.0.0.2}",
                          "  a1: {address: 10.0.0.2, service: {sglang: {model_path: /models/other}}}")
-    assert "in service.sglang" in _refused(tmp_path, model + SERVERS)
+    assert "in service.sglang" in refused(tmp_path, model + SERVERS)
     # the bind address is each node's own
     bind = BASE.replace("  a1: {address: 10.0.0.2}", "  a1: {address: 10.0.0.2, service: {sglang: {host: 0.0.0.0}}}")
-    assert _load(tmp_path, bind + SERVERS).server_of("a1").spans
+    assert load(tmp_path, bind + SERVERS).server_of("a1").spans
 
 
 def test_a_followers_marker_wait_ends_with_its_heads_grace_or_a_peers_failure() -> None:
@@ -178,7 +164,7 @@ def test_the_example_inventories_of_docs_topologies_load_and_render(tmp_path: Pa
     text = (Path(__file__).resolve().parents[2] / "docs" / "topologies.md").read_text()
     examples = re.findall(r"```yaml\n(.*?)```", text, re.DOTALL)
     assert len(examples) == 2
-    dsv3, pd = (_load(tmp_path, example) for example in examples)
+    dsv3, pd = (load(tmp_path, example) for example in examples)
     assert [s.nodes for s in dsv3.spanning.values()] == [("gpu-a0", "gpu-a1"), ("gpu-b0", "gpu-b1")]
     assert "--node-rank 1 --dist-init-addr 10.1.0.10:20000" in " ".join(
         render.launch_argv(dsv3.hosts["gpu-a1"].service, dsv3.server_of("gpu-a1").place("gpu-a1")))
@@ -198,3 +184,18 @@ def test_an_ansible_inventorys_servers_live_in_the_service_file(tmp_path: Path) 
     (tmp_path / "service.yaml").write_text(service.replace("[a0, a1]", "[a0, zz]"))
     with pytest.raises(InvalidInput, match=r"service\.yaml:7: servers\.dsv3\.nodes: unknown host 'zz'"):
         inventory.load(tmp_path / "hosts.ini", tmp_path / "service.yaml")
+
+
+def test_every_restarting_command_takes_whole_servers_and_counts_servers(tmp_path: Path) -> None:
+    """``check_rollout`` is what push, rollback and set-env/set call first: a set-env whose --limit leaves
+    part of a server (the hosts it changes, limited) is refused as a push of part of it is, and a canary counts
+    servers, not hosts."""
+    from kdeploy.core.policy import Policy
+    from kdeploy.flows.fleet import check_rollout
+
+    inv = load(tmp_path, BASE + SERVERS)
+    check_rollout(inv, ["a0", "a1", "b0"], "push", Policy(canary=2))
+    with pytest.raises(InvalidInput, match=r"^set-env: TARGET selects a1 of server dsv3 \(nodes a0, a1\)"):
+        check_rollout(inv, ["a1"], "set-env", Policy())
+    with pytest.raises(InvalidInput, match=r"--canary 2: only 1 host selected"):
+        check_rollout(inv, ["a0", "a1"], "push", Policy(canary=2))
