@@ -132,5 +132,18 @@ bench-scale: venv
 bench-startup: venv
 	$(BIN)/python bench/startup.py $(STARTUP_ARGS)
 
+# Randomized fault campaigns (issue 42; docs/chaos.md): its own sandbox fleet (4 servers, one of 2 nodes, behind the
+# real sglang-router under traffic), ITERATIONS commands each hit by a fault drawn from SEED, the invariants read out
+# of band after each; writes $(REPORT) and its .png, each violation's case under chaos-cases/ beside it. BUDGET=S
+# starts no iteration after S seconds; CASE=path/case.json replays one case. ~15 s an iteration on 2 cores.
+SEED ?= 1
+ITERATIONS ?= 200
+REPORT ?= bench/results/chaos.json
+.PHONY: chaos
+chaos: venv
+	@$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/pip install -q matplotlib
+	flock /tmp/sandbox-heavy.lock $(BIN)/python -m kdeploy_lab.chaos --seed $(SEED) --iterations $(ITERATIONS) \
+	  --report $(REPORT) $(if $(BUDGET),--budget $(BUDGET)) $(if $(CASE),--replay $(CASE))
+
 clean:
 	rm -rf $(VENV) .sandbox .tools

@@ -371,7 +371,7 @@ class Ui:
 
     def run(self, fn: Callable[[Listener], Report]) -> Report:
         if self.plain or self.quiet:
-            return progress.PlainLog(self.err.file, quiet=self.quiet).run(fn)
+            return progress.PlainLog(self.err.file, quiet=self.quiet, starts=_flags.verbose > 0).run(fn)
         from rich.console import Group as Stack
         from rich.live import Live
 
@@ -726,8 +726,8 @@ def _edit(command: str, inventory: Path, service: Path | None, make: Callable[[]
         if not no_apply:
             # before the diff: a refused rollout shows no change it will not make
             fleet.check_rollout(edit.new, list(local), command, policy)
-        for line in edit.diff().splitlines():  # lines of the inventory file: what it holds may be anything
-            ui.line(line)
+        for diff_line in edit.diff().splitlines():  # lines of the inventory file: what it holds may be anything
+            ui.line(diff_line)
         if no_apply:
             settings.write(edit)
             report = Report(command, [], {"inventory": {"path": str(edit.path), "level": edit.level,

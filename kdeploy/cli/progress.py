@@ -69,11 +69,12 @@ def summary_line(report: Report) -> str:
 
 
 class PlainLog(PhaseWatcher):
-    """Writes :func:`phase_line` lines to ``out`` as phases end (only failures when ``quiet``), with heartbeats."""
+    """Writes :func:`phase_line` lines to ``out`` as phases end (only failures when ``quiet``), with heartbeats;
+    ``starts`` (``-v``): a ``start`` line as each phase begins too, so a log shows what a killed run was doing."""
 
-    def __init__(self, out: TextIO, *, quiet: bool = False, heartbeat: float | None = None,
+    def __init__(self, out: TextIO, *, quiet: bool = False, heartbeat: float | None = None, starts: bool = False,
                  clock: Callable[[], str] = lambda: time.strftime("%H:%M:%S")) -> None:
-        self.out, self.quiet, self.clock = out, quiet, clock
+        self.out, self.quiet, self.clock, self.starts = out, quiet, clock, starts
         self.heartbeat = HEARTBEAT_S if heartbeat is None else heartbeat
         self.waiting: dict[str, tuple[str, float]] = {}  # host -> (phase, since)
         self.said: dict[str, str] = {}  # host -> the detail of its last failed phase, already on a line
@@ -84,6 +85,8 @@ class PlainLog(PhaseWatcher):
         with self.lock:
             if status == "start":
                 self.waiting[host] = (phase, time.monotonic())
+                if self.starts and not self.quiet:
+                    self._write(phase_line(self.clock(), host, phase, status, None, ""))
                 return
             self.waiting.pop(host, None)
             failed = status == "fail" or (phase == "done" and Result(status).exit_code != 0)

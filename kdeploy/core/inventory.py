@@ -624,6 +624,11 @@ class Inventory:
         name = self.owner.get(host)
         return self.spanning[name] if name is not None else Server(host, (host,))
 
+    def routed(self, host: str) -> bool:
+        """Whether ``host``'s router knows it: it has a router and is its server's head (a follower's server
+        answers through its head; only a dummy health check listens on the follower)."""
+        return self.hosts[host].router is not None and self.server_of(host).head == host
+
     def result(self, host: str, listener: Any = None) -> HostResult:
         """A new report entry for ``host``, naming its server when that spans hosts and its role in a
         prefill/decode fleet."""

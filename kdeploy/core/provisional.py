@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from kdeploy import onhost
 from kdeploy.core import layout
-from kdeploy.core.step import Step
+from kdeploy.core.step import RunResult, Step
 from kdeploy.core.systemd import UNIT_DIR
 
 PREVIOUS_SECRETS = layout.SECRETS_PREVIOUS  # the last confirmed secrets while a switch is pending
@@ -185,20 +185,23 @@ def arm_script(service_dir: str, unit_file: str, timer: str, pending: Pending, p
         _stop(timer),
         f"printf '%s\\n' {shlex.quote(_REVERT)} > {d}/{SCRIPT}",
         *_install_guard(service_dir, unit_file, policy, environment_file),
-        f"printf %s {shlex.quote(pending.line())} > {d}/.pending.tmp && mv -f {d}/.pending.tmp {d}/{PENDING}",
+        # two simple commands: `set -e` ignores a failure left of `&&`, and a full disk failed the printf that way
+        # (pending never written, the switch went ahead with no way back)
+        f"printf %s {shlex.quote(pending.line())} > {d}/.pending.tmp",
+        f"mv -f {d}/.pending.tmp {d}/{PENDING}",
         " ".join(shlex.quote(a) for a in argv),
     ])
 
 
-def confirm_command(service_dir: str, timer: str, token: str) -> str:
+def confirm_command(service_dir: str, timer: str, token: str, then: str = "") -> str:
     """Disarm and keep the switch (and the secrets it wrote); prints CONFIRMED only if ``pending`` was still
-    ours (else LOST)."""
+    ours (else LOST). ``then`` (the history line) runs only once kept, in the same command."""
     d = shlex.quote(service_dir)
     return "\n".join([
         _stop(timer),
         f"read -r tok rest < {d}/{PENDING} 2>/dev/null || tok=",
-        f"if [ \"$tok\" = {shlex.quote(token)} ]; then rm -f {d}/{PENDING} {d}/{PREVIOUS_SECRETS}; echo CONFIRMED; "
-        "else echo LOST; fi",
+        f"if [ \"$tok\" = {shlex.quote(token)} ]; then rm -f {d}/{PENDING} {d}/{PREVIOUS_SECRETS}; "
+        + (f"if {{ {then}; }}; then echo RECORDED; fi; " if then else "") + "echo CONFIRMED; else echo LOST; fi",
     ])
 
 
@@ -212,7 +215,12 @@ def deadline_seconds(stop_timeout: float, gate_timeout: float) -> float:
     return stop_timeout + 60 + gate_timeout + MARGIN
 
 
-def confirm_step(service_dir: str, timer: str, token: str) -> Step[str | None]:
-    """``confirm_command`` as a step: None once kept, else why not (``LOST``: no longer ours)."""
-    return Step(confirm_command(service_dir, timer, token),
-                lambda out: None if "CONFIRMED" in out.stdout else out.last_error() if not out.ok else "LOST", 60)
+def confirm_step(service_dir: str, timer: str, token: str, then: str = "") -> Step[tuple[str | None, bool]]:
+    """``confirm_command`` as a step: (None once kept, else why not: ``LOST`` when no longer ours; whether
+    ``then`` ran and succeeded)."""
+    def parse(out: RunResult) -> tuple[str | None, bool]:
+        if "CONFIRMED" in out.stdout:
+            return None, "RECORDED" in out.stdout.split()
+        return (out.last_error() if not out.ok else "LOST"), False
+
+    return Step(confirm_command(service_dir, timer, token, then), parse, 60)

@@ -22,16 +22,19 @@ import tarfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path, PurePosixPath
 
 from kdeploy import onhost
 from kdeploy.core import disk, files
 from kdeploy.core.errors import InvalidInput
 from kdeploy.core.layout import CURRENT, META, RELEASES, STAGING
-from kdeploy.core.step import Step
+from kdeploy.core.report import PhaseFailed
+from kdeploy.core.step import RunResult, Step
 from kdeploy.core.systemd import UNIT_DIR, parse_old_run, restart_command, stop_command
 from kdeploy.core.text import first_unsafe
 
+NOT_SWITCHED_RC = 75  # the activation failed before the switch: nothing the service reads changed (EX_TEMPFAIL)
 _SKIP_DIRS = {"__pycache__", ".git", ".mypy_cache", ".pytest_cache", ".ruff_cache", META}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 
@@ -453,7 +456,10 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
     """
     d = shlex.quote(service_dir)
     rel = f"{d}/{RELEASES}/{shlex.quote(release)}"
-    lines = ["set -eu", f"test -d {rel}", *([f"{{\n{arm}\n}} </dev/null"] if arm else []),
+    # Until the revert is armed nothing the service reads has changed: a failure there (a full disk) exits
+    # NOT_SWITCHED_RC, and the host is as it was.
+    lines = ["set -eu", f"trap 'exit {NOT_SWITCHED_RC}' EXIT", f"test -d {rel}",
+             *([f"{{\n{arm}\n}} </dev/null"] if arm else []), "trap - EXIT",
              *([env_step] if env_step else [])]
     if install_unit:
         tmp = shlex.quote(f"{UNIT_DIR}/.{unit_file}.kdeploy-tmp")
@@ -507,8 +513,27 @@ def stage_step(service_dir: str, release: str, has_current: bool, delta: Delta) 
                 600)
 
 
+class SwitchRefused(PhaseFailed):
+    """The activation failed before anything the service reads changed (its revert could not be armed): the host
+    is as it was, its last confirmed release still runs. ``first``: no node of the server had switched before."""
+
+    def __init__(self, detail: str, first: bool = True) -> None:
+        super().__init__(detail)
+        self.first = first
+
+
+def parse_activation(release: str, out: RunResult) -> str:
+    """The run the activation replaces (``systemd.parse_old_run``); a failure raises, :class:`SwitchRefused` when
+    nothing was switched."""
+    if out.rc == NOT_SWITCHED_RC:
+        raise SwitchRefused(f"switching to {release} was refused on the host, nothing changed: {out.last_error()}")
+    if not out.ok:
+        raise PhaseFailed(f"switching to {release} failed: {out.last_error()}")
+    return parse_old_run(out.stdout)
+
+
 def activate_step(service_dir: str, release: str, unit_file: str, install_unit: bool, arm: str = "",
                   env_step: str = "", restart: bool = True) -> Step[str]:
-    """``activate_script`` as a step: the run it replaces (``systemd.parse_old_run``)."""
+    """``activate_script`` as a step: the run it replaces."""
     return Step(activate_script(service_dir, release, unit_file, install_unit, arm, env_step, restart),
-                lambda out: parse_old_run(out.stdout), 120, fails=f"switching to {release} failed")
+                partial(parse_activation, release), 120)

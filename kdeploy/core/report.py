@@ -139,6 +139,7 @@ class HostResult:
     router: str | None = None  # membership in the SGLang router as this command left it: "in" or "out"
     server: ServerRef | None = None  # the server it is a node of, when that spans hosts
     role: str | None = None  # "prefill" or "decode": its server's half of a prefill/decode pair
+    recorded: Result | None = field(default=None, repr=False, compare=False)  # its history line's, by the confirm
     listener: Listener | None = field(default=None, repr=False, compare=False)
     done: bool = field(default=False, repr=False, compare=False)
     prefix: str = field(default="", repr=False, compare=False)

@@ -194,7 +194,8 @@ def write_script(service_dir: str, environment_file: str, salt: str) -> str:
         f" || {{ rm -f {tmp}; echo 'secrets arrived incomplete' >&2; exit 1; }}",
         f"sync {tmp}",
         f"mv -T {tmp} {ef}",
-        f"printf %s {shlex.quote(salt)} > {d}/{SALT}.tmp && mv -f {d}/{SALT}.tmp {d}/{SALT}",
+        f"printf %s {shlex.quote(salt)} > {d}/{SALT}.tmp",  # two commands, so `set -e` sees a failed write
+        f"mv -f {d}/{SALT}.tmp {d}/{SALT}",
     ])
 
 

@@ -415,6 +415,12 @@ def router(inventory: Inventory, target: str | None, action: str, opts: Options 
     without = [n for n in names if inventory.hosts[n].router is None]
     if without:
         raise InvalidInput(f"{', '.join(without)}: no router in the inventory (add a router: section)")
+    # the router knows a server by its head: a whole server selected is its head; a follower alone is refused
+    if alone := [n for n in names if not inventory.routed(n) and inventory.server_of(n).head not in names]:
+        server = inventory.server_of(alone[0])
+        raise InvalidInput(f"{', '.join(alone)}: not a server's head: the router knows server {server.name} by its "
+                           f"head {server.head} (`kdeploy router {action} {server.name}`)")
+    names = [n for n in names if inventory.routed(n)]
     results = []
     for name in names:
         host, result = inventory.hosts[name], inventory.result(name, listener)

@@ -33,7 +33,7 @@ from kdeploy.flows.membership import behind_router
 from kdeploy.flows.options import Options, recorded_command
 from kdeploy.flows.pairing import pair_for
 from kdeploy.flows.preflight import preflight_step, preflight_verdict
-from kdeploy.flows.record import finish_command
+from kdeploy.flows.record import confirmed_line, finish_command
 from kdeploy.flows.session import Wanted, connect, lock_and_read, open_remote, raise_if_cancelled
 from kdeploy.flows.switch import Node, Outcome, Reverted, go_back, revert_after, switch_and_gate
 from kdeploy.host import lock, parity
@@ -321,10 +321,13 @@ class HostPush:
         if pending is not None:
             mine = mine.joined(pending)
         self.at = Switched(at, mine)
+        wrote = "changed" if at.decision.secrets_changed else None
         return Node(remote, self.host, self.result, mine, spec, self._spec_of(at.state, previous),
                     install_unit=at.decision.install_unit,
                     secrets=self.local.secrets if at.decision.secrets_changed else None, baseline=baseline,
-                    pair=pair)
+                    pair=pair, record=lambda success, gated: confirmed_line(
+                        self.host, self.result, self.started, self.local, command=self.command, success=success,
+                        gated=gated, secrets=wrote))
 
     def stopped_by(self, exc: BaseException) -> None:
         """End the host with ``exc``'s result; the state says what the push leaves behind."""

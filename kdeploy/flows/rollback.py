@@ -19,7 +19,7 @@ from kdeploy.core.state import HostState
 from kdeploy.flows.membership import behind_router
 from kdeploy.flows.options import Options, recorded_command
 from kdeploy.flows.pairing import pair_for
-from kdeploy.flows.record import finish_command
+from kdeploy.flows.record import confirmed_line, finish_command
 from kdeploy.flows.session import connect, inventory_spec, lock_and_read, overridden
 from kdeploy.flows.switch import Node, Outcome, revert_after, switch_and_gate
 from kdeploy.host import lock, parity
@@ -86,7 +86,8 @@ def rollback_server(inventory: Inventory, server: Server, opts: Options, results
                 node.result.release = node.target
 
             def restart(pair: Pairing | None) -> Outcome:  # the reverts' deadline counts from here, not the drain
-                contexts = [_node(inventory, n, opts, pair if i == 0 else None) for i, n in enumerate(nodes)]
+                contexts = [_node(inventory, n, opts, pair if i == 0 else None, started=started, command=command)
+                            for i, n in enumerate(nodes)]
                 head = contexts[0]
                 return switch_and_gate([head, *(replace(c, pending=c.pending.joined(head.pending))
                                                 for c in contexts[1:])], verify=opts.verify, success=Result.RESTORED)
@@ -111,7 +112,8 @@ def rollback_server(inventory: Inventory, server: Server, opts: Options, results
                                       if node.recorded and state is not None else "")
 
 
-def _node(inventory: Inventory, node: _Held, opts: Options, pair: Pairing | None = None) -> Node:
+def _node(inventory: Inventory, node: _Held, opts: Options, pair: Pairing | None = None, *, started: float,
+          command: str) -> Node:
     """The node's part of the switch: its target gated as it was deployed, its parity baseline (the head's)
     the target's own record; ``pair``: the head's partner, when it is a prefill or decode server."""
     state = node.state
@@ -122,7 +124,8 @@ def _node(inventory: Inventory, node: _Held, opts: Options, pair: Pairing | None
                                None, pair) if spec.serves else None
     pending = provisional.new_pending(state.confirmed, node.target, revert_after(node.host, fallback))
     return Node(node.remote, node.host, node.result, pending, spec, state.gates.get(state.confirmed or "", fallback),
-                baseline=baseline, pair=pair)
+                baseline=baseline, pair=pair, record=lambda success, gated: confirmed_line(
+                    node.host, node.result, started, command=command, success=success, gated=gated))
 
 
 def _target(host: HostConfig, state: HostState, wanted: str | None) -> str:

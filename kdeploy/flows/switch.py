@@ -4,7 +4,9 @@ went back).
 A server is one node or several (SGLang's multi-node mode); a single host is the one-node case of the same
 code. Every node arms its own revert, under one token and deadline, before its ``current`` moves, so a
 controller that dies leaves nodes that go back by themselves (docs/push.md, "provisional"); ``Reverted`` is the
-end where they did. The nodes switch head first (the head's stop broadcasts the shutdown its followers wait
+end where they did, ``NotSwitched`` the one where the first node could not arm its revert (a full disk) and
+nothing moved. The confirm writes each node's history line in the same command, so a node reset or a controller
+gone right after it still has the line that says its release passed. The nodes switch head first (the head's stop broadcasts the shutdown its followers wait
 for), restart and are gated together, are confirmed only once every node passed, and go back together when any
 node fails, so no server is left with ranks on different releases. Each transition returns its typed
 outcome; the ``HostResult`` of each node only reports it.
@@ -56,7 +58,16 @@ class Reverted:
     serving: bool = False
 
 
-Outcome = Confirmed | RolledBack | Reverted
+@dataclass(frozen=True)
+class NotSwitched:
+    """The host refused the switch before anything changed (a full disk: the revert could not be armed); its last
+    confirmed ``release`` still runs, as it did."""
+
+    release: str | None
+    serving: bool = True
+
+
+Outcome = Confirmed | RolledBack | Reverted | NotSwitched
 _T = TypeVar("_T")
 
 
@@ -76,6 +87,8 @@ class Node:
     secrets: secret.Secrets | None = None
     baseline: parity.Baseline | None = None
     pair: Pairing | None = None  # the head of a prefill or decode server: the partner its gate goes through
+    # the history line the confirm writes (``record.confirmed_line``): (the result it ends with, whether gated)
+    record: Callable[[Result, bool], str] | None = None
 
 
 def revert_after(host: HostConfig, spec: GateSpec) -> float:
@@ -126,11 +139,15 @@ def restart_and_follow(node: Node, old: str, timeout: float) -> systemd.UnitStat
         return state
 
 
-def confirm(node: Node, pending: provisional.Pending) -> None:
-    """Keep the switch: disarm the node's revert (it acts only on a ``pending`` that is still ours)."""
+def confirm(node: Node, pending: provisional.Pending, success: Result | None = None, gated: bool = False) -> None:
+    """Keep the switch: disarm the node's revert (it acts only on a ``pending`` that is still ours). With
+    ``success``, the node's history line (its ``record``) is written in the same command, as ``success``."""
+    line = node.record(success, gated) if success is not None and node.record is not None else ""
     with node.result.phase("confirm") as phase:
-        lost = node.remote.ask(provisional.confirm_step(service_dir(node.host.service),
-                                                        provisional.timer_unit(node.host.service.name), pending.token))
+        lost, recorded = node.remote.ask(provisional.confirm_step(
+            service_dir(node.host.service), provisional.timer_unit(node.host.service.name), pending.token, line))
+        if recorded:
+            node.result.recorded = success
         if lost:
             raise PhaseFailed(f"the switch to {pending.target} was no longer pending: the host reverted by itself "
                               f"or another deploy took over ({lost})")
@@ -174,8 +191,13 @@ def _switch_all(nodes: Sequence[Node], targets: Sequence[provisional.Pending], *
         node, pending = nodes[0], targets[0]
         return [switch(node, pending.target, node.install_unit or restore, pending,
                        secrets=node.secrets if secrets else None, restore=restore)]
-    olds = [switch(n, p.target, n.install_unit or restore, p, secrets=n.secrets if secrets else None,
-                   restore=restore, restart=False) for n, p in zip(nodes, targets, strict=True)]
+    olds = []
+    for rank, (n, p) in enumerate(zip(nodes, targets, strict=True)):
+        try:
+            olds.append(switch(n, p.target, n.install_unit or restore, p, secrets=n.secrets if secrets else None,
+                               restore=restore, restart=False))
+        except release.SwitchRefused as exc:
+            raise release.SwitchRefused(f"{n.host.name}: {exc.detail}", first=rank == 0) from exc
     runs = dict(zip((n.host.name for n in nodes), olds, strict=True))
     on_each(nodes, lambda n: _stopped(n, runs[n.host.name]))
     for node in nodes:
@@ -220,13 +242,20 @@ def switch_and_gate(nodes: Sequence[Node], *, verify: bool, success: Result = Re
         node.result.attempted = node.pending.target
     try:
         olds = dict(zip((n.host.name for n in nodes), _switch_all(nodes, [n.pending for n in nodes]), strict=True))
+    except release.SwitchRefused as exc:
+        if exc.first:  # the first node to switch refused: none switched, the server is as it was
+            return refused(nodes, exc.detail)
+        return go_back(nodes, exc.detail)
+    except (PhaseFailed, RemoteTimeout) as exc:
+        return go_back(nodes, getattr(exc, "detail", str(exc)))
+    try:
         peers = _peers(nodes)
         records = on_each(nodes, lambda n: _restart_and_gate(n, olds[n.host.name], verify, n.pending.target, n.spec,
                                                              n.baseline, peers))
     except (PhaseFailed, RemoteTimeout) as exc:
         return go_back(nodes, getattr(exc, "detail", str(exc)))
     try:
-        on_each(nodes, lambda n: confirm(n, n.pending))
+        on_each(nodes, lambda n: confirm(n, n.pending, success, verify))
     except PhaseFailed as exc:  # a node went back by itself (a reset before confirm): its peers follow it
         if len(nodes) == 1:
             raise
@@ -236,6 +265,16 @@ def switch_and_gate(nodes: Sequence[Node], *, verify: bool, success: Result = Re
     for node in nodes:
         node.result.finish(success)
     return Confirmed(head.pending.target)
+
+
+def refused(nodes: Sequence[Node], why: str) -> NotSwitched:
+    """No node switched (the first refused): each ends ``preflight_refused`` on its last confirmed release, and
+    whatever of the revert was armed is taken away."""
+    for node in nodes:
+        disarm(node, node.pending)
+        node.result.release = node.pending.previous
+        node.result.finish(Result.PREFLIGHT_REFUSED, f"{why}; host unchanged")
+    return NotSwitched(nodes[0].pending.previous)
 
 
 def go_back(nodes: Sequence[Node], why: str) -> RolledBack:

@@ -111,7 +111,7 @@ def verify_host(inventory: Inventory, host: HostConfig, opts: Options, result: H
         except PhaseFailed as exc:
             result.finish("unhealthy", exc.detail)
             return
-    if host.router is not None:
+    if inventory.routed(host.name):
         member = router_phase(inventory, host, result, opts.reach)
         if not (member.member and member.healthy):
             result.finish("unhealthy", member.describe())
@@ -151,7 +151,7 @@ def status_host(inventory: Inventory, host: HostConfig, local: Wanted, opts: Opt
                                 {k: v for k, v in status.env.items() if k not in ("PYTHONPATH", "PYTHONUNBUFFERED")},
                                 status.last_deploy, found, local.masked_secrets())
     phase.detail = "; ".join(found) or "in sync with the inventory"
-    if host.router is not None:
+    if inventory.routed(host.name):
         try:
             router_phase(inventory, host, result, opts.reach)
         except KdeployError as exc:  # the router's state is unknown, not the host's: status still answers

@@ -99,7 +99,8 @@ def holder_script(service_dir: str, info: LockInfo, *, wait: float = 0, then: st
         f"if ! {flock}; then echo @@held; cat {d}/{LOCK_RECORD} 2>/dev/null; echo; exit {HELD_RC}; fi",
         f"echo @@stale; [ ! -f {d}/{LOCK_RECORD} ] || cat {d}/{LOCK_RECORD} 2>/dev/null; echo",
         f"info=\"{record}\"",
-        f"printf '%s\\n' \"$info\" > {d}/.{LOCK_RECORD}.tmp && mv -f {d}/.{LOCK_RECORD}.tmp {d}/{LOCK_RECORD}",
+        f"{{ printf '%s\\n' \"$info\" > {d}/.{LOCK_RECORD}.tmp && mv -f {d}/.{LOCK_RECORD}.tmp {d}/{LOCK_RECORD}; }} "
+        f"|| {{ rm -f {d}/.{LOCK_RECORD}.tmp; exit 70; }}",  # no record of the holder (a full disk): not taken
         "echo @@holder; echo $$",
         "echo @@then",
         then,

@@ -494,6 +494,7 @@ class Sandbox:
             items.append(f"bridge {self.bridge}")
         items += [f"cgroup {d}" for d in self._cgroup_dirs()]
         items += [f"nspawn dir {d}" for d in self._nspawn_dirs()]
+        items += [f"mount {m}" for m in self._mounts()]
         if self.state_dir.exists():
             items.append(f"state dir {self.state_dir}")
         return items
@@ -640,13 +641,15 @@ class Sandbox:
     # --- up -------------------------------------------------------------------------------------------
 
     def up(self, n: int, *, timeout: float = 120.0, bastion: bool = False,
-           host_certs: bool = False, become_user: str | None = None) -> list[SandboxHost]:
+           host_certs: bool = False, become_user: str | None = None, srv_mib: int | None = None) -> list[SandboxHost]:
         """Boot n hosts (in parallel) and return once each one's sshd accepts our key.
 
         ``bastion``: one more host, h<n+1>, is the jump host and the n others answer only through it.
         ``host_certs``: every host key is signed by the sandbox CA and known_hosts trusts only that CA.
         ``become_user``: sshd refuses root (``PermitRootLogin no``); this user logs in with the sandbox key
         and has passwordless sudo (``/etc/sudoers.d/kdeploy-sandbox``).
+        ``srv_mib``: every host's ``/srv`` is a tmpfs of that size, mounted on this machine's side of the bind, so
+        it survives the host's resets and filling it (a disk-full fault) cannot fill this machine's disk.
         """
         self.check_requirements()
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_HOSTS:
@@ -681,6 +684,10 @@ class Sandbox:
             self._prepare_network(hosts)
             pub = self.key_path.with_name(self.key_path.name + ".pub").read_text()
             host_keys = _parallel(lambda h: self._prepare_etc(h, hosts, pub, become_user), hosts)
+            if srv_mib is not None:
+                for host in hosts:
+                    _run(["mount", "-t", "tmpfs", "-o", f"size={int(srv_mib)}m,mode=755", "kdeploy-sandbox-srv",
+                          str(self._host_dir(host) / "srv")])
             _write(self.known_hosts_path, "".join(host_keys))
             self._write_ssh_config(hosts)
             for host in hosts:
@@ -997,7 +1004,15 @@ class Sandbox:
             if (not remaining and not remaining_links) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
+        for mount in self._mounts():  # srv_mib's tmpfs: unmounted, else rmtree would leave it mounted and empty
+            _run(["umount", "-l", mount], check=False)
         shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def _mounts(self) -> list[str]:
+        """This machine's mounts under the instance's state directory (``srv_mib``'s tmpfs)."""
+        prefix = f"{self.state_dir}/"
+        lines = (_read("/proc/self/mounts") or "").splitlines()
+        return sorted({w[1] for w in (line.split() for line in lines) if len(w) > 1 and w[1].startswith(prefix)})
 
     # --- inventory ------------------------------------------------------------------------------------
 

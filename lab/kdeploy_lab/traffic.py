@@ -8,10 +8,12 @@ from collections import Counter
 
 import httpx
 
+REFUSED_BACKOFF = 0.05  # seconds a client waits after a refused connection (the router restarting)
+
 
 class Traffic:
     """``threads`` clients, one request at a time each; ``codes`` counts the answers by HTTP status (an int) or by
-    the name of the client error (a str)."""
+    the name of the client error (a str): ``ConnectError`` is a request never sent (nothing listened)."""
 
     def __init__(self, url: str, threads: int, tokens: int, timeout: float = 30.0) -> None:
         self.url, self.tokens, self.timeout = url, tokens, timeout
@@ -30,6 +32,8 @@ class Traffic:
                     code: int | str = client.post(f"{self.url}/v1/completions", json=body).status_code
                 except httpx.HTTPError as exc:
                     code = type(exc).__name__
+                    if isinstance(exc, httpx.ConnectError):  # never sent (nothing listens): retried, as clients do
+                        self.stop.wait(REFUSED_BACKOFF)
                 with self._lock:
                     self.codes[code] += 1
 

@@ -224,3 +224,8 @@ def test_two_servers_of_two_nodes_behind_the_router_lose_no_request(deployment: 
             watcher.join(5)
         assert set(traffic.codes) == {200} and traffic.codes[200] > 50, traffic.codes
         assert min(seen) >= 1 and max(seen) == 2, seen  # one server out at a time, never none
+        # the router knows a server by its head: verify asks it about heads only (found by the fault campaign:
+        # a follower read "OUT of the router", and verify of a healthy server exited 4)
+        code, doc = deployment.json(capsys, "verify", "test")
+        assert code == 0, doc
+        assert {h["host"]: h.get("router") for h in doc["hosts"]} == {"h1": "in", "h2": None, "h3": "in", "h4": None}

@@ -187,6 +187,60 @@ def test_switched_but_never_gated_is_a_change_and_reverts(quick: Deployment,
     assert quick.show("h1", "InvocationID") not in (invocation, switched)  # restarted on the old release
 
 
+def test_a_switch_whose_pending_record_cannot_be_written_changes_nothing(quick: Deployment,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by the fault campaign (a disk filled at the switch): the activation wrote `pending` as
+    `printf > tmp && mv`, and `set -e` ignores a failure left of `&&`, so the switch went ahead with no way back
+    and its confirm found nothing pending. Then, with that fixed, the failed activation was taken for a failed
+    switch: its rollback failed the same way (exit 5, and the host left out of its router). Here `.pending.tmp`
+    is a directory: the same write fails, and the host refuses the switch with nothing changed."""
+    old = _deployed(quick, capsys)
+    invocation = quick.show("h1", "InvocationID")
+    quick.sh("h1", f"mkdir {quick.service_dir}/.pending.tmp")
+    (quick.payload / "rev.txt").write_text("2")
+    code, doc = quick.json(capsys, "push", "test")
+    host = doc["hosts"][0]
+    assert code == 7 and host["result"] == "preflight_refused", host  # nothing switched: no rollback to fail
+    assert "refused on the host, nothing changed" in host["error"] and "Is a directory" in host["error"], host
+    assert host["release"] == old
+    assert quick.current() == old and quick.show("h1", "InvocationID") == invocation
+    assert quick.sh("h1", f"ls {quick.service_dir}/pending 2>&1", check=False).endswith("No such file or directory\n")
+    quick.sh("h1", f"rmdir {quick.service_dir}/.pending.tmp")
+    assert quick.kdeploy("push", "test") == 0
+    assert quick.history()[-1]["gated"] == quick.current() != old
+
+
+def test_a_controller_gone_right_after_the_confirm_leaves_the_line_that_says_gated(
+        quick: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by the fault campaign (a host reset during the router's admit, right after its confirm): the history
+    line was written only at the command's end, so the host ran a release its history never said had passed its
+    gate. The confirm now writes it, in the same command. Here the push is driven through its states and the
+    controller stops right after the switch is confirmed: no end of command."""
+    old = _deployed(quick, capsys)
+    lines = len(quick.history())
+    (quick.payload / "rev.txt").write_text("2")
+    inv = quick.load()
+    local = fleet.prepare(inv, ["h1"])["h1"]
+    result = HostResult("h1")
+    step = push.HostPush(inv, inv.hosts["h1"], local, Options(), result, threading.Event())
+    step.prepare()
+    assert step.resume()
+    outcome = switch.switch_and_gate([step.node()], verify=True)
+    assert isinstance(outcome, switch.Confirmed) and result.result == "deployed"
+    assert step.remote is not None
+    step.remote.close()  # the controller is gone: its lock holder ends with the link, nothing more is written
+    new = quick.current()
+    assert new != old
+    assert quick.history()[lines:] == [quick.history()[-1]]
+    last = quick.history()[-1]
+    assert (last["release"], last["result"], last["gated"], last["attempted"]) == (new, "deployed", new, new), last
+    # a command that ends normally writes its line once
+    (quick.payload / "rev.txt").write_text("3")
+    lines = len(quick.history())
+    assert quick.kdeploy("push", "test") == 0
+    assert len(quick.history()) == lines + 1 and quick.history()[-1]["gated"] == quick.current()
+
+
 def test_gate_failure_rolls_back_with_the_old_release_config(quick: Deployment,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """The new config moves the port and the worker count; the rollback is gated as the old release was."""

@@ -31,6 +31,9 @@ def test_set_env_on_one_host_restarts_only_that_host(deployment: Deployment,
     assert deployment.show("h2", "InvocationID") != h2
     assert "KDTREE_DEFRAG_SORT=1" in deployment.show("h2", "Environment")
     assert "KDTREE_DEFRAG_SORT" not in deployment.show("h1", "Environment")
+    # the host's history names the command (found by the fault campaign: it held the inventory diff's last line)
+    assert deployment.history("h2")[-1]["command"].startswith("kdeploy set-env KDTREE_DEFRAG_SORT=1 "), \
+        deployment.history("h2")[-1]
     text = deployment.path.read_text()
     assert "# fleet-wide settings: edit with kdeploy set-env" in text  # comments survive the edit
     assert deployment.load().hosts["h2"].service.env == {"KDTREE_DEFRAG_SORT": "1"}

@@ -100,6 +100,22 @@ def test_no_color_on_a_tty_is_plain_too(monkeypatch, capsys):
     assert not ANSI.search(err) and not BOX.search(err)
 
 
+def test_verbose_plain_log_says_when_each_phase_starts():
+    out = io.StringIO()
+
+    def run(listener) -> Report:
+        host = HostResult("h1", listener=listener)
+        with host.phase("stage"):
+            pass
+        return Report("push", [host.finish(Result.DEPLOYED)])
+
+    progress.PlainLog(out, starts=True, clock=lambda: "12:00:00").run(run)
+    assert out.getvalue().splitlines()[:2] == ["12:00:00 h1 stage start", "12:00:00 h1 stage ok 0.0s"]
+    quiet = io.StringIO()
+    progress.PlainLog(quiet, clock=lambda: "12:00:00").run(run)
+    assert " start" not in quiet.getvalue()
+
+
 def test_a_waiting_phase_beats_every_heartbeat():
     out = io.StringIO()
     log = progress.PlainLog(out, heartbeat=0.05, clock=lambda: "12:00:00")

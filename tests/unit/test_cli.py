@@ -11,7 +11,7 @@ import typer
 
 from kdeploy.cli import app as cli
 from kdeploy.core.inventory import load
-from kdeploy.core.report import HostResult, Report
+from kdeploy.core.report import HostResult, Phase, Report
 from kdeploy.flows import fleet
 from kdeploy.flows.options import Options, recorded_command
 from kdeploy.flows.record import finish_command
@@ -86,3 +86,22 @@ def test_a_library_call_records_the_library_call_not_sys_argv(monkeypatch):
     for text in (finish, script):
         assert '"command":"kdeploy push (library)"' in text.replace('\\"', '"').replace(": ", ":")
         assert "s3cret" not in text
+
+
+def test_history_says_gated_only_after_a_gate_and_a_confirm():
+    """``gated`` in a history line: the gate passed and the switch was confirmed, whatever the result says (the
+    fault campaign found a host that passed and was confirmed, then ended ``failed`` when its router was down)."""
+    from kdeploy.flows.record import gate_passed
+
+    def host(*phases: tuple[str, bool]) -> HostResult:
+        result = HostResult("ct200")
+        for name, ok in phases:
+            result.phases.append(Phase(name, ok, 0.1, ""))
+        return result
+
+    assert gate_passed(host(("activate", True), ("ready", True), ("workers", True), ("confirm", True),
+                            ("admit", False)))
+    assert gate_passed(host(("ready", False), ("rollback ready", True), ("rollback confirm", True)))
+    assert not gate_passed(host(("activate", True), ("confirm", True)))  # --no-verify: confirmed, not gated
+    assert not gate_passed(host(("ready", True), ("workers", True), ("confirm", False)))
+    assert not gate_passed(host(("stage", True)))

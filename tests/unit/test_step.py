@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kdeploy.core import provisional, release, systemd
 from kdeploy.core.release import Delta
+from kdeploy.core.report import PhaseFailed
 from kdeploy.core.step import RunResult
 from kdeploy.host import lock
 
 
 def test_a_confirm_says_why_the_switch_was_not_kept() -> None:
     step = provisional.confirm_step("/srv/k/s", "kdeploy-revert-s", "tok")
-    assert step.parse(RunResult(0, "CONFIRMED\n", "")) is None
-    assert step.parse(RunResult(0, "LOST\n", "")) == "LOST"
-    assert step.parse(RunResult(1, "", "sh: cannot open\n")) == "sh: cannot open"
+    assert step.parse(RunResult(0, "CONFIRMED\n", "")) == (None, False)
+    assert step.parse(RunResult(0, "LOST\n", "")) == ("LOST", False)
+    assert step.parse(RunResult(1, "", "sh: cannot open\n")) == ("sh: cannot open", False)
+    # with the history line: written only once kept, in the same command; RECORDED once it was
+    step = provisional.confirm_step("/srv/k/s", "kdeploy-revert-s", "tok", then="echo line >> history.jsonl")
+    kept = step.command.split("then rm -f", 1)[1]
+    assert "echo line >> history.jsonl" in kept and kept.index("history.jsonl") < kept.index("else echo LOST")
+    assert step.parse(RunResult(0, "RECORDED\nCONFIRMED\n", "")) == (None, True)
+    assert step.parse(RunResult(0, "CONFIRMED\n", "sh: history.jsonl: No space left on device\n")) == (None, False)
 
 
 def test_a_stage_reads_staged_or_the_failure() -> None:
@@ -27,8 +36,24 @@ def test_a_stage_reads_staged_or_the_failure() -> None:
 
 def test_an_activation_fails_with_its_target_named() -> None:
     step = release.activate_step("/srv/k/s", "r2", "s.service", False)
-    assert step.fails == "switching to r2 failed"
     assert step.parse(RunResult(0, f"{systemd.OLD_RUN}abc123\nACTIVATED\n", "")) == "abc123"
+    with pytest.raises(PhaseFailed, match=r"^switching to r2 failed: mv: boom$") as failed:
+        step.parse(RunResult(1, "", "mv: boom\n"))
+    assert not isinstance(failed.value, release.SwitchRefused)
+    # failed before the switch (the revert could not be armed: a full disk): nothing changed on the host
+    with pytest.raises(release.SwitchRefused, match=r"refused on the host, nothing changed: .*No space left"):
+        step.parse(RunResult(release.NOT_SWITCHED_RC, "", "sh: 1: printf: No space left on device\n"))
+
+
+def test_an_activation_exits_not_switched_only_before_current_moves() -> None:
+    """Under `set -e`, an EXIT trap turns a failure before the armed revert into NOT_SWITCHED_RC; it is gone before
+    the environment, the unit or `current` change."""
+    lines = release.activate_script("/srv/k/s", "r2", "s.service", True, arm="printf x > /srv/k/s/pending").splitlines()
+    trap, untrap = lines.index(f"trap 'exit {release.NOT_SWITCHED_RC}' EXIT"), lines.index("trap - EXIT")
+    arm = next(i for i, line in enumerate(lines) if "pending" in line)
+    moved = next(i for i, line in enumerate(lines) if line.startswith("mv -T") and "current" in line)
+    unit = next(i for i, line in enumerate(lines) if line.startswith("cp "))
+    assert trap < arm < untrap < unit < moved
 
 
 def test_a_lock_release_reads_the_status_after_it() -> None:
