@@ -7,7 +7,7 @@ import json
 
 from kdeploy_lab.chaos import invariants as inv
 from kdeploy_lab.chaos import plan, report
-from kdeploy_lab.chaos.campaign import _LINE
+from kdeploy_lab.chaos.controller import _DONE, _START
 
 SERVERS = {"h1": ("h1",), "h2": ("h2",), "h3": ("h3",), "s4": ("h4", "h5")}
 
@@ -39,11 +39,15 @@ def test_the_moment_is_the_phase_the_head_had_started_last():
     assert plan.moment([(0.1, "newphase")], 1.0, None) == "newphase"  # unknown: named, not guessed
 
 
-def test_phase_start_lines_are_read_with_or_without_the_server_suffix():
-    m = _LINE.match("07:46:33 h4 (s4 head) stage start")
-    assert m and m.group(1, 2, 3) == ("h4", "stage", "start")
-    m = _LINE.match("07:46:33 h5 preflight ok 0.1s lock taken")
-    assert m and m.group(1, 2, 3) == ("h5", "preflight", "ok")
+def test_phase_lines_are_read_with_or_without_the_server_suffix():
+    m = _START.match("07:46:33 h4 (s4 head) stage start")
+    assert m and m.group(1, 2) == ("h4", "stage")
+    m = _START.match("07:46:33 h1 rollback activate start")
+    assert m and m.group(1, 2) == ("h1", "rollback activate")
+    assert not _START.match("07:46:33 h5 preflight ok 0.1s lock taken; start")
+    assert not _START.match("07:46:33 h5 stage ok 0.0s nothing changed")
+    m = _DONE.match("07:46:34 h5 (s4 node 1) done deployed")
+    assert m and m.group(1) == "h5"
 
 
 def _out(**over: str) -> str:

@@ -11,8 +11,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from kdeploy.core.errors import KdeployError
 from kdeploy_lab.chaos.plan import draw
 
 RESULTS = Path(__file__).resolve().parents[3] / "bench" / "results"
@@ -60,9 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGHUP, _stop)
     from kdeploy_lab.chaos import report
-    from kdeploy_lab.chaos.campaign import Campaign
-    from kdeploy_lab.chaos.fleet import SERVERS, fleet
-    from kdeploy_lab.traffic import Traffic
+    from kdeploy_lab.chaos.campaign import THREADS
+    from kdeploy_lab.chaos.fleet import SERVERS
 
     replay = None
     if a.replay is not None:
@@ -78,31 +79,24 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     outcomes: list[dict] = []
-    cases = a.cases or a.report.parent / "chaos-cases"
-    with fleet(a.instance) as f:
-        say(f"fleet up on sandbox {f.box.instance}: router {f.router_url}; seed {a.seed}")
-        with Traffic(f.router_url, threads=4, tokens=4, timeout=30) as traffic:
-            campaign = Campaign(f, traffic, say)
-            for index in range(a.first, a.first + a.iterations):
-                if a.budget is not None and time.monotonic() - started > a.budget:
-                    say(f"budget of {a.budget:.0f}s spent: {len(outcomes)} iterations ran")
-                    break
-                it = draw(a.seed, index, SERVERS)
-                out = campaign.run(it, delay=replay.get("delay") if replay else None)
-                doc = out.as_json()
-                if out.violations and replay is None:
-                    doc["case"] = str(report.save_case(cases, a.seed, doc, out.journals))
-                outcomes.append(doc)
-                fired = "" if out.delay is None else f" ({out.delay}s)"
-                say(f"#{index} {it.command} + {it.fault} on {it.server} at {out.moment}{fired}: "
-                    f"exit {out.exits}, settle {out.settle:.0f}s, lost {out.lost}/{out.requests}"
-                    + (f" VIOLATED: {'; '.join(out.violations)}" if out.violations else " ok"))
-        estimates = {k: campaign.estimate(k) for k in campaign.durations}
+    estimates: dict[str, float] = {}
+    interrupted = False
+    try:
+        _iterations(a, replay, outcomes, estimates, started, say)
+    except KeyboardInterrupt:
+        interrupted = True
+        say(f"interrupted after {len(outcomes)} iterations; the fleet is torn down")
+    except KdeployError as exc:  # the fleet could not be brought up (a busy instance, a missing tool)
+        say(f"chaos: {exc}")
+        return 2
     doc = report.document(a.seed, outcomes, planned=a.iterations, seconds=time.monotonic() - started,
                           budget=a.budget, machine=f"{platform.node()} {os.cpu_count()} cores, kdeploy {_commit()}",
                           fleet={"servers": {k: list(v) for k, v in SERVERS.items()}, "router": "sglang-router 0.3.2",
-                                 "traffic_streams": 4}, estimates=estimates)
-    if replay is None:
+                                 "traffic_streams": THREADS}, estimates=estimates)
+    doc["interrupted"] = interrupted
+    if replay is not None:  # the replayed iteration's outcome, to set beside the case's
+        sys.stdout.write(json.dumps(outcomes, indent=2) + "\n")
+    else:
         a.report.parent.mkdir(parents=True, exist_ok=True)
         a.report.write_text(json.dumps(doc, indent=2) + "\n")
         try:
@@ -111,7 +105,39 @@ def main(argv: list[str] | None = None) -> int:
             say("matplotlib missing: no plot (pip install matplotlib)")
         say(f"report: {a.report}")
     say(f"{len(outcomes)} iterations, {len(doc['violations'])} violated")
-    return 1 if doc["violations"] else 0
+    return 130 if interrupted else 1 if doc["violations"] else 0
+
+
+def _iterations(a: argparse.Namespace, replay: dict | None, outcomes: list[dict], estimates: dict[str, float],
+                started: float, say: Callable[[str], None]) -> None:
+    """Boot the fleet, run the iterations under traffic (each outcome appended as it ends), tear it down."""
+    from kdeploy_lab.chaos import report
+    from kdeploy_lab.chaos.campaign import THREADS, Campaign
+    from kdeploy_lab.chaos.fleet import SERVERS, fleet
+    from kdeploy_lab.traffic import Traffic
+
+    cases = a.cases or a.report.parent / "chaos-cases"
+    with fleet(a.instance) as f:
+        say(f"fleet up on sandbox {f.box.instance}: router {f.router_url}; seed {a.seed}")
+        with Traffic(f.router_url, threads=THREADS, tokens=4, timeout=30) as traffic:
+            campaign = Campaign(f, traffic)
+            try:
+                for index in range(a.first, a.first + a.iterations):
+                    if a.budget is not None and time.monotonic() - started > a.budget:
+                        say(f"budget of {a.budget:.0f}s spent: {len(outcomes)} iterations ran")
+                        break
+                    it = draw(a.seed, index, SERVERS)
+                    out = campaign.run(it, delay=replay.get("delay") if replay else None)
+                    doc = out.as_json()
+                    if out.violations and replay is None:
+                        doc["case"] = str(report.save_case(cases, a.seed, doc, out.journals))
+                    outcomes.append(doc)
+                    fired = "" if out.delay is None else f" ({out.delay}s)"
+                    say(f"#{index} {it.command} + {it.fault} on {it.server} at {out.moment}{fired}: "
+                        f"exit {out.exits}, settle {out.settle:.0f}s, lost {out.lost}/{out.requests}"
+                        + (f" VIOLATED: {'; '.join(out.violations)}" if out.violations else " ok"))
+            finally:
+                estimates.update({k: campaign.estimate(k) for k in campaign.durations})
 
 
 if __name__ == "__main__":

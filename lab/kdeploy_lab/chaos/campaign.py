@@ -5,12 +5,7 @@ host-side deadline has passed (:mod:`.invariants`), then a plain push that must 
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -19,8 +14,9 @@ from dataclasses import dataclass, field
 from ruamel.yaml import YAML
 
 from kdeploy_lab.chaos import invariants as inv
+from kdeploy_lab.chaos.controller import Controller
 from kdeploy_lab.chaos.faults import Injector
-from kdeploy_lab.chaos.fleet import PORT, READMIT_AFTER, REVERT_AFTER, SERVERS, SERVICE, Fleet
+from kdeploy_lab.chaos.fleet import READMIT_AFTER, REVERT_AFTER, SERVERS, SERVICE, Fleet
 from kdeploy_lab.chaos.plan import (
     CONTROLLER_FAULTS,
     KILLS_IN_FLIGHT,
@@ -38,76 +34,6 @@ SETTLE_WAIT = REVERT_AFTER + READMIT_AFTER + 90.0  # every host-side deadline, a
 # Seconds each command takes on the campaign's fleet, until one run was measured (then: the median of its runs).
 FIRST_ESTIMATE = {"push": 10.0, "set-env": 10.0, "set": 10.0, "rollback": 10.0, "canary": 25.0, "noop": 1.0,
                   "two-controllers": 10.0}
-# `HH:MM:SS host[ (server head, role)] phase status ...`: kdeploy's plain log (docs/ci.md), -v adds phase starts
-_LINE = re.compile(r"^\d\d:\d\d:\d\d (\S+)(?: \([^)]*\))? (\S+) (start|ok|FAIL|\S+)")
-
-
-@dataclass
-class Controller:
-    """A kdeploy run in a process of its own (a signal reaches it as it would a user's); its stderr's phase
-    lines are timed as they arrive."""
-
-    argv: list[str]
-    proc: subprocess.Popen[str]
-    started: float
-    starts: dict[str, list[tuple[float, str]]] = field(default_factory=dict)  # host -> (seconds, phase) starts
-    stderr: list[str] = field(default_factory=list)
-    ended: float | None = None
-    out: str = ""
-    readers: list[threading.Thread] = field(default_factory=list)
-
-    @classmethod
-    def start(cls, fleet: Fleet, argv: list[str]) -> Controller:
-        env = {**os.environ, "CI": "1", "COLUMNS": "200"}
-        proc = subprocess.Popen([sys.executable, "-m", "kdeploy", *argv, "-v", "--json", "--inventory",
-                                 str(fleet.inventory)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env)
-        run = cls(argv, proc, time.monotonic())
-        run.readers = [threading.Thread(target=run._read_err, daemon=True),
-                       threading.Thread(target=run._read_out, daemon=True)]
-        for reader in run.readers:
-            reader.start()
-        return run
-
-    def _read_err(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            now = time.monotonic() - self.started
-            self.stderr.append(line.rstrip("\n"))
-            if (m := _LINE.match(line)) and m.group(3) == "start":
-                self.starts.setdefault(m.group(1), []).append((now, m.group(2)))
-
-    def _read_out(self) -> None:
-        assert self.proc.stdout is not None
-        self.out = self.proc.stdout.read()
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            code: int | None = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-            code = None
-        if self.ended is None:
-            self.ended = time.monotonic() - self.started
-        for reader in self.readers:  # its whole output read before anyone looks at it
-            reader.join(10)
-        return code
-
-    def failed_phase(self, hosts: tuple[str, ...]) -> str | None:
-        """The first phase that failed on any of ``hosts``, from the JSON report."""
-        try:
-            found = [p["name"] for h in json.loads(self.out)["hosts"] if h["host"] in hosts for p in h["phases"]
-                     if not p["ok"]]
-        except (ValueError, KeyError, TypeError):
-            return None
-        return found[0] if found else None
-
-    def results(self) -> dict[str, str]:
-        try:
-            return {h["host"]: h["result"] for h in json.loads(self.out)["hosts"]}
-        except (ValueError, KeyError, TypeError):
-            return {}
 
 
 @dataclass
@@ -253,8 +179,10 @@ def journals(fleet: Fleet, since: str) -> dict[str, str]:
 
 
 class Campaign:
-    def __init__(self, fleet: Fleet, traffic: Traffic, say=print) -> None:  # type: ignore[no-untyped-def]
-        self.fleet, self.traffic, self.say = fleet, traffic, say
+    """The iterations on one fleet, with what they measured so far (each command's durations and moments)."""
+
+    def __init__(self, fleet: Fleet, traffic: Traffic) -> None:
+        self.fleet, self.traffic = fleet, traffic
         self.durations: dict[str, list[float]] = {}
         self.windows: dict[tuple[str, str], dict[str, tuple[float, float]]] = {}  # (command, head) -> moment windows
 
@@ -282,7 +210,7 @@ class Campaign:
         if fires and delay is None:
             delay = self.delay(it)
         violations: list[str] = []
-        runs = [Controller.start(fleet, argv) for argv in argvs]
+        runs = [Controller.start(fleet.inventory, argv) for argv in argvs]
         first = runs[0]
         try:
             if fires and delay is not None:
@@ -291,7 +219,7 @@ class Campaign:
                 if first.proc.poll() is not None and first.ended is None:
                     first.ended = time.monotonic() - first.started
                 hit = time.monotonic() - first.started
-                where = moment(first.starts.get(it.nodes[0], []), hit, first.ended)
+                where = moment(first.starts.get(it.nodes[0], []), hit, first.ended_for(it.nodes[0]))
                 injector.fire([r.proc for r in runs])
             else:
                 where = "none"
@@ -315,7 +243,7 @@ class Campaign:
             self.durations.setdefault(it.command, []).append(first.ended or 0.0)
             for head in {nodes[0] for nodes in SERVERS.values()}:
                 if first.starts.get(head):
-                    self.windows[(it.command, head)] = windows(first.starts[head], first.ended or 0.0)
+                    self.windows[(it.command, head)] = windows(first.starts[head], first.ended_for(head) or 0.0)
         started_settle = time.monotonic()
         now, ok = settle(fleet)
         settle_s = time.monotonic() - started_settle
@@ -346,12 +274,13 @@ class Campaign:
         fleet = self.fleet
         fleet.reset_inventory()
         out = []
-        push = Controller.start(fleet, ["push", "all", "--batch", "1"])
+        push = Controller.start(fleet.inventory, ["push", "all", "--batch", "1"])
         code = push.wait(CONTROLLER_WAIT)
         if code != 0:
             out.append(f"convergence: push exited {code}: {push.results()} " + " | ".join(push.stderr[-2:]))
-            Controller.start(fleet, ["push", "all", "--batch", "1"]).wait(CONTROLLER_WAIT)  # the next starts clean
-        verify = Controller.start(fleet, ["verify", "all"])
+            again = Controller.start(fleet.inventory, ["push", "all", "--batch", "1"])  # the next starts clean
+            again.wait(CONTROLLER_WAIT)
+        verify = Controller.start(fleet.inventory, ["verify", "all"])
         if (code := verify.wait(CONTROLLER_WAIT)) != 0:
             out.append(f"convergence: verify exited {code}: {verify.results()}")
         now = facts(fleet)
@@ -359,5 +288,3 @@ class Campaign:
         out += _router(fleet, {url for url in fleet.heads().values() if inv.serves(url)})
         return out
 
-
-__all__ = ["PORT", "Campaign", "Controller", "Outcome", "prepare"]

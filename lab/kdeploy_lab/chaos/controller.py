@@ -1,0 +1,96 @@
+"""A kdeploy run in a process of its own, as a user's or a CI job's: a signal reaches it as it would theirs, and the
+phase lines of its plain log (``-v``: each phase's ``start`` too, docs/cli.md) are timed as they arrive, so a fault
+can be placed in a phase and the moment it hit can be named."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# kdeploy's plain log (docs/ci.md): `HH:MM:SS host[ (server head, role)] phase start` as a phase begins (-v; a
+# phase may be two words: `rollback activate`), `HH:MM:SS host[ (...)] done RESULT ...` as the host ends
+_START = re.compile(r"^\d\d:\d\d:\d\d (\S+)(?: \([^)]*\))? ([a-z][a-z_-]*(?: [a-z][a-z_-]*)?) start$")
+_DONE = re.compile(r"^\d\d:\d\d:\d\d (\S+)(?: \([^)]*\))? done \S+")
+
+
+@dataclass
+class Controller:
+    """A kdeploy run in a process of its own (a signal reaches it as it would a user's); its stderr's phase
+    lines are timed as they arrive."""
+
+    argv: list[str]
+    proc: subprocess.Popen[str]
+    started: float
+    starts: dict[str, list[tuple[float, str]]] = field(default_factory=dict)  # host -> (seconds, phase) starts
+    done: dict[str, float] = field(default_factory=dict)  # host -> seconds at which its result was known
+    stderr: list[str] = field(default_factory=list)
+    ended: float | None = None
+    out: str = ""
+    readers: list[threading.Thread] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, inventory: Path, argv: list[str]) -> Controller:
+        env = {**os.environ, "CI": "1", "COLUMNS": "200"}
+        proc = subprocess.Popen([sys.executable, "-m", "kdeploy", *argv, "-v", "--json", "--inventory",
+                                 str(inventory)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
+        run = cls(argv, proc, time.monotonic())
+        run.readers = [threading.Thread(target=run._read_err, daemon=True),
+                       threading.Thread(target=run._read_out, daemon=True)]
+        for reader in run.readers:
+            reader.start()
+        return run
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            now = time.monotonic() - self.started
+            self.stderr.append(line.rstrip("\n"))
+            if m := _START.match(line.rstrip("\n")):
+                self.starts.setdefault(m.group(1), []).append((now, m.group(2)))
+            elif m := _DONE.match(line):
+                self.done.setdefault(m.group(1), now)
+
+    def _read_out(self) -> None:
+        assert self.proc.stdout is not None
+        self.out = self.proc.stdout.read()
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            code: int | None = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            code = None
+        if self.ended is None:
+            self.ended = time.monotonic() - self.started
+        for reader in self.readers:  # its whole output read before anyone looks at it
+            reader.join(10)
+        return code
+
+    def ended_for(self, host: str) -> float | None:
+        """When the run was over for ``host``: its result known, or the process gone (None: neither yet)."""
+        ends = [t for t in (self.done.get(host), self.ended) if t is not None]
+        return min(ends) if ends else None
+
+    def failed_phase(self, hosts: tuple[str, ...]) -> str | None:
+        """The first phase that failed on any of ``hosts``, from the JSON report."""
+        try:
+            found = [p["name"] for h in json.loads(self.out)["hosts"] if h["host"] in hosts for p in h["phases"]
+                     if not p["ok"]]
+        except (ValueError, KeyError, TypeError):
+            return None
+        return found[0] if found else None
+
+    def results(self) -> dict[str, str]:
+        try:
+            return {h["host"]: h["result"] for h in json.loads(self.out)["hosts"]}
+        except (ValueError, KeyError, TypeError):
+            return {}
