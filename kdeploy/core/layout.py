@@ -11,6 +11,7 @@
       .revert.sh, .boot-guard.sh        the host's own way back (kdeploy.core.provisional)
       .secrets.prev, .secrets.salt      the last confirmed secrets while a switch is pending; the digest's salt
       .readmit.key                      the router API key of the host's own re-admit (kdeploy.host.router)
+      .readmit.sh                       how to arm that re-admit again after a reboot (the boot guard does it)
       .probe.json                       what the probe read from SGLang's sources, while they do not change
 
 Everything there is root's (umask 077) but ``current`` and the releases, which the service reads.
@@ -38,6 +39,7 @@ GUARD_SCRIPT = ".boot-guard.sh"
 SECRETS_PREVIOUS = ".secrets.prev"
 SECRETS_SALT = ".secrets.salt"
 READMIT_KEY = ".readmit.key"
+READMIT_ARM = ".readmit.sh"
 PROBE_CACHE = ".probe.json"
 PARITY_RECORD = f"{META}/parity.json"  # inside a release directory
 GATE_RECORD = f"{META}/gate.json"  # inside a release directory

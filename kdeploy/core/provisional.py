@@ -118,11 +118,13 @@ def guard_unit_text(service_dir: str, unit_file: str) -> str:
     script = _unit_path(f"{service_dir}/{GUARD_SCRIPT}").replace("\\", "\\\\").replace('"', '\\"').replace("$", "$$")
     return "\n".join([
         "# Managed by kdeploy: puts the last confirmed release back if the host rebooted before a switch was "
-        "confirmed.",
+        "confirmed,",
+        "# and arms again the router re-admit of a drained host that a reboot took away.",
         "[Unit]",
         f"Description=kdeploy: boot guard of {unit_file}",
         f"Before={unit_file}",
-        f"ConditionPathExists={_unit_path(f'{service_dir}/{PENDING}')}",
+        f"ConditionPathExists=|{_unit_path(f'{service_dir}/{PENDING}')}",
+        f"ConditionPathExists=|{_unit_path(f'{service_dir}/{layout.READMIT_ARM}')}",
         "",
         "[Service]",
         "Type=oneshot",
@@ -134,10 +136,13 @@ def guard_unit_text(service_dir: str, unit_file: str) -> str:
 
 
 def _guard_script(service_dir: str, unit_file: str, policy: str, environment_file: str | None) -> str:
-    """What the guard runs: the revert, with the token of the `pending` it finds, unless that was armed in
-    this boot (a live switch whose revert timer still runs)."""
+    """What the guard runs: the router re-admit of a drained host armed again (a reboot ends transient timers),
+    then the revert, with the token of the `pending` it finds, unless that was armed in this boot (a live switch
+    whose revert timer still runs)."""
     d = shlex.quote(service_dir)
     return "\n".join([
+        # a drained host's re-admit (a transient timer: gone with a reboot) until it ran; armed already: no-op
+        f"[ ! -f {d}/{layout.READMIT_ARM} ] || /bin/sh {d}/{layout.READMIT_ARM} >/dev/null 2>&1 || true",
         f"read -r tok rest < {d}/{PENDING} 2>/dev/null || exit 0",
         f'[ "$(cat {d}/{BOOT_MARK} 2>/dev/null)" != "{_BOOT_ID}" ] || exit 0',
         f"exec /bin/sh {d}/{SCRIPT} {d} {shlex.quote(unit_file)} \"$tok\" {shlex.quote(policy)} "

@@ -356,7 +356,12 @@ class HostPush:
                                               f"gone back to {state.current or 'nothing'} by itself")
             self.outcome = Reverted(state.current)
             return
-        self.outcome = go_back([node], f"connection lost during the deploy ({lost})")
+        try:
+            self.outcome = go_back([node], f"connection lost during the deploy ({lost})")
+        except Unreachable as again:
+            self.held = None
+            self.result.finish("unreachable", f"connection lost during the deploy ({lost}), and again on the way "
+                                              f"back ({again}); the host goes back by itself at the deadline")
 
     def relock(self, lost: Unreachable) -> tuple[Node, HostState] | None:
         """After a lost link: a new connection and the lock again (ending the old holder), with the state as it
@@ -556,7 +561,14 @@ class ServerPush:
                 node.result.finish("unreachable", f"connection lost during the deploy ({lost}); {gone} cannot be "
                                                   "reached: every node goes back by itself at the deadline")
             return
-        outcome = go_back(contexts, f"connection lost during the deploy ({lost})")
+        try:
+            outcome = go_back(contexts, f"connection lost during the deploy ({lost})")
+        except Unreachable as again:
+            for node in contexts:
+                node.held = None
+                node.result.finish("unreachable", f"connection lost during the deploy ({lost}), and again on the "
+                                                  f"way back ({again}); every node goes back by itself at the deadline")
+            return
         for node in self.nodes:
             node.outcome = outcome
 

@@ -6,10 +6,10 @@ code. Every node arms its own revert, under one token and deadline, before its `
 controller that dies leaves nodes that go back by themselves (docs/push.md, "provisional"); ``Reverted`` is the
 end where they did, ``NotSwitched`` the one where the first node could not arm its revert (a full disk) and
 nothing moved. The confirm writes each node's history line in the same command, so a node reset or a controller
-gone right after it still has the line that says its release passed. The nodes switch head first (the head's stop broadcasts the shutdown its followers wait
-for), restart and are gated together, are confirmed only once every node passed, and go back together when any
-node fails, so no server is left with ranks on different releases. Each transition returns its typed
-outcome; the ``HostResult`` of each node only reports it.
+gone right after it still has the line that says its release passed. The nodes switch head first (the head's
+stop broadcasts the shutdown its followers wait for), restart and are gated together, are confirmed only once
+every node passed, and go back together when any node fails, so no server is left with ranks on different
+releases. Each transition returns its typed outcome; the ``HostResult`` of each node only reports it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from kdeploy.core import provisional, release, systemd
 from kdeploy.core import secrets as secret
-from kdeploy.core.errors import KdeployError, RemoteTimeout
+from kdeploy.core.errors import KdeployError, RemoteTimeout, Unreachable
 from kdeploy.core.gatespec import GateSpec
 from kdeploy.core.inventory import HostConfig
 from kdeploy.core.layout import service_dir
@@ -308,6 +308,8 @@ def go_back(nodes: Sequence[Node], why: str) -> RolledBack:
                 parity.own_record(n.remote, service_dir(n.host.service), n.previous_spec, n.pending.target)
                 if n.previous_spec.serves else None, peers))
             on_each(back, lambda n: confirm(n, n.pending))
+        except Unreachable:  # the link is gone (a node reset): the caller reconnects, else the nodes go back alone
+            raise
         except (PhaseFailed, KdeployError) as exc:
             for node, phase in zip(back, phases, strict=True):
                 disarm(node, node.pending)

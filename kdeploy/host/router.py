@@ -27,7 +27,7 @@ from kdeploy import onhost
 from kdeploy.core import provisional
 from kdeploy.core.errors import InvalidInput, KdeployError, Unreachable
 from kdeploy.core.inventory import HostConfig, Inventory, Router
-from kdeploy.core.layout import READMIT_KEY, service_dir
+from kdeploy.core.layout import READMIT_ARM, READMIT_KEY, service_dir
 from kdeploy.core.step import Step
 from kdeploy.ssh.tunnel import dial_address
 
@@ -315,15 +315,19 @@ def arm_readmit_command(host: HostConfig, with_key: bool) -> str:
         disarm_readmit_command(host),
         f"(umask 077 && cat > {q}/{READMIT_KEY})" if with_key else ":",
         f"printf '%s\\n' {shlex.quote(program)} > {q}/.readmit.py",
-        " ".join(shlex.quote(a) for a in argv),
+        # kept until the re-admit ran or was disarmed: a transient timer dies with a reboot, the boot guard
+        # (kdeploy.core.provisional) arms it again from this file
+        f"printf '%s\\n' {shlex.quote(shlex.join(argv))} > {q}/{READMIT_ARM}",
+        f"/bin/sh {q}/{READMIT_ARM}",
     ])
 
 
 def disarm_readmit_command(host: HostConfig) -> str:
     """Cancel the host's re-admit: the controller admitted the host, or decided it stays out."""
     unit = shlex.quote(readmit_unit(host.service.name))
+    d = shlex.quote(service_dir(host.service))
     return (f"systemctl stop {unit}.timer {unit}.service 2>/dev/null; "
-            f"rm -f {shlex.quote(service_dir(host.service))}/{READMIT_KEY}; true")
+            f"rm -f {d}/{READMIT_KEY} {d}/{READMIT_ARM}; true")
 
 
 def _url_host(address: str) -> str:

@@ -18,6 +18,7 @@ import urllib.request
 POLL = 2.0
 PENDING = "pending"  # kdeploy.core.layout.PENDING
 KEY = ".readmit.key"  # kdeploy.core.layout.READMIT_KEY
+ARM = ".readmit.sh"  # kdeploy.core.layout.READMIT_ARM
 
 
 def call(url: str, key: str | None, body: dict | None = None) -> tuple[int, str]:
@@ -79,9 +80,10 @@ def main(service_dir: str, health: str, router: str, worker: str, seconds: str, 
             time.sleep(POLL)
         print(f"kdeploy-readmit: {worker} is in the router {router}")
         return 0
-    finally:
-        if os.path.exists(key_file):
-            os.remove(key_file)
+    finally:  # ran: a reboot must not arm it again (the boot guard would, from ARM)
+        for done in (key_file, os.path.join(service_dir, ARM)):
+            if os.path.exists(done):
+                os.remove(done)
 
 
 if __name__ == "__main__":

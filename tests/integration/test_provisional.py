@@ -17,6 +17,7 @@ import time
 import pytest
 
 from kdeploy.core import provisional, state
+from kdeploy.core.errors import Unreachable
 from kdeploy.core.report import HostResult
 from kdeploy.flows import fleet, push, session, switch
 from kdeploy.flows.options import Options
@@ -239,6 +240,33 @@ def test_a_controller_gone_right_after_the_confirm_leaves_the_line_that_says_gat
     lines = len(quick.history())
     assert quick.kdeploy("push", "test") == 0
     assert len(quick.history()) == lines + 1 and quick.history()[-1]["gated"] == quick.current()
+
+
+def test_a_link_lost_on_the_way_back_is_a_lost_link_not_a_failed_rollback(quick: Deployment,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by the fault campaign (a host reset during its gate, behind a router): the gate failed, the way back
+    could not reach the host, and the push ended `rollback_failed` (a person needed) and left the host out of its
+    router, while the host went back by itself at boot. `go_back` now lets a lost link through: the push
+    reconnects, or leaves the host to its own revert. Here the controller's SSH session is ended from the host
+    between the switch and the way back."""
+    old = _deployed(quick, capsys)
+    (quick.payload / "rev.txt").write_text("2")
+    inv = quick.load()
+    local = fleet.prepare(inv, ["h1"])["h1"]
+    result = HostResult("h1")
+    step = push.HostPush(inv, inv.hosts["h1"], local, Options(), result, threading.Event())
+    step.prepare()
+    assert step.resume()
+    node = step.node()
+    switch.switch(node, node.pending.target, True, node.pending)
+    quick.sh("h1", "pkill -KILL -f '^sshd: root' || true")  # every session of the controller's, not the daemon
+    with pytest.raises(Unreachable):
+        switch.go_back([node], "gate failed")
+    assert not result.done, result  # not rollback_failed: undecided, for the caller's reconnect
+    step.reconnect_and_go_back(Unreachable("h1: connection lost"))
+    assert result.result in ("rolled_back", "unreachable"), result
+    record = _wait_reverted(quick, old, node.pending.target) if result.result == "unreachable" else None
+    assert quick.current() == old, record
 
 
 def test_gate_failure_rolls_back_with_the_old_release_config(quick: Deployment,

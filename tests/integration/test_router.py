@@ -257,6 +257,73 @@ def test_a_controller_killed_after_the_drain_leaves_the_host_to_re_admit_itself(
 
 
 @pytest.mark.hosts(2)
+def test_a_host_reset_after_the_drain_re_admits_itself_after_its_boot(routed: Routed) -> None:
+    """Found by the fault campaign (a reset during the gate): the re-admit was a transient timer, and a reboot
+    ended it, so a drained host that came back on its confirmed release stayed out of its router for good. The
+    boot guard now arms it again from ``.readmit.sh`` (kept until the re-admit ran). The push is killed once h1
+    is out (its new release starts slowly, so it stays out), then h1 is hard-reset."""
+    dep = routed.dep
+    dep.edit(lambda doc: doc["defaults"]["router"].update(readmit_after=8))
+    dep.edit(lambda doc: doc["defaults"]["service"]["gate"].update(revert_after=10))
+    dep.edit(lambda doc: doc["defaults"]["service"]["env"].update(REFSERVER_SLOW_START="20"))
+    h1 = routed.worker_url("h1")
+    (dep.payload / "rev.txt").write_text("9")
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1",
+                             "--inventory", str(dep.path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        routed.wait(lambda w: h1 not in w, "h1 drained", timeout=60)
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert dep.sh("h1", f"test -f {dep.service_dir}/.readmit.sh && echo kept").strip() == "kept"
+    dep.fleet.reboot("h1")  # every transient timer (the revert's, the re-admit's) is gone with it
+    routed.wait(lambda w: w.get(h1) is True, "h1 back and healthy", timeout=10 + 60)
+    unit = f"kdeploy-readmit-{dep.service}.service"
+    deadline = time.monotonic() + 15
+    while dep.sh("h1", f"systemctl is-active {unit}", check=False).strip() == "active":
+        assert time.monotonic() < deadline, "the re-admit never ended"
+        time.sleep(0.2)
+    journal = dep.sh("h1", f"journalctl -b -u {unit} -o cat --no-pager")
+    assert f"registering it with {routed.url}" in journal, journal  # this boot's re-admit did it
+    assert dep.sh("h1", f"ls {dep.service_dir}/.readmit.sh 2>&1", check=False).endswith("No such file or directory\n")
+    assert dep.kdeploy("verify", "test") == 0
+
+
+@pytest.mark.hosts(2)
+def test_a_host_reset_during_its_gate_is_not_left_for_a_person(routed: Routed) -> None:
+    """Found by the fault campaign: h1 reset while its gate ran made the gate fail, and the way back, which could
+    not reach h1, ended `rollback_failed` (exit 5: a person needed) and disarmed nothing. A lost link on the way
+    back is now a lost link: the controller reconnects (or leaves h1 to go back by itself), and h1, back on its
+    confirmed release at boot, re-admits itself."""
+    dep = routed.dep
+    dep.edit(lambda doc: doc["defaults"]["router"].update(readmit_after=8))
+    dep.edit(lambda doc: doc["defaults"]["service"]["gate"].update(revert_after=15))
+    dep.edit(lambda doc: doc["defaults"]["service"]["env"].update(REFSERVER_SLOW_START="5"))
+    old, h1 = dep.current("h1"), routed.worker_url("h1")
+    invocation = dep.show("h1", "InvocationID")
+    (dep.payload / "rev.txt").write_text("9")
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1", "--json",
+                             "--inventory", str(dep.path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while dep.show("h1", "InvocationID") == invocation:  # restarted on the new release: its gate waits
+            assert proc.poll() is None and time.monotonic() < deadline, "h1 was never restarted"
+            time.sleep(0.05)
+        dep.fleet.reboot("h1")
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    hosts = {h["host"]: h for h in json.loads(out)["hosts"]}
+    assert proc.returncode in (3, 4) and hosts["h1"]["result"] in ("unreachable", "rolled_back"), hosts["h1"]
+    routed.wait(lambda w: w.get(h1) is True, "h1 back and healthy", timeout=15 + 60)
+    assert dep.current("h1") == old
+    assert dep.kdeploy("verify", "test") == 0
+
+
+@pytest.mark.hosts(2)
 def test_push_and_rollback_go_one_host_at_a_time_through_the_router(routed: Routed, capsys) -> None:
     dep = routed.dep
     (dep.payload / "rev.txt").write_text("6")

@@ -165,7 +165,11 @@ def test_the_re_admit_is_armed_with_the_hosts_view_of_the_router_and_cancelled_b
     lines = arm_readmit_command(host, with_key=True).splitlines()
     assert lines[0] == disarm_readmit_command(host)  # an earlier one is replaced, never doubled
     assert lines[1].startswith("(umask 077 && cat > ") and lines[1].endswith("/.readmit.key)")
-    argv = shlex.split(lines[-1])
+    # the systemd-run line is kept in .readmit.sh (the boot guard arms it again after a reboot), then run
+    kept, run = lines[-2], lines[-1]
+    assert kept.startswith("printf '%s\\n' ") and kept.endswith(f" > /opt/kdeploy/{sv.name}/.readmit.sh")
+    assert run == f"/bin/sh /opt/kdeploy/{sv.name}/.readmit.sh"
+    argv = shlex.split(shlex.split(kept)[2])
     seconds = 20 + sv.unit.timeout_stop_sec + 60 + sv.gate_timeout + 60 + 60  # drain + revert deadline + margin
     assert readmit_after(host) == seconds and f"--on-active={int(seconds)}" in argv
     assert f"--unit=kdeploy-readmit-{sv.name}" in argv
@@ -175,3 +179,4 @@ def test_the_re_admit_is_armed_with_the_hosts_view_of_the_router_and_cancelled_b
         json.dumps({"url": host.worker_url}, separators=(",", ":"))]
     assert "cat >" not in arm_readmit_command(host, with_key=False)
     assert f"kdeploy-readmit-{sv.name}.timer" in disarm_readmit_command(host)
+    assert f"/opt/kdeploy/{sv.name}/.readmit.sh" in disarm_readmit_command(host)  # no reboot arms it again

@@ -80,20 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     outcomes: list[dict] = []
     estimates: dict[str, float] = {}
-    interrupted = False
+    interrupted, error = False, None
     try:
         _iterations(a, replay, outcomes, estimates, started, say)
     except KeyboardInterrupt:
         interrupted = True
         say(f"interrupted after {len(outcomes)} iterations; the fleet is torn down")
-    except KdeployError as exc:  # the fleet could not be brought up (a busy instance, a missing tool)
+    except KdeployError as exc:  # the fleet could not be brought up or torn down (a busy instance, a missing tool)
+        error = str(exc)
         say(f"chaos: {exc}")
-        return 2
+        if not outcomes:
+            return 2
     doc = report.document(a.seed, outcomes, planned=a.iterations, seconds=time.monotonic() - started,
                           budget=a.budget, machine=f"{platform.node()} {os.cpu_count()} cores, kdeploy {_commit()}",
                           fleet={"servers": {k: list(v) for k, v in SERVERS.items()}, "router": "sglang-router 0.3.2",
                                  "traffic_streams": THREADS}, estimates=estimates)
-    doc["interrupted"] = interrupted
+    doc["interrupted"], doc["error"] = interrupted, error
     if replay is not None:  # the replayed iteration's outcome, to set beside the case's
         sys.stdout.write(json.dumps(outcomes, indent=2) + "\n")
     else:
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             say("matplotlib missing: no plot (pip install matplotlib)")
         say(f"report: {a.report}")
     say(f"{len(outcomes)} iterations, {len(doc['violations'])} violated")
-    return 130 if interrupted else 1 if doc["violations"] else 0
+    return 130 if interrupted else 2 if error else 1 if doc["violations"] else 0
 
 
 def _iterations(a: argparse.Namespace, replay: dict | None, outcomes: list[dict], estimates: dict[str, float],

@@ -10,7 +10,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import threading
-import time
 
 from kdeploy_lab import sandbox_router
 from kdeploy_lab.chaos.fleet import Fleet
@@ -26,7 +25,6 @@ class Injector:
 
     def __init__(self, fleet: Fleet, it: Iteration) -> None:
         self.fleet, self.it = fleet, it
-        self.fired: float | None = None  # monotonic time it fired
         self.killed_host = False  # a host (or the router) died with requests in flight
         self._held = False
         self._lock = threading.Lock()
@@ -34,7 +32,6 @@ class Injector:
 
     def fire(self, controllers: list[subprocess.Popen[str]]) -> None:
         it, box = self.it, self.fleet.box
-        self.fired = time.monotonic()
         if it.fault in CONTROLLER_FAULTS:
             for proc in controllers[:1]:  # two controllers: the first one is hit
                 if proc.poll() is None:

@@ -36,6 +36,8 @@ def document(seed: int, outcomes: list[dict], *, planned: int, seconds: float, b
         "violations": violations,
         "table": table(outcomes),
         "commands": dict(Counter(o["command"] for o in outcomes)),
+        "missed": [{"iteration": o["iteration"], "fault": o["fault"], "why": o["missed"]} for o in outcomes
+                   if o.get("missed")],
         "traffic": {"requests": requests, "refused": sum(o["refused"] for o in outcomes),
                     "lost_apart": sum(o["lost_apart"] for o in outcomes),
                     "lost_other": sum(o["lost"] - o["lost_apart"] for o in outcomes)},
