@@ -132,3 +132,18 @@ def test_a_release_fault_hits_where_kdeploy_caught_it():
     assert release_moment("crash-at-start", "rollback ready") == "gate"
     assert release_moment("ignore-sigterm", None) == "restart"  # passes its gate; hits at the next stop
     assert release_moment("perturbed-output", None) == "gate"
+
+
+def test_exit_1_alone_is_not_an_internal_error():
+    """A host its router did not take back ends `failed`, exit 1; only a traceback or kdeploy's line is a crash
+    (the first committed campaign took the first for the second)."""
+    from kdeploy_lab.chaos.controller import Controller
+
+    def run(out: str, err: list[str]) -> Controller:
+        return Controller(["push"], None, 0.0, stderr=err, out=out)  # type: ignore[arg-type]
+
+    router_out = json.dumps({"hosts": [{"host": "h4", "result": "failed", "error": "left OUT of the router"}]})
+    assert not run(router_out, ["h4 | OUT of its router: `kdeploy router admit h4` puts it back"]).crashed()
+    assert run(json.dumps({"hosts": [{"host": "h1", "traceback": "Traceback ..."}]}), []).crashed()
+    assert run("", ["kdeploy: internal error: NameError: x (rerun with --debug for the trace)"]).crashed()
+    assert not run("", ["kdeploy: ssh h1: echo internal error -> exit 0 in 0.01s"]).crashed()

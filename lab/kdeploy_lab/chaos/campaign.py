@@ -242,7 +242,7 @@ class Campaign:
         for r, code in zip(runs, exits, strict=True):
             if code is None:
                 violations.append(f"controller `kdeploy {' '.join(r.argv)}` still ran after {CONTROLLER_WAIT:.0f}s")
-            elif code == 1:
+            elif r.crashed():
                 violations.append(f"controller `kdeploy {' '.join(r.argv)}` ended with an internal error: "
                                   + " | ".join(r.stderr[-3:]))
         if it.fault not in CONTROLLER_FAULTS and it.fault not in RELEASE_FAULTS and all(c is not None for c in exits):

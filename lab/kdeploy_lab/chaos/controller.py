@@ -89,6 +89,16 @@ class Controller:
             return None
         return found[0] if found else None
 
+    def crashed(self) -> bool:
+        """An internal error (a bug): a host's traceback in the JSON, or kdeploy's one line for one. Exit 1 alone
+        is not one: a host that deployed but that its router did not take back ends ``failed`` (exit 1) too."""
+        try:
+            hosts = json.loads(self.out)["hosts"]
+        except (ValueError, KeyError, TypeError):
+            hosts = []
+        return any(isinstance(h, dict) and h.get("traceback") for h in hosts) or any(
+            line.startswith("kdeploy: internal error") for line in self.stderr)
+
     def results(self) -> dict[str, str]:
         try:
             return {h["host"]: h["result"] for h in json.loads(self.out)["hosts"]}
