@@ -7,7 +7,7 @@ import json
 
 from kdeploy_lab.chaos import invariants as inv
 from kdeploy_lab.chaos import plan, report
-from kdeploy_lab.chaos.controller import _DONE, _START
+from kdeploy_lab.chaos.controller import _END, _START
 
 SERVERS = {"h1": ("h1",), "h2": ("h2",), "h3": ("h3",), "s4": ("h4", "h5")}
 
@@ -46,8 +46,9 @@ def test_phase_lines_are_read_with_or_without_the_server_suffix():
     assert m and m.group(1, 2) == ("h1", "rollback activate")
     assert not _START.match("07:46:33 h5 preflight ok 0.1s lock taken; start")
     assert not _START.match("07:46:33 h5 stage ok 0.0s nothing changed")
-    m = _DONE.match("07:46:34 h5 (s4 node 1) done deployed")
-    assert m and m.group(1) == "h5"
+    m = _END.match("07:46:34 h5 (s4 node 1) rollback confirm ok 0.0s kept")
+    assert m and m.group(1, 2) == ("h5", "rollback confirm")
+    assert not _END.match("07:46:34 h5 done deployed")
 
 
 def _out(**over: str) -> str:
@@ -147,3 +148,20 @@ def test_exit_1_alone_is_not_an_internal_error():
     assert run(json.dumps({"hosts": [{"host": "h1", "traceback": "Traceback ..."}]}), []).crashed()
     assert run("", ["kdeploy: internal error: NameError: x (rerun with --debug for the trace)"]).crashed()
     assert not run("", ["kdeploy: ssh h1: echo internal error -> exit 0 in 0.01s"]).crashed()
+
+
+def test_a_host_s_part_ends_with_its_last_phase_not_with_its_result():
+    """Its `done` line comes at the confirm, before the router's admit: a fault in the admit is `router-readmit`;
+    one after the admit ended, while other servers roll, is `after` (the first committed run folded both)."""
+    from kdeploy_lab.chaos.controller import Controller
+
+    run = Controller(["push"], None, 0.0)  # type: ignore[arg-type]
+    run.starts["h1"] = [(1.0, "confirm"), (1.2, "admit")]
+    run.ends["h1"] = [(1.1, "confirm"), (1.5, "admit")]
+    run.ended = 9.0
+    assert run.ended_for("h1") == 1.5
+    assert plan.moment(run.starts["h1"], 1.3, run.ended_for("h1")) == "router-readmit"
+    assert plan.moment(run.starts["h1"], 1.05, run.ended_for("h1")) == "confirm"
+    assert plan.moment(run.starts["h1"], 4.0, run.ended_for("h1")) == "after"
+    run.ends["h1"] = [(1.1, "confirm")]  # the admit still running when the process was killed
+    assert run.ended_for("h1") == 9.0

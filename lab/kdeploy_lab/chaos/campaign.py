@@ -222,14 +222,15 @@ class Campaign:
                 if first.proc.poll() is not None and first.ended is None:
                     first.ended = time.monotonic() - first.started
                 hit = time.monotonic() - first.started
-                where = moment(first.starts.get(it.nodes[0], []), hit, first.ended_for(it.nodes[0]))
                 try:
                     injector.fire([r.proc for r in runs])
                 except Exception as exc:  # the harness failed (a host that would not boot again): said apart
                     missed = f"{it.fault} could not be injected: {exc}"
             else:
-                where = "none"
+                where, hit = "none", 0.0
             exits = [r.wait(CONTROLLER_WAIT) for r in runs]
+            if fires:  # named once the run ended: whether the head's part was over then is known only now
+                where = moment(first.starts.get(it.nodes[0], []), hit, first.ended_for(it.nodes[0]))
             if it.fault in RELEASE_FAULTS:  # it hits when the release starts (or, ignoring SIGTERM, stops)
                 caught = [f for r in runs if (f := r.failed_phase(it.nodes))]  # of two controllers, the one that
                 later = [f for f in caught if release_moment(it.fault, f) not in ("before-lock", "staging")]

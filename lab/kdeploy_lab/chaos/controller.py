@@ -17,7 +17,7 @@ from pathlib import Path
 # kdeploy's plain log (docs/ci.md): `HH:MM:SS host[ (server head, role)] phase start` as a phase begins (-v; a
 # phase may be two words: `rollback activate`), `HH:MM:SS host[ (...)] done RESULT ...` as the host ends
 _START = re.compile(r"^\d\d:\d\d:\d\d (\S+)(?: \([^)]*\))? ([a-z][a-z_-]*(?: [a-z][a-z_-]*)?) start$")
-_DONE = re.compile(r"^\d\d:\d\d:\d\d (\S+)(?: \([^)]*\))? done \S+")
+_END = re.compile(r"^\d\d:\d\d:\d\d (\S+)(?: \([^)]*\))? ([a-z][a-z_-]*(?: [a-z][a-z_-]*)?) (?:ok|FAIL) \d")
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Controller:
     proc: subprocess.Popen[str]
     started: float
     starts: dict[str, list[tuple[float, str]]] = field(default_factory=dict)  # host -> (seconds, phase) starts
-    done: dict[str, float] = field(default_factory=dict)  # host -> seconds at which its result was known
+    ends: dict[str, list[tuple[float, str]]] = field(default_factory=dict)  # host -> (seconds, phase) ends
     stderr: list[str] = field(default_factory=list)
     ended: float | None = None
     out: str = ""
@@ -55,8 +55,8 @@ class Controller:
             self.stderr.append(line.rstrip("\n"))
             if m := _START.match(line.rstrip("\n")):
                 self.starts.setdefault(m.group(1), []).append((now, m.group(2)))
-            elif m := _DONE.match(line):
-                self.done.setdefault(m.group(1), now)
+            elif m := _END.match(line):
+                self.ends.setdefault(m.group(1), []).append((now, m.group(2)))
 
     def _read_out(self) -> None:
         assert self.proc.stdout is not None
@@ -76,9 +76,13 @@ class Controller:
         return code
 
     def ended_for(self, host: str) -> float | None:
-        """When the run was over for ``host``: its result known, or the process gone (None: neither yet)."""
-        ends = [t for t in (self.done.get(host), self.ended) if t is not None]
-        return min(ends) if ends else None
+        """When the run was over for ``host``: its last phase ended and no other began, or the process is gone
+        (None: neither). Its ``done`` line is no end: a host's result is known at its confirm, before its
+        router's admit. Read once the run ended."""
+        starts, ends = self.starts.get(host, []), self.ends.get(host, [])
+        if starts and ends and len(ends) >= len(starts) and ends[-1][0] >= starts[-1][0]:
+            return ends[-1][0] if self.ended is None else min(ends[-1][0], self.ended)
+        return self.ended
 
     def failed_phase(self, hosts: tuple[str, ...]) -> str | None:
         """The first phase that failed on any of ``hosts``, from the JSON report."""
