@@ -211,6 +211,18 @@ def test_a_switch_whose_pending_record_cannot_be_written_changes_nothing(quick: 
     assert quick.history()[-1]["gated"] == quick.current() != old
 
 
+def _staged_and_locked(dep: Deployment) -> tuple[push.HostPush, HostResult]:
+    """A push of a changed payload to h1 driven through its states by hand: staged, at its turn, locked."""
+    (dep.payload / "rev.txt").write_text("2")
+    inv = dep.load()
+    result = HostResult("h1")
+    step = push.HostPush(inv, inv.hosts["h1"], fleet.prepare(inv, ["h1"])["h1"], Options(), result,
+                         threading.Event())
+    step.prepare()
+    assert step.resume()
+    return step, result
+
+
 def test_a_controller_gone_right_after_the_confirm_leaves_the_line_that_says_gated(
         quick: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     """Found by the fault campaign (a host reset during the router's admit, right after its confirm): the history
@@ -219,13 +231,7 @@ def test_a_controller_gone_right_after_the_confirm_leaves_the_line_that_says_gat
     controller stops right after the switch is confirmed: no end of command."""
     old = _deployed(quick, capsys)
     lines = len(quick.history())
-    (quick.payload / "rev.txt").write_text("2")
-    inv = quick.load()
-    local = fleet.prepare(inv, ["h1"])["h1"]
-    result = HostResult("h1")
-    step = push.HostPush(inv, inv.hosts["h1"], local, Options(), result, threading.Event())
-    step.prepare()
-    assert step.resume()
+    step, result = _staged_and_locked(quick)
     outcome = switch.switch_and_gate([step.node()], verify=True)
     assert isinstance(outcome, switch.Confirmed) and result.result == "deployed"
     assert step.remote is not None
@@ -250,13 +256,7 @@ def test_a_link_lost_on_the_way_back_is_a_lost_link_not_a_failed_rollback(quick:
     reconnects, or leaves the host to its own revert. Here the controller's SSH session is ended from the host
     between the switch and the way back."""
     old = _deployed(quick, capsys)
-    (quick.payload / "rev.txt").write_text("2")
-    inv = quick.load()
-    local = fleet.prepare(inv, ["h1"])["h1"]
-    result = HostResult("h1")
-    step = push.HostPush(inv, inv.hosts["h1"], local, Options(), result, threading.Event())
-    step.prepare()
-    assert step.resume()
+    step, result = _staged_and_locked(quick)
     node = step.node()
     switch.switch(node, node.pending.target, True, node.pending)
     quick.sh("h1", "pkill -KILL -f '^sshd: root' || true")  # every session of the controller's, not the daemon
