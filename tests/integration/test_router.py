@@ -222,6 +222,21 @@ def test_ctrl_c_mid_drain_reports_the_host_out_and_admit_fixes_it(routed: Routed
     assert routed.workers()[routed.worker_url("h1")] is True
 
 
+def _push_killed_once_out(routed: Routed, worker: str) -> float:
+    """A push of a changed payload, SIGKILLed as soon as the router no longer lists ``worker``; when."""
+    dep = routed.dep
+    (dep.payload / "rev.txt").write_text("9")
+    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1",
+                             "--inventory", str(dep.path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        routed.wait(lambda w: worker not in w, "the host drained", timeout=60)
+        proc.kill()
+        return time.monotonic()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 @pytest.mark.hosts(2)
 def test_a_controller_killed_after_the_drain_leaves_the_host_to_re_admit_itself(routed: Routed) -> None:
     """The drain armed the host's re-admit first: with nobody left to admit it, the host registers itself
@@ -232,16 +247,7 @@ def test_a_controller_killed_after_the_drain_leaves_the_host_to_re_admit_itself(
     dep.edit(lambda doc: doc["defaults"]["router"].update(readmit_after=8))
     dep.edit(lambda doc: doc["defaults"]["service"]["gate"].update(revert_after=10))
     h1 = routed.worker_url("h1")
-    (dep.payload / "rev.txt").write_text("9")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1",
-                             "--inventory", str(dep.path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        routed.wait(lambda w: h1 not in w, "h1 drained", timeout=60)
-        proc.kill()
-        killed = time.monotonic()
-    finally:
-        proc.kill()
-        proc.wait(10)
+    killed = _push_killed_once_out(routed, h1)
     assert h1 not in routed.workers()
     routed.wait(lambda w: w.get(h1) is True, "h1 back and healthy", timeout=10 + 50)
     assert time.monotonic() - killed >= 7  # by the host at its deadline, not by anything earlier
@@ -267,15 +273,7 @@ def test_a_host_reset_after_the_drain_re_admits_itself_after_its_boot(routed: Ro
     dep.edit(lambda doc: doc["defaults"]["service"]["gate"].update(revert_after=10))
     dep.edit(lambda doc: doc["defaults"]["service"]["env"].update(REFSERVER_SLOW_START="20"))
     h1 = routed.worker_url("h1")
-    (dep.payload / "rev.txt").write_text("9")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1",
-                             "--inventory", str(dep.path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        routed.wait(lambda w: h1 not in w, "h1 drained", timeout=60)
-        proc.kill()
-    finally:
-        proc.kill()
-        proc.wait(10)
+    _push_killed_once_out(routed, h1)
     assert dep.sh("h1", f"test -f {dep.service_dir}/.readmit.sh && echo kept").strip() == "kept"
     dep.fleet.reboot("h1")  # every transient timer (the revert's, the re-admit's) is gone with it
     routed.wait(lambda w: w.get(h1) is True, "h1 back and healthy", timeout=10 + 60)
