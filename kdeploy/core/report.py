@@ -140,6 +140,7 @@ class HostResult:
     server: ServerRef | None = None  # the server it is a node of, when that spans hosts
     role: str | None = None  # "prefill" or "decode": its server's half of a prefill/decode pair
     recorded: Result | None = field(default=None, repr=False, compare=False)  # its history line's, by the confirm
+    gated: str | None = field(default=None, repr=False, compare=False)  # kept by a confirm after its gate
     listener: Listener | None = field(default=None, repr=False, compare=False)
     done: bool = field(default=False, repr=False, compare=False)
     prefix: str = field(default="", repr=False, compare=False)

@@ -12,20 +12,6 @@ from kdeploy.core.report import HostResult, Result
 from kdeploy.flows.session import Wanted
 from kdeploy.host import lock
 
-GATE_PHASES = ("ready", "workers")  # a head's readiness and a node's own workers: the gate ran (not --no-verify)
-
-
-def gate_passed(result: HostResult) -> bool:
-    """This command confirmed the release that now runs after its gate passed (a rollback's way back included):
-    its last confirm and a gate phase before it are ok. A result that says otherwise (``failed``: the router did
-    not take the host back) keeps this in the history line's ``gated``."""
-    names = [p.name.rpartition(" ")[2] for p in result.phases]
-    if "confirm" not in names:
-        return False
-    last = len(names) - 1 - names[::-1].index("confirm")
-    return result.phases[last].ok and any(n in GATE_PHASES and p.ok for n, p in zip(names[:last], result.phases,
-                                                                                      strict=False))
-
 
 def _entry(result: HostResult, started: float, local: Wanted | None, command: str, secrets: str | None) -> dict:
     who = lock.holder_info(command)
@@ -36,7 +22,9 @@ def _entry(result: HostResult, started: float, local: Wanted | None, command: st
         "unit_hash": release.sha256_text(local.unit_text)[:16] if local else None,
         "duration": round(time.monotonic() - started, 2),
         "result": result.result, "release": result.release, "attempted": result.attempted, "error": result.error,
-        "gated": result.release if gate_passed(result) else None,
+        # the release that runs passed its gate in this command, whatever the result says since (``failed``:
+        # the router did not take the host back)
+        "gated": result.release if result.gated is not None and result.gated == result.release else None,
     }
     if secrets:
         entry["secrets"] = secrets

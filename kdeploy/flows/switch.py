@@ -141,7 +141,8 @@ def restart_and_follow(node: Node, old: str, timeout: float) -> systemd.UnitStat
 
 def confirm(node: Node, pending: provisional.Pending, success: Result | None = None, gated: bool = False) -> None:
     """Keep the switch: disarm the node's revert (it acts only on a ``pending`` that is still ours). With
-    ``success``, the node's history line (its ``record``) is written in the same command, as ``success``."""
+    ``success``, the node's history line (its ``record``) is written in the same command, as ``success``.
+    ``gated``: the gate passed before; the result keeps which release that was (:attr:`HostResult.gated`)."""
     line = node.record(success, gated) if success is not None and node.record is not None else ""
     with node.result.phase("confirm") as phase:
         lost, recorded = node.remote.ask(provisional.confirm_step(
@@ -151,6 +152,8 @@ def confirm(node: Node, pending: provisional.Pending, success: Result | None = N
         if lost:
             raise PhaseFailed(f"the switch to {pending.target} was no longer pending: the host reverted by itself "
                               f"or another deploy took over ({lost})")
+        if gated:
+            node.result.gated = pending.target
         phase.detail = f"{pending.target} kept; revert disarmed"
 
 
@@ -307,7 +310,7 @@ def go_back(nodes: Sequence[Node], why: str) -> RolledBack:
                 n, olds[n.host.name], True, n.pending.target, n.previous_spec,
                 parity.own_record(n.remote, service_dir(n.host.service), n.previous_spec, n.pending.target)
                 if n.previous_spec.serves else None, peers))
-            on_each(back, lambda n: confirm(n, n.pending))
+            on_each(back, lambda n: confirm(n, n.pending, gated=True))
         except Unreachable:  # the link is gone (a node reset): the caller reconnects, else the nodes go back alone
             raise
         except (PhaseFailed, KdeployError) as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from pathlib import Path
 from typing import Annotated
@@ -11,7 +13,7 @@ import typer
 
 from kdeploy.cli import app as cli
 from kdeploy.core.inventory import load
-from kdeploy.core.report import HostResult, Phase, Report
+from kdeploy.core.report import HostResult, Report
 from kdeploy.flows import fleet
 from kdeploy.flows.options import Options, recorded_command
 from kdeploy.flows.record import finish_command
@@ -88,20 +90,28 @@ def test_a_library_call_records_the_library_call_not_sys_argv(monkeypatch):
         assert "s3cret" not in text
 
 
-def test_history_says_gated_only_after_a_gate_and_a_confirm():
-    """``gated`` in a history line: the gate passed and the switch was confirmed, whatever the result says (the
-    fault campaign found a host that passed and was confirmed, then ended ``failed`` when its router was down)."""
-    from kdeploy.flows.record import gate_passed
+def test_history_says_gated_only_for_the_release_a_confirm_kept_after_its_gate():
+    """``gated`` in a history line: the confirm that kept the release that runs came after its gate, whatever the
+    result says since (the fault campaign found a host that passed and was confirmed, then ended ``failed`` when
+    its router was down). Not for a confirm without a gate (--no-verify), nor once the host went elsewhere."""
+    from kdeploy.core import provisional
+    from kdeploy.core.gatespec import gate_spec
+    from kdeploy.core.step import RunResult
+    from kdeploy.flows.switch import Node, confirm
 
-    def host(*phases: tuple[str, bool]) -> HostResult:
-        result = HostResult("ct200")
-        for name, ok in phases:
-            result.phases.append(Phase(name, ok, 0.1, ""))
-        return result
+    class Confirming:
+        def ask(self, step, stdin=None):
+            return step.parse(RunResult(0, "CONFIRMED RECORDED\n", ""))
 
-    assert gate_passed(host(("activate", True), ("ready", True), ("workers", True), ("confirm", True),
-                            ("admit", False)))
-    assert gate_passed(host(("ready", False), ("rollback ready", True), ("rollback confirm", True)))
-    assert not gate_passed(host(("activate", True), ("confirm", True)))  # --no-verify: confirmed, not gated
-    assert not gate_passed(host(("ready", True), ("workers", True), ("confirm", False)))
-    assert not gate_passed(host(("stage", True)))
+    host = load(INVENTORY).hosts["ct200"]
+    spec = gate_spec(host.service, None)
+
+    def line(result: HostResult, gated: bool) -> dict:
+        node = Node(Confirming(), host, result, provisional.new_pending("R1", "R2", 60), spec, spec)  # type: ignore[arg-type]
+        confirm(node, node.pending, gated=gated)
+        text = finish_command(host, result, time.monotonic(), [], command="kdeploy push all")
+        return json.loads(re.search(r"'(\{.*\})'", text)[1])
+
+    assert line(HostResult("ct200", release="R2").finish("failed", "router down"), True)["gated"] == "R2"
+    assert line(HostResult("ct200", release="R2").finish("deployed"), False)["gated"] is None  # --no-verify
+    assert line(HostResult("ct200", release="R1").finish("rolled_back", "canary"), True)["gated"] is None
