@@ -155,10 +155,10 @@ class Deployment:
 
 
     def interrupt(self, *args: str, when: Callable[[], object], what: str, sig: signal.Signals = signal.SIGINT,
-                  wait: float = 120.0, settle: float = 0.0) -> Stopped:
+                  wait: float = 120.0, settle: float = 0.0, reset: str | None = None) -> Stopped:
         """``kdeploy ARGS --json`` in a process of its own (Ctrl-C and SIGKILL reach it as they would a user's
         run), sent ``sig`` once ``when()`` is true (polled; ``what`` names it if that never comes) and ``settle``
-        seconds more; what it answered."""
+        seconds more; what it answered. With ``reset``, that host is power-cycled instead (the run goes on)."""
         proc = subprocess.Popen([sys.executable, "-m", "kdeploy", *args, "--json", "--inventory", str(self.path)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
@@ -168,8 +168,11 @@ class Deployment:
                 time.sleep(0.02)
             time.sleep(settle)
             sent = time.monotonic()
-            proc.send_signal(sig)
-            out, err = proc.communicate(timeout=180)
+            if reset is None:
+                proc.send_signal(sig)
+            else:
+                self.fleet.reboot(reset)
+            out, err = proc.communicate(timeout=240)
             return Stopped(proc.returncode, json.loads(out) if out else {}, err, time.monotonic() - sent)
         finally:
             if proc.poll() is None:

@@ -7,8 +7,6 @@ its group, so every test here checks that both nodes move, stop, start and go ba
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -119,16 +117,8 @@ def test_controller_killed_after_the_switch_leaves_both_nodes_on_one_release(
     before = _releases(server)
     server.set_service(env={"REFSERVER_SLOW_START": "20"})
     invocation = server.show("h2", "InvocationID")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "s1", "--inventory", str(server.path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while server.show("h2", "InvocationID") == invocation:  # the follower switches after the head
-            assert proc.poll() is None and time.monotonic() < deadline, "h2 was never restarted"
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+    server.interrupt("push", "s1", when=lambda: server.show("h2", "InvocationID") != invocation,  # the follower
+                     what="h2's restart", wait=60, sig=signal.SIGKILL)                       # switches after the head
     assert all(_releases(server)[h] != before[h] for h in NODES)
     deadline = time.monotonic() + 150
     while any(server.sh(h, f"test -e {server.service_dir}/pending && echo p", check=False).strip() for h in NODES):
@@ -153,19 +143,9 @@ def test_a_follower_reset_before_the_confirm_leaves_both_nodes_on_the_last_confi
     before = _releases(server)
     server.set_service(env={"REFSERVER_SLOW_START": "20"})
     invocation = server.show("h2", "InvocationID")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "s1", "--json", "--inventory",
-                             str(server.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while server.show("h2", "InvocationID") == invocation:
-            assert proc.poll() is None and time.monotonic() < deadline, "h2 was never restarted"
-            time.sleep(0.05)
-        server.fleet.reboot("h2")
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode in (3, 4), out  # rolled back by the controller, or left to the hosts' deadline
+    stopped = server.interrupt("push", "s1", when=lambda: server.show("h2", "InvocationID") != invocation,
+                               what="h2's restart", wait=60, reset="h2")
+    assert stopped.code in (3, 4), stopped.doc  # rolled back by the controller, or left to the hosts' deadline
     deadline = time.monotonic() + 150
     while any(server.sh(h, f"test -e {server.service_dir}/pending && echo p", check=False).strip() for h in NODES):
         assert time.monotonic() < deadline, "a node never went back"

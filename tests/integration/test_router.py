@@ -10,9 +10,8 @@ controller) reaches it at the host's sandbox address and requests stay in flight
 from __future__ import annotations
 
 import json
+import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -226,15 +225,9 @@ def _push_killed_once_out(routed: Routed, worker: str) -> float:
     """A push of a changed payload, SIGKILLed as soon as the router no longer lists ``worker``; when."""
     dep = routed.dep
     (dep.payload / "rev.txt").write_text("9")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1",
-                             "--inventory", str(dep.path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        routed.wait(lambda w: worker not in w, "the host drained", timeout=60)
-        proc.kill()
-        return time.monotonic()
-    finally:
-        proc.kill()
-        proc.wait(10)
+    stopped = dep.interrupt("push", "test", "--batch", "1", when=lambda: worker not in routed.workers(),
+                            what="the host drained", wait=60, sig=signal.SIGKILL)
+    return time.monotonic() - stopped.seconds
 
 
 @pytest.mark.hosts(2)
@@ -301,21 +294,10 @@ def test_a_host_reset_during_its_gate_is_not_left_for_a_person(routed: Routed) -
     old, h1 = dep.current("h1"), routed.worker_url("h1")
     invocation = dep.show("h1", "InvocationID")
     (dep.payload / "rev.txt").write_text("9")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1", "--json",
-                             "--inventory", str(dep.path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while dep.show("h1", "InvocationID") == invocation:  # restarted on the new release: its gate waits
-            assert proc.poll() is None and time.monotonic() < deadline, "h1 was never restarted"
-            time.sleep(0.05)
-        dep.fleet.reboot("h1")
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    hosts = {h["host"]: h for h in json.loads(out)["hosts"]}
-    assert proc.returncode in (3, 4) and hosts["h1"]["result"] in ("unreachable", "rolled_back"), hosts["h1"]
+    stopped = dep.interrupt("push", "test", "--batch", "1", when=lambda: dep.show("h1", "InvocationID") != invocation,
+                            what="h1's restart on the new release", wait=60, reset="h1")  # its gate waits
+    h1_result = stopped.hosts["h1"]
+    assert stopped.code in (3, 4) and h1_result["result"] in ("unreachable", "rolled_back"), h1_result
     routed.wait(lambda w: w.get(h1) is True, "h1 back and healthy", timeout=15 + 60)
     assert dep.current("h1") == old
     assert dep.kdeploy("verify", "test") == 0
@@ -396,22 +378,13 @@ def test_killed_controller_leaves_the_host_out_and_set_env_restarts_after_the_dr
     server's SIGTERM drain still finishes the stream."""
     dep = routed.dep
     h1 = routed.worker_url("h1")
-    (dep.payload / "rev.txt").write_text("7")
     out: list = []
     started = threading.Event()
     client = threading.Thread(target=_stream, args=(h1, 60, out, started))  # 6 s on h1
     client.start()
     assert started.wait(10)
     h1_before = dep.show("h1", "InvocationID")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", "test", "--batch", "1",
-                             "--inventory", str(dep.path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        routed.wait(lambda w: h1 not in w, "h1 drained", timeout=60)
-        proc.kill()
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    _push_killed_once_out(routed, h1)
     assert h1 not in routed.workers() and dep.show("h1", "InvocationID") == h1_before
     code, doc = dep.json(capsys, "status", "test")
     assert {h["host"]: h["router"] for h in doc["hosts"]} == {"h1": "out", "h2": "in"}, doc
