@@ -386,7 +386,6 @@ class Analysis:
             result.log += back.log
             result.router = back.router or result.router
             result.release = back.release or result.release
-            result.gated = back.gated or result.gated  # the way back's gate, when it passed
             if back.result == Result.RESTORED:
                 result.finish(Result.ROLLED_BACK, f"canary analysis failed: {why}; back on {to[name]}")
             else:

@@ -62,8 +62,8 @@ def test_a_slower_canary_is_rolled_back_by_the_analysis_and_the_rest_keep_their_
     for name in ("h2", "h3"):
         assert hosts[name]["result"] == "skipped" and "the canary analysis failed" in hosts[name]["error"]
     assert {h: dep.link(h) for h in dep.hosts} == before  # the canary back, the others never moved
-    last = dep.history("h1")[-1]  # the push's own line: back on the release it ran, and that one's gate passed
-    assert (last["result"], last["release"], last["gated"]) == ("rolled_back", *[dep.current("h1")] * 2), last
+    last = dep.history("h1")[-1]  # the way back's line: on the release it ran before, whose gate passed again
+    assert (last["result"], last["release"], last["gated"]) == ("restored", *[dep.current("h1")] * 2), last
     assert "REFSERVER_LATENCY" not in dep.show("h1", "Environment")
     assert analysed.workers() == {analysed.worker_url(h): True for h in dep.hosts}
 
