@@ -38,6 +38,7 @@ SCRIPT = layout.REVERT_SCRIPT
 NONE = "-"  # no confirmed release yet (a first deploy)
 MARGIN = 60.0  # seconds beyond restart + gate before the host acts on its own
 HOLDER_WAIT = 60  # seconds a fired revert waits for a held deploy lock (at most revert_after) before ending its holder
+SWAP_TRIES, SWAP_PAUSE = 24, 5  # a revert whose swap fails (a full disk) tries again for 2 minutes, pending kept
 TRANSIENT_DIR = "/run/systemd/transient"  # where systemd keeps the unit files of systemd-run's units
 
 GUARD_SCRIPT = layout.GUARD_SCRIPT
@@ -48,7 +49,8 @@ _BOOT_ID = "$(cat /proc/sys/kernel/random/boot_id)-$(cut -d' ' -f22 /proc/1/stat
 # The host's own way back (kdeploy/onhost/revert.sh): run by a transient service at the deadline, by the guard at boot.
 _REVERT = onhost.shell("revert.sh", UNIT_DIR=UNIT_DIR, SECRETS_PREVIOUS=layout.SECRETS_PREVIOUS, LOCK=layout.LOCK,
                        LOCK_RECORD=layout.LOCK_RECORD, PENDING=layout.PENDING, RELEASES=layout.RELEASES,
-                       META=layout.META, CURRENT=layout.CURRENT, HISTORY=layout.HISTORY)
+                       META=layout.META, CURRENT=layout.CURRENT, HISTORY=layout.HISTORY,
+                       SWAP_TRIES=str(SWAP_TRIES), SWAP_PAUSE=str(SWAP_PAUSE))
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,22 @@ if [ "$prev" = "-" ]; then
   [ "$how" = boot ] && what="host rebooted before the confirm; $what"
 else
   release="\"$prev\""
-  cp "$d/@RELEASES@/$prev/@META@/unit.service" "@UNIT_DIR@/.$unit.kdeploy-revert" &&
-    chmod 0644 "@UNIT_DIR@/.$unit.kdeploy-revert" && mv -T "@UNIT_DIR@/.$unit.kdeploy-revert" "@UNIT_DIR@/$unit"
-  ln -sfn "@RELEASES@/$prev" "$d/.@CURRENT@.tmp" && mv -T "$d/.@CURRENT@.tmp" "$d/@CURRENT@"
+  # the unit and current, both or again (a full disk clears): pending stays until they moved, so a swap that never
+  # succeeds is retried at boot and shown to the next kdeploy run, instead of a host on an unconfirmed release
+  tries=0
+  until cp "$d/@RELEASES@/$prev/@META@/unit.service" "@UNIT_DIR@/.$unit.kdeploy-revert" &&
+      chmod 0644 "@UNIT_DIR@/.$unit.kdeploy-revert" && mv -T "@UNIT_DIR@/.$unit.kdeploy-revert" "@UNIT_DIR@/$unit" &&
+      rm -rf "$d/.@CURRENT@.tmp" && ln -sfn "@RELEASES@/$prev" "$d/.@CURRENT@.tmp" &&
+      mv -T "$d/.@CURRENT@.tmp" "$d/@CURRENT@"; do
+    tries=$((tries + 1))
+    if [ "$tries" -ge @SWAP_TRIES@ ]; then
+      echo "kdeploy-revert: could not put $prev back after $tries tries; the switch to $target stays pending" >&2
+      [ "$(cat "$d/@LOCK_RECORD@" 2>/dev/null)" = "$info" ] && rm -f "$d/@LOCK_RECORD@"
+      exit 1
+    fi
+    echo "kdeploy-revert: putting $prev back failed (try $tries of @SWAP_TRIES@); again in @SWAP_PAUSE@s" >&2
+    sleep @SWAP_PAUSE@
+  done
   systemctl daemon-reload
   systemctl $nb restart "$unit"
   what="switch to $target not confirmed by the deadline: the host went back to $prev by itself"

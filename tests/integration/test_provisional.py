@@ -9,8 +9,6 @@ later run sees the unconfirmed switch as a change, never as ``unchanged``.
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -68,17 +66,9 @@ def _killed_during_the_gate(dep: Deployment, target: str = "test") -> str:
     waiting): that release, switched and never confirmed."""
     dep.set_service(env={"REFSERVER_SLOW_START": "30"})
     before = dep.show("h1", "InvocationID")
-    proc = subprocess.Popen([sys.executable, "-m", "kdeploy", "push", target, "--inventory", str(dep.path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while dep.show("h1", "InvocationID") == before:
-            assert proc.poll() is None and time.monotonic() < deadline, "h1 was never restarted"
-            time.sleep(0.05)
-        return dep.current()
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+    dep.interrupt("push", target, when=lambda: dep.show("h1", "InvocationID") != before, what="h1's restart",
+                  wait=60, sig=signal.SIGKILL)
+    return dep.current()
 
 
 @pytest.fixture
@@ -103,6 +93,39 @@ def test_controller_killed_during_the_gate_host_reverts_by_itself(quick: Deploym
     _assert_back_on(quick, old, new, record)
     code, doc = quick.json(capsys, "history", "test")
     assert doc["hosts"][0]["history"][-1]["result"] == "reverted"
+
+
+def test_a_revert_that_cannot_move_current_keeps_its_pending_and_tries_again(
+        deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found reading revert.sh: a swap that failed (here the service's filesystem out of inodes at the deadline:
+    no room for ``current``'s new link) still restarted the service and removed ``pending``, leaving the host on
+    a release nobody confirmed with nothing to say so. The revert now tries again, ``pending`` kept, and goes
+    back once there is room."""
+    small = f"/srv/kdeploy-inodes-{deployment.service}"
+    deployment.fleet.exec("h1", ["sh", "-c", f"mkdir -p {small} && "
+                                             f"mount -t tmpfs -o size=256m,nr_inodes=4000 tmpfs {small}"])
+    try:
+        deployment.set_service(remote_root=small, gate=_gate())
+        old = _deployed(deployment, capsys)
+        new = _killed_during_the_gate(deployment)
+        filler = f"{small}/.filler"
+        deployment.sh("h1", f"mkdir {filler} && cd {filler} && seq 4000 | xargs touch 2>/dev/null; "
+                            f"! touch {small}/.one-more 2>/dev/null")  # every inode taken
+        revert = f"{provisional.timer_unit(deployment.service)}.service"
+        deadline = time.monotonic() + REVERT_AFTER + 90
+        while f"putting {old} back failed (try 2 of" not in deployment.sh(
+                "h1", f"journalctl -q -o cat -u {revert}", check=False):
+            assert time.monotonic() < deadline, deployment.sh("h1", f"journalctl -q -u {revert}", check=False)
+            time.sleep(1)
+        assert deployment.current() == new  # not moved, and not called reverted
+        assert deployment.sh("h1", f"cat {deployment.service_dir}/pending").split()[2] == new
+        assert not [r for r in deployment.history() if r.get("result") == "reverted"]
+        deployment.sh("h1", f"rm -rf {filler}")
+        record = _wait_reverted(deployment, old, new, within=30)
+        _assert_back_on(deployment, old, new, record)
+    finally:
+        deployment.fleet.exec("h1", ["sh", "-c", f"systemctl stop {deployment.service}; umount {small}; "
+                                                 f"rmdir {small}"], check=False)
 
 
 def test_host_reset_before_the_confirm_boots_on_its_last_confirmed_release(
