@@ -20,9 +20,40 @@ def test_an_iteration_is_drawn_from_its_seed_and_index_alone():
     assert {d.fault for d in draws} == set(plan.FAULTS)
     for d in draws:
         assert d.fault not in plan.RELEASE_FAULTS or d.command in plan.NEW_RELEASE, d
+        assert d.aim not in plan.SWITCHING or d.command in (*plan.NEW_RELEASE, "rollback"), d  # noop never switches
         assert d.host in d.nodes and d.nodes == SERVERS[d.server]
         assert 0 <= d.at < 1 and 1 <= d.hold <= 12
     assert json.loads(json.dumps(draws[0].as_json()))["nodes"] == list(draws[0].nodes)
+
+
+def test_each_cycle_deals_every_firing_fault_at_every_aim():
+    """Independent draws left cells of the fault x moment table empty by chance; each cycle of the deck hits them
+    all, in an order of its own, and iteration i still needs only (seed, i)."""
+    n = len(plan.DECK)
+    for cycle in (0, 1):
+        dealt = [(d.fault, d.aim) for d in (plan.draw(3, cycle * n + i, SERVERS) for i in range(n))]
+        assert sorted(dealt) == sorted(plan.DECK)
+        assert {(f, a) for f in plan.FIRING for a in ("anywhere", *plan.AIMED)} <= set(dealt)
+    first, second = ([(d.fault, d.aim) for d in (plan.draw(3, c * n + i, SERVERS) for i in range(n))] for c in (0, 1))
+    assert first != second
+
+
+def test_an_aimed_fault_waits_for_its_moment_on_the_head():
+    from kdeploy_lab.chaos.campaign import Campaign
+
+    starts = [(0.1, "connect"), (0.2, "preflight"), (2.0, "drain"), (2.4, "restart"), (3.0, "workers"),
+              (4.0, "confirm"), (4.03, "admit")]
+    assert plan.anchor(starts, "confirm") == 4.0 and plan.anchor(starts, "gate") == 3.0
+    assert plan.anchor(starts, "before-lock") == 0.0  # the run's start
+    assert plan.anchor(starts[:5], "confirm") is None  # not yet: keep waiting
+    campaign = Campaign(None, None)  # type: ignore[arg-type]  # its aims read only what it measured
+    it = plan.Iteration(1, 0, "push", "reset", "h1", ("h1",), "h1", "confirm", 0.5, 1.0, 0)
+    assert campaign.aim(it) == ("confirm", 0.0)  # nothing measured yet: at the moment's start
+    campaign.windows[("push", "h1")] = plan.windows(starts, 4.5)
+    assert campaign.aim(it) == ("confirm", 0.015)  # half of the confirm's 30 ms
+    campaign.durations["push"] = [8.0]
+    assert campaign.aim(plan.Iteration(1, 0, "push", "reset", "h1", ("h1",), "h1", "anywhere", 0.5, 1.0, 0)) \
+        == (None, 4.0)
 
 
 def test_the_moment_is_the_phase_the_head_had_started_last():
@@ -37,6 +68,9 @@ def test_the_moment_is_the_phase_the_head_had_started_last():
     assert plan.moment(starts, 4.2, None) == "router-readmit"
     assert plan.moment(starts, 4.2, 4.15) == "after"
     assert plan.moment([(0.1, "newphase")], 1.0, None) == "newphase"  # unknown: named, not guessed
+    way_back = [*starts[:6], (3.8, "rollback"), (3.9, "rollback activate"), (4.5, "rollback workers")]
+    assert plan.moment(way_back, 4.0, None) == plan.moment(way_back, 4.6, None) == "rollback"
+    assert plan.anchor(way_back, "confirm") is None  # a gate that failed never reaches its confirm
 
 
 def test_phase_lines_are_read_with_or_without_the_server_suffix():

@@ -23,6 +23,7 @@ from kdeploy_lab.chaos.plan import (
     PHASE_MOMENT,
     RELEASE_FAULTS,
     Iteration,
+    anchor,
     moment,
     windows,
 )
@@ -192,33 +193,42 @@ class Campaign:
         seen = self.durations.get(command)
         return statistics.median(seen) if seen else FIRST_ESTIMATE[command]
 
-    def delay(self, it: Iteration) -> float:
-        """When the fault fires, in seconds after the command's start: in the aimed moment's window as the last
-        run of this command measured it on the server's head, else anywhere in the command's measured duration."""
-        window = self.windows.get((it.command, it.nodes[0]), {}).get(it.aim)
-        if window is None:
-            return round(it.at * self.estimate(it.command), 3)
-        start, end = window
-        return round(start + it.at * max(0.0, end - start), 3)
+    def aim(self, it: Iteration) -> tuple[str | None, float]:
+        """Where the fault fires: (the moment it is anchored on, None for the command's start; seconds after
+        that). "anywhere" is within the command's measured duration; a moment within its window as the last run
+        of this command measured it on the server's head (at its very start before one was measured)."""
+        if it.aim == "anywhere":
+            return None, round(it.at * self.estimate(it.command), 3)
+        start, end = self.windows.get((it.command, it.nodes[0]), {}).get(it.aim, (0.0, 0.0))
+        return it.aim, round(it.at * max(0.0, end - start), 3)
+
+    @staticmethod
+    def wait_for(run: Controller, head: str, aim: tuple[str | None, float]) -> None:
+        """Until the aimed time (its moment's start on ``head``, as its line arrives, then the offset), or the
+        run's end, whichever comes first."""
+        moment_of, offset = aim
+        while run.proc.poll() is None:
+            began = 0.0 if moment_of is None else anchor(run.starts.get(head, []), moment_of)
+            if began is not None and time.monotonic() - run.started >= began + offset:
+                return
+            time.sleep(0.002)
 
     def run(self, it: Iteration, delay: float | None = None) -> Outcome:
-        """One iteration; ``delay`` replays a recorded firing time instead of drawing it from the estimate."""
+        """One iteration; ``delay`` replays a recorded firing time (seconds after the start) instead of its aim."""
         fleet = self.fleet
         since = time.strftime("%Y-%m-%d %H:%M:%S")
         before = Counter(self.traffic.codes)
         argvs = prepare(fleet, it)
         injector = Injector(fleet, it)
         fires = it.fault not in RELEASE_FAULTS and it.fault != "none"
-        if fires and delay is None:
-            delay = self.delay(it)
+        aim = (None, delay) if delay is not None else self.aim(it)
         violations: list[str] = []
         missed: str | None = None
         runs = [Controller.start(fleet.inventory, argv) for argv in argvs]
         first = runs[0]
         try:
-            if fires and delay is not None:
-                while time.monotonic() - first.started < delay and first.proc.poll() is None:
-                    time.sleep(0.01)
+            if fires:
+                self.wait_for(first, it.nodes[0], aim)
                 if first.proc.poll() is not None and first.ended is None:
                     first.ended = time.monotonic() - first.started
                 hit = time.monotonic() - first.started
@@ -268,7 +278,7 @@ class Campaign:
         if lost > apart:
             violations.append(f"traffic: {lost} of {requests} requests failed ({dict(after)}), "
                               f"{apart} allowed to this fault")
-        out = Outcome(it, where, delay if fires else None, exits, [r.results() for r in runs],
+        out = Outcome(it, where, round(hit, 3) if fires else None, exits, [r.results() for r in runs],
                       first.ended or 0.0, violations, lost, apart, requests - refused, refused, settle_s, missed)
         if violations:
             out.journals = journals(fleet, since)
