@@ -55,10 +55,13 @@ ci-tools: venv .tools/node_modules/.bin/gitlab-ci-local .tools/node_modules/acti
 lint: venv
 	$(BIN)/ruff check kdeploy tests kernels lab bench
 
-# The full suite; every run's per-test durations are kept in $(TEST_REPORT) (JUnit XML).
-TEST_REPORT ?= test-results/junit.xml
+# The full suite in two tiers: what boots no host (unit tests, the kernel interpreter) one worker per core, then
+# the sandbox tier, one test at a time (its tests share one fleet). Every test's duration is kept in
+# $(TEST_RESULTS)/fast.xml and sandbox.xml (JUnit XML).
+TEST_RESULTS ?= test-results
 test: venv lint ci-tools
-	$(BIN)/python -m pytest -q --durations=15 --junitxml=$(TEST_REPORT) tests
+	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not sandbox" --junitxml=$(TEST_RESULTS)/fast.xml tests
+	$(BIN)/python -m pytest -q --durations=15 -m sandbox --junitxml=$(TEST_RESULTS)/sandbox.xml tests
 
 # The fast tier: no sandbox hosts, no SGLang venv, no kernel interpreter (under a minute), one worker per core, a
 # file's tests on one worker (the bad-input corpus runs its cases once, for all of them).
