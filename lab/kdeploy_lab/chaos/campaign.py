@@ -206,9 +206,9 @@ class Campaign:
     def wait_for(run: Controller, head: str, aim: tuple[str | None, float]) -> None:
         """Until the aimed time (its moment's start on ``head``, as its line arrives, then the offset), or the
         run's end, whichever comes first."""
-        moment_of, offset = aim
+        on, offset = aim
         while run.proc.poll() is None:
-            began = 0.0 if moment_of is None else anchor(run.starts.get(head, []), moment_of)
+            began = 0.0 if on is None else anchor(run.starts.get(head, []), on)
             if began is not None and time.monotonic() - run.started >= began + offset:
                 return
             time.sleep(0.002)
