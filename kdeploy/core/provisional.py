@@ -36,6 +36,7 @@ PREVIOUS_SECRETS = layout.SECRETS_PREVIOUS  # the last confirmed secrets while a
 PENDING = layout.PENDING
 SCRIPT = layout.REVERT_SCRIPT
 NONE = "-"  # no confirmed release yet (a first deploy)
+LOST = "LOST"  # a confirm's answer when ``pending`` is not (or no longer) the one it keeps
 MARGIN = 60.0  # seconds beyond restart + gate before the host acts on its own
 HOLDER_WAIT = 60  # seconds a fired revert waits for a held deploy lock (at most revert_after) before ending its holder
 SWAP_TRIES, SWAP_PAUSE = 24, 5  # a revert whose swap fails (a full disk) tries again for 2 minutes, pending kept
@@ -228,6 +229,6 @@ def confirm_step(service_dir: str, timer: str, token: str, then: str = "") -> St
     def parse(out: RunResult) -> tuple[str | None, bool]:
         if "CONFIRMED" in out.stdout:
             return None, "RECORDED" in out.stdout.split()
-        return (out.last_error() if not out.ok else "LOST"), False
+        return (out.last_error() if not out.ok else LOST), False
 
     return Step(confirm_command(service_dir, timer, token, then), parse, 60)

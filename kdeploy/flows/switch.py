@@ -98,15 +98,16 @@ def revert_after(host: HostConfig, spec: GateSpec) -> float:
 
 
 def switch(node: Node, target: str, install_unit: bool, pending: provisional.Pending, *,
-           secrets: secret.Secrets | None = None, restore: bool = False, restart: bool = True) -> str:
-    """Arm the node's revert, then write ``secrets`` (over stdin) or, with ``restore``, put the last confirmed
-    ones back, then switch ``current`` (and the unit) and restart (without ``restart``: stop only): one round
-    trip. Returns the run it replaces."""
+           secrets: secret.Secrets | None = None, restore: bool = False, restart: bool = True,
+           armed: bool = True) -> str:
+    """Arm the node's revert (unless not ``armed``), then write ``secrets`` (over stdin) or, with ``restore``, put
+    the last confirmed ones back, then switch ``current`` (and the unit) and restart (without ``restart``: stop
+    only): one round trip. Returns the run it replaces."""
     sv = node.host.service
     sdir = service_dir(sv)
     unit = unit_filename(sv)
     arm = provisional.arm_script(sdir, unit, provisional.timer_unit(sv.name), pending, sv.on_first_deploy_failure,
-                                 sv.environment_file if sv.secrets.configured else None)
+                                 sv.environment_file if sv.secrets.configured else None) if armed else ""
     env_step, stdin = "", None
     if secrets is not None and sv.environment_file:
         salt = secret.new_salt()
@@ -119,8 +120,8 @@ def switch(node: Node, target: str, install_unit: bool, pending: provisional.Pen
         phase.detail = (f"current -> {target}" + ("; unit installed, daemon-reload" if install_unit else "")
                         + ("; old run stopping, restart queued" if restart else "; old run stopping")
                         + (f"; secrets written ({', '.join(secrets.masked())} = {secret.MASK})" if stdin else "")
-                        + f"; reverts to {pending.previous or 'nothing'} by itself unless confirmed within "
-                          f"{max(0, pending.deadline - time.time()):.0f}s")
+                        + (f"; reverts to {pending.previous or 'nothing'} by itself unless confirmed within "
+                           f"{max(0, pending.deadline - time.time()):.0f}s" if armed else "; no revert armed"))
     return old
 
 
@@ -139,22 +140,24 @@ def restart_and_follow(node: Node, old: str, timeout: float) -> systemd.UnitStat
         return state
 
 
-def confirm(node: Node, pending: provisional.Pending, success: Result | None = None, gated: bool = False) -> None:
+def confirm(node: Node, pending: provisional.Pending, success: Result | None = None, gated: bool = False,
+            armed: bool = True) -> None:
     """Keep the switch: disarm the node's revert (it acts only on a ``pending`` that is still ours). With
     ``success``, the node's history line (its ``record``) is written in the same command, as ``success``.
-    ``gated``: the gate passed before; the result keeps which release that was (:attr:`HostResult.gated`)."""
+    ``gated``: the gate passed before; the result keeps which release that was (:attr:`HostResult.gated`).
+    Not ``armed`` (a way back the host could not arm): nothing pending is no loss."""
     line = node.record(success, gated) if success is not None and node.record is not None else ""
     with node.result.phase("confirm") as phase:
         lost, recorded = node.remote.ask(provisional.confirm_step(
             service_dir(node.host.service), provisional.timer_unit(node.host.service.name), pending.token, line))
         if recorded:
             node.result.recorded = success
-        if lost:
+        if lost and (armed or lost != provisional.LOST):
             raise PhaseFailed(f"the switch to {pending.target} was no longer pending: the host reverted by itself "
                               f"or another deploy took over ({lost})")
         if gated:
             node.result.gated = pending.target
-        phase.detail = f"{pending.target} kept; revert disarmed"
+        phase.detail = f"{pending.target} kept; " + ("revert disarmed" if not lost else "no revert was armed")
 
 
 def disarm(node: Node, pending: provisional.Pending) -> None:
@@ -185,20 +188,34 @@ def on_each(nodes: Sequence[Node], step: Callable[[Node], _T]) -> list[_T]:
 
 
 def _switch_all(nodes: Sequence[Node], targets: Sequence[provisional.Pending], *, restore: bool = False,
-                secrets: bool = True) -> list[str]:
+                secrets: bool = True, unarmed: set[str] | None = None) -> list[str]:
     """Switch every node and restart it; returns each node's old run. A server of several nodes restarts as
     SGLang's nodes must: stopped head first (its shutdown broadcast is what a follower's stop waits for), every
     old run gone, then every node started; a follower's old run still waiting for a head would otherwise join
-    the new group."""
+    the new group.
+
+    ``unarmed`` (the way back): a node that refuses its revert (a full disk) is switched without one, and named
+    there. It goes to its last confirmed release, where the revert would take it: a server left stopped because
+    one node could not write a file would be worse than a way back with no net under that node."""
+    def one(n: Node, p: provisional.Pending, restart: bool) -> str:
+        def to(armed: bool) -> str:
+            return switch(n, p.target, n.install_unit or restore, p, secrets=n.secrets if secrets else None,
+                          restore=restore, restart=restart, armed=armed)
+        try:
+            return to(armed=True)
+        except release.SwitchRefused as exc:
+            if unarmed is None:
+                raise
+            n.result.log.append(f"its revert could not be armed ({exc.detail}): the way back goes on without it")
+            unarmed.add(n.host.name)
+            return to(armed=False)
+
     if len(nodes) == 1:
-        node, pending = nodes[0], targets[0]
-        return [switch(node, pending.target, node.install_unit or restore, pending,
-                       secrets=node.secrets if secrets else None, restore=restore)]
+        return [one(nodes[0], targets[0], True)]
     olds = []
     for rank, (n, p) in enumerate(zip(nodes, targets, strict=True)):
         try:
-            olds.append(switch(n, p.target, n.install_unit or restore, p, secrets=n.secrets if secrets else None,
-                               restore=restore, restart=False))
+            olds.append(one(n, p, False))
         except release.SwitchRefused as exc:
             raise release.SwitchRefused(f"{n.host.name}: {exc.detail}", first=rank == 0) from exc
     runs = dict(zip((n.host.name for n in nodes), olds, strict=True))
@@ -303,14 +320,15 @@ def go_back(nodes: Sequence[Node], why: str) -> RolledBack:
         try:
             for node in back:
                 stack.enter_context(node.result.prefixed("rollback "))
-            olds = dict(zip((n.host.name for n in back), _switch_all(back, again, restore=True, secrets=False),
-                            strict=True))
+            unarmed: set[str] = set()
+            olds = dict(zip((n.host.name for n in back), _switch_all(back, again, restore=True, secrets=False,
+                                                                      unarmed=unarmed), strict=True))
             peers = _peers(back)
             on_each(back, lambda n: _restart_and_gate(
                 n, olds[n.host.name], True, n.pending.target, n.previous_spec,
                 parity.own_record(n.remote, service_dir(n.host.service), n.previous_spec, n.pending.target)
                 if n.previous_spec.serves else None, peers))
-            on_each(back, lambda n: confirm(n, n.pending, gated=True))
+            on_each(back, lambda n: confirm(n, n.pending, gated=True, armed=n.host.name not in unarmed))
         except Unreachable:  # the link is gone (a node reset): the caller reconnects, else the nodes go back alone
             raise
         except (PhaseFailed, KdeployError) as exc:

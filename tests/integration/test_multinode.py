@@ -111,6 +111,32 @@ def test_a_follower_rank_without_the_plugin_rolls_the_whole_server_back(server: 
     assert server.kdeploy("verify", "s1") == 0
 
 
+def test_a_follower_that_cannot_arm_its_revert_still_goes_back_with_its_head(
+        server: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by the fault campaign (seed 1, iteration 124: h5's disk filled as the server switched): the head
+    switched, the follower refused (its revert could not be written), and the way back asked the follower to arm
+    a revert again, which it refused again. The rollback failed (exit 5) with both nodes stopped. The follower's
+    way back now goes on without a revert: it is going to the release it already runs. Here its `.pending.tmp`
+    is a directory, so every arming on it fails, as on a full disk."""
+    assert server.kdeploy("push", "s1") == 0
+    before = _releases(server)
+    server.sh("h2", f"mkdir {server.service_dir}/.pending.tmp")
+    (server.payload / "rev.txt").write_text("2")
+    code, doc = server.json(capsys, "push", "s1")
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    assert code == 4 and {h: r["result"] for h, r in hosts.items()} == {"h1": "rolled_back", "h2": "rolled_back"}, doc
+    assert "its revert could not be armed" in " ".join(hosts["h2"]["log"]), hosts["h2"]
+    confirm = next(p for p in hosts["h2"]["phases"] if p["name"] == "rollback confirm")
+    assert confirm["ok"] and confirm["detail"].endswith("no revert was armed"), confirm
+    assert _releases(server) == before
+    assert all(server.show(h, "ActiveState") == "active" for h in NODES)
+    assert server.kdeploy("verify", "s1", "--workers", "16") == 0
+    for host in NODES:  # nothing left armed to move it later
+        assert server.sh(host, f"test -e {server.service_dir}/pending || echo none").strip() == "none"
+    server.sh("h2", f"rmdir {server.service_dir}/.pending.tmp")
+    assert server.kdeploy("push", "s1") == 0 and all(_releases(server)[h] != before[h] for h in NODES)
+
+
 def test_controller_killed_after_the_switch_leaves_both_nodes_on_one_release(
         server: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     assert server.kdeploy("push", "s1") == 0
