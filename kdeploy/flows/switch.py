@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TypeVar
 
 from kdeploy.core import provisional, release, systemd
@@ -198,9 +199,8 @@ def _switch_all(nodes: Sequence[Node], targets: Sequence[provisional.Pending], *
     there. It goes to its last confirmed release, where the revert would take it: a server left stopped because
     one node could not write a file would be worse than a way back with no net under that node."""
     def one(n: Node, p: provisional.Pending, restart: bool) -> str:
-        def to(armed: bool) -> str:
-            return switch(n, p.target, n.install_unit or restore, p, secrets=n.secrets if secrets else None,
-                          restore=restore, restart=restart, armed=armed)
+        to = partial(switch, n, p.target, n.install_unit or restore, p, secrets=n.secrets if secrets else None,
+                     restore=restore, restart=restart)
         try:
             return to(armed=True)
         except release.SwitchRefused as exc:

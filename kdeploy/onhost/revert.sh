@@ -17,6 +17,7 @@ now=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 info=$(printf '{"user":"systemd","controller":"%s","pid":%s,"since":"%s","command":"%s","remote_pid":%s}' \
   "$(hostname)" $$ "$now" "kdeploy-revert: unconfirmed switch to $target" $$)
 printf '%s\n' "$info" > "$d/.@LOCK_RECORD@.tmp" && mv -f "$d/.@LOCK_RECORD@.tmp" "$d/@LOCK_RECORD@"
+unrecord() { [ "$(cat "$d/@LOCK_RECORD@" 2>/dev/null)" = "$info" ] && rm -f "$d/@LOCK_RECORD@"; }  # ours only
 if [ "$envfile" != - ] && [ -f "$d/@SECRETS_PREVIOUS@" ]; then
   (umask 077 && rm -f "$envfile.kdeploy-tmp" && cp "$d/@SECRETS_PREVIOUS@" "$envfile.kdeploy-tmp" &&
     sync "$envfile.kdeploy-tmp" && mv -T "$envfile.kdeploy-tmp" "$envfile")
@@ -41,7 +42,7 @@ else
     tries=$((tries + 1))
     if [ "$tries" -ge @SWAP_TRIES@ ]; then
       echo "kdeploy-revert: could not put $prev back after $tries tries; the switch to $target stays pending" >&2
-      [ "$(cat "$d/@LOCK_RECORD@" 2>/dev/null)" = "$info" ] && rm -f "$d/@LOCK_RECORD@"
+      unrecord
       exit 1
     fi
     echo "kdeploy-revert: putting $prev back failed (try $tries of @SWAP_TRIES@); again in @SWAP_PAUSE@s" >&2
@@ -57,5 +58,5 @@ rm -f "$d/@PENDING@" "$d/@SECRETS_PREVIOUS@"
 printf '{"attempted":"%s","command":"kdeploy-revert","controller":"%s","error":"%s","release":%s,%s}\n' \
   "$target" "$(hostname)" "$what" "$release" "\"result\":\"reverted\",\"time\":\"$now\",\"user\":\"systemd\"" \
   >> "$d/@HISTORY@"
-[ "$(cat "$d/@LOCK_RECORD@" 2>/dev/null)" = "$info" ] && rm -f "$d/@LOCK_RECORD@"
+unrecord
 exit 0

@@ -58,6 +58,14 @@ def _releases(dep: Deployment) -> dict[str, str]:
     return {h: dep.current(h) for h in NODES}
 
 
+def _wait_none_pending(dep: Deployment, what: str, within: float = 150) -> None:
+    """Until no node has a switch pending (each went back by itself or was confirmed); ``what`` if one never does."""
+    deadline = time.monotonic() + within
+    while any(dep.sh(h, f"test -e {dep.service_dir}/pending && echo p", check=False).strip() for h in NODES):
+        assert time.monotonic() < deadline, what
+        time.sleep(1)
+
+
 def test_push_verify_set_env_rollback_move_the_whole_server(server: Deployment,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     code, doc = server.json(capsys, "push", "s1")
@@ -146,10 +154,7 @@ def test_controller_killed_after_the_switch_leaves_both_nodes_on_one_release(
     server.interrupt("push", "s1", when=lambda: server.show("h2", "InvocationID") != invocation,  # the follower
                      what="h2's restart", wait=60, sig=signal.SIGKILL)                       # switches after the head
     assert all(_releases(server)[h] != before[h] for h in NODES)
-    deadline = time.monotonic() + 150
-    while any(server.sh(h, f"test -e {server.service_dir}/pending && echo p", check=False).strip() for h in NODES):
-        assert time.monotonic() < deadline, "the nodes never went back by themselves"
-        time.sleep(1)
+    _wait_none_pending(server, "the nodes never went back by themselves")
     assert _releases(server) == before
     timer = provisional.timer_unit(server.service)
     for host in NODES:
@@ -172,10 +177,7 @@ def test_a_follower_reset_before_the_confirm_leaves_both_nodes_on_the_last_confi
     stopped = server.interrupt("push", "s1", when=lambda: server.show("h2", "InvocationID") != invocation,
                                what="h2's restart", wait=60, reset="h2")
     assert stopped.code in (3, 4), stopped.doc  # rolled back by the controller, or left to the hosts' deadline
-    deadline = time.monotonic() + 150
-    while any(server.sh(h, f"test -e {server.service_dir}/pending && echo p", check=False).strip() for h in NODES):
-        assert time.monotonic() < deadline, "a node never went back"
-        time.sleep(1)
+    _wait_none_pending(server, "a node never went back")
     assert _releases(server) == before
     server.set_service(env={})
     assert server.kdeploy("push", "s1") == 0

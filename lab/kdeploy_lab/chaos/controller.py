@@ -16,8 +16,9 @@ from pathlib import Path
 
 # kdeploy's plain log (docs/ci.md): `HH:MM:SS host[ (server head, role)] phase start` as a phase begins (-v; a
 # phase may be two words: `rollback activate`), `HH:MM:SS host[ (...)] done RESULT ...` as the host ends
-_START = re.compile(r"^\d\d:\d\d:\d\d (\S+)(?: \([^)]*\))? ([a-z][a-z_-]*(?: [a-z][a-z_-]*)?) start$")
-_END = re.compile(r"^\d\d:\d\d:\d\d (\S+)(?: \([^)]*\))? ([a-z][a-z_-]*(?: [a-z][a-z_-]*)?) (?:ok|FAIL) \d")
+_PHASE = r"^\d\d:\d\d:\d\d (\S+)(?: \([^)]*\))? ([a-z][a-z_-]*(?: [a-z][a-z_-]*)?) "  # time, host, phase
+_START = re.compile(_PHASE + r"start$")
+_END = re.compile(_PHASE + r"(?:ok|FAIL) \d")
 
 
 @dataclass
