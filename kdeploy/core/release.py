@@ -440,7 +440,8 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
     """Point ``current`` at ``release`` and restart on it; with ``install_unit``, install that release's own
     unit and reload.
 
-    ``arm`` (``provisional.arm_script``) runs first, so no switch is ever left without its revert; then
+    ``arm`` (``provisional.arm_script``) runs first, so no switch is ever left without its revert (a server's
+    nodes are armed ahead instead, every node before any moves: ``arm_step``); then
     ``env_step`` (``kdeploy.core.secrets``: write stdin into the environment file, or restore it). The
     unit is copied to a temp name in the unit directory, checked against the release's recorded sha256,
     made 0644 like any unit file (the release's copy is root's only), then renamed over the live one, so
@@ -456,11 +457,7 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
     """
     d = shlex.quote(service_dir)
     rel = f"{d}/{RELEASES}/{shlex.quote(release)}"
-    # Until the revert is armed nothing the service reads has changed: a failure there (a full disk) exits
-    # NOT_SWITCHED_RC, and the host is as it was.
-    lines = ["set -eu", f"trap 'exit {NOT_SWITCHED_RC}' EXIT", f"test -d {rel}",
-             *([f"{{\n{arm}\n}} </dev/null"] if arm else []), "trap - EXIT",
-             *([env_step] if env_step else [])]
+    lines = [*_refusable(service_dir, release, arm), *([env_step] if env_step else [])]
     if install_unit:
         tmp = shlex.quote(f"{UNIT_DIR}/.{unit_file}.kdeploy-tmp")
         lines += [
@@ -482,6 +479,14 @@ def activate_script(service_dir: str, release: str, unit_file: str, install_unit
         '[ "$rc" = 0 ] && echo ACTIVATED; exit "$rc"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def _refusable(service_dir: str, release: str, arm: str) -> list[str]:
+    """The release is there, then ``arm``: until the revert is armed nothing the service reads has changed, so a
+    failure there (a full disk) exits NOT_SWITCHED_RC, and the host is as it was."""
+    rel = f"{shlex.quote(service_dir)}/{RELEASES}/{shlex.quote(release)}"
+    return ["set -eu", f"trap 'exit {NOT_SWITCHED_RC}' EXIT", f"test -d {rel}",
+            *([f"{{\n{arm}\n}} </dev/null"] if arm else []), "trap - EXIT"]
 
 
 def _enable_command(unit_file: str, *, reload: bool) -> str:
@@ -522,14 +527,24 @@ class SwitchRefused(PhaseFailed):
         self.first = first
 
 
-def parse_activation(release: str, out: RunResult) -> str:
-    """The run the activation replaces (``systemd.parse_old_run``); a failure raises, :class:`SwitchRefused` when
-    nothing was switched."""
+def _raise_failure(release: str, out: RunResult) -> None:
+    """A failed activation (or its arming alone) raises, :class:`SwitchRefused` when nothing was switched."""
     if out.rc == NOT_SWITCHED_RC:
         raise SwitchRefused(f"switching to {release} was refused on the host, nothing changed: {out.last_error()}")
     if not out.ok:
         raise PhaseFailed(f"switching to {release} failed: {out.last_error()}")
+
+
+def parse_activation(release: str, out: RunResult) -> str:
+    """The run the activation replaces (``systemd.parse_old_run``)."""
+    _raise_failure(release, out)
     return parse_old_run(out.stdout)
+
+
+def arm_step(service_dir: str, release: str, arm: str) -> Step[None]:
+    """The start of an activation alone: the revert of the switch to ``release`` armed ahead, on every node of a
+    server before any of them moves."""
+    return Step("\n".join(_refusable(service_dir, release, arm)) + "\n", partial(_raise_failure, release), 60)
 
 
 def activate_step(service_dir: str, release: str, unit_file: str, install_unit: bool, arm: str = "",

@@ -2,10 +2,10 @@
 went back).
 
 A server is one node or several (SGLang's multi-node mode); a single host is the one-node case of the same
-code. Every node arms its own revert, under one token and deadline, before its ``current`` moves, so a
+code. Every node arms its own revert, under one token and deadline, before any node's ``current`` moves, so a
 controller that dies leaves nodes that go back by themselves (docs/push.md, "provisional"); ``Reverted`` is the
-end where they did, ``NotSwitched`` the one where the first node could not arm its revert (a full disk) and
-nothing moved. The confirm writes each node's history line in the same command, so a node reset or a controller
+end where they did, ``NotSwitched`` the one where a node could not arm its revert (a full disk) and nothing
+moved. The confirm writes each node's history line in the same command, so a node reset or a controller
 gone right after it still has the line that says its release passed. The nodes switch head first (the head's
 stop broadcasts the shutdown its followers wait for), restart and are gated together, are confirmed only once
 every node passed, and go back together when any node fails, so no server is left with ranks on different
@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import TypeVar
 
 from kdeploy.core import provisional, release, systemd
@@ -98,17 +97,33 @@ def revert_after(host: HostConfig, spec: GateSpec) -> float:
                                                                           spec.timeout)
 
 
+def _arm_script(node: Node, pending: provisional.Pending) -> str:
+    sv = node.host.service
+    return provisional.arm_script(service_dir(sv), unit_filename(sv), provisional.timer_unit(sv.name), pending,
+                                  sv.on_first_deploy_failure, sv.environment_file if sv.secrets.configured else None)
+
+
+def _reverts(pending: provisional.Pending) -> str:
+    return (f"reverts to {pending.previous or 'nothing'} by itself unless confirmed within "
+            f"{max(0, pending.deadline - time.time()):.0f}s")
+
+
+def arm(node: Node, pending: provisional.Pending) -> None:
+    """Phase ``arm``: the node's revert alone, ahead of its switch, so a server's nodes are all armed before any
+    moves (a node armed in its own activation would have none while its head, already moved, reverts)."""
+    with node.result.phase("arm") as phase:
+        node.remote.ask(release.arm_step(service_dir(node.host.service), pending.target, _arm_script(node, pending)))
+        phase.detail = _reverts(pending)
+
+
 def switch(node: Node, target: str, install_unit: bool, pending: provisional.Pending, *,
            secrets: secret.Secrets | None = None, restore: bool = False, restart: bool = True,
            armed: bool = True) -> str:
-    """Arm the node's revert (unless not ``armed``), then write ``secrets`` (over stdin) or, with ``restore``, put
-    the last confirmed ones back, then switch ``current`` (and the unit) and restart (without ``restart``: stop
-    only): one round trip. Returns the run it replaces."""
+    """Arm the node's revert (unless not ``armed``: armed ahead, or on a way back without one), then write
+    ``secrets`` (over stdin) or, with ``restore``, put the last confirmed ones back, then switch ``current``
+    (and the unit) and restart (without ``restart``: stop only): one round trip. Returns the run it replaces."""
     sv = node.host.service
     sdir = service_dir(sv)
-    unit = unit_filename(sv)
-    arm = provisional.arm_script(sdir, unit, provisional.timer_unit(sv.name), pending, sv.on_first_deploy_failure,
-                                 sv.environment_file if sv.secrets.configured else None) if armed else ""
     env_step, stdin = "", None
     if secrets is not None and sv.environment_file:
         salt = secret.new_salt()
@@ -116,13 +131,13 @@ def switch(node: Node, target: str, install_unit: bool, pending: provisional.Pen
     elif restore and sv.environment_file and sv.secrets.configured:
         env_step = secret.restore_script(sdir, sv.environment_file)
     with node.result.phase("activate") as phase:
-        old = node.remote.ask(release.activate_step(sdir, target, unit, install_unit, arm, env_step, restart),
+        old = node.remote.ask(release.activate_step(sdir, target, unit_filename(sv), install_unit,
+                                                    _arm_script(node, pending) if armed else "", env_step, restart),
                               stdin=stdin)
         phase.detail = (f"current -> {target}" + ("; unit installed, daemon-reload" if install_unit else "")
                         + ("; old run stopping, restart queued" if restart else "; old run stopping")
                         + (f"; secrets written ({', '.join(secrets.masked())} = {secret.MASK})" if stdin else "")
-                        + (f"; reverts to {pending.previous or 'nothing'} by itself unless confirmed within "
-                           f"{max(0, pending.deadline - time.time()):.0f}s" if armed else "; no revert armed"))
+                        + (f"; {_reverts(pending)}" if armed else ""))
     return old
 
 
@@ -158,7 +173,7 @@ def confirm(node: Node, pending: provisional.Pending, success: Result | None = N
                               f"or another deploy took over ({lost})")
         if gated:
             node.result.gated = pending.target
-        phase.detail = f"{pending.target} kept; " + ("revert disarmed" if not lost else "no revert was armed")
+        phase.detail = f"{pending.target} kept; " + ("revert disarmed" if armed else "no revert was armed")
 
 
 def disarm(node: Node, pending: provisional.Pending) -> None:
@@ -190,32 +205,48 @@ def on_each(nodes: Sequence[Node], step: Callable[[Node], _T]) -> list[_T]:
 
 def _switch_all(nodes: Sequence[Node], targets: Sequence[provisional.Pending], *, restore: bool = False,
                 secrets: bool = True, unarmed: set[str] | None = None) -> list[str]:
-    """Switch every node and restart it; returns each node's old run. A server of several nodes restarts as
-    SGLang's nodes must: stopped head first (its shutdown broadcast is what a follower's stop waits for), every
-    old run gone, then every node started; a follower's old run still waiting for a head would otherwise join
-    the new group.
+    """Switch every node and restart it; returns each node's old run. A single host arms its revert in its
+    activation (one round trip). A server of several nodes arms every node first (phase ``arm``): a controller
+    killed between two activations then leaves every node to its revert at the one deadline, and the node that
+    had not moved yet is started there, its run ended by its head's stop. It restarts as SGLang's nodes must:
+    stopped head first (its shutdown broadcast is what a follower's stop waits for), every old run gone, then
+    every node started; a follower's old run still waiting for a head would otherwise join the new group.
 
     ``unarmed`` (the way back): a node that refuses its revert (a full disk) is switched without one, and named
     there. It goes to its last confirmed release, where the revert would take it: a server left stopped because
     one node could not write a file would be worse than a way back with no net under that node."""
-    def one(n: Node, p: provisional.Pending, restart: bool) -> str:
-        to = partial(switch, n, p.target, n.install_unit or restore, p, secrets=n.secrets if secrets else None,
-                     restore=restore, restart=restart)
-        try:
-            return to(armed=True)
-        except release.SwitchRefused as exc:
-            if unarmed is None:
-                raise
-            n.result.log.append(f"its revert could not be armed ({exc.detail}): the way back goes on without it")
-            unarmed.add(n.host.name)
-            return to(armed=False)
+    def without_revert(n: Node, exc: release.SwitchRefused) -> None:
+        if unarmed is None:  # nothing moved on any node yet: the refusal is the whole server's
+            raise release.SwitchRefused(f"{n.host.name}: {exc.detail}") if len(nodes) > 1 else exc
+        n.result.log.append(f"its revert could not be armed ({exc.detail}): the way back goes on without it")
+        unarmed.add(n.host.name)
+
+    def activate(n: Node, p: provisional.Pending, *, restart: bool, armed: bool) -> str:
+        return switch(n, p.target, n.install_unit or restore, p, secrets=n.secrets if secrets else None,
+                      restore=restore, restart=restart, armed=armed)
 
     if len(nodes) == 1:
-        return [one(nodes[0], targets[0], True)]
+        try:
+            return [activate(nodes[0], targets[0], restart=True, armed=True)]
+        except release.SwitchRefused as exc:
+            without_revert(nodes[0], exc)
+            return [activate(nodes[0], targets[0], restart=True, armed=False)]
+
+    def arm_ahead(n: Node, p: provisional.Pending) -> release.SwitchRefused | None:
+        try:
+            arm(n, p)
+        except release.SwitchRefused as exc:
+            return exc
+        return None
+
+    target_of = {n.host.name: p for n, p in zip(nodes, targets, strict=True)}
+    for n, refusal in zip(nodes, on_each(nodes, lambda n: arm_ahead(n, target_of[n.host.name])), strict=True):
+        if refusal is not None:
+            without_revert(n, refusal)
     olds = []
     for rank, (n, p) in enumerate(zip(nodes, targets, strict=True)):
         try:
-            olds.append(one(n, p, False))
+            olds.append(activate(n, p, restart=False, armed=False))
         except release.SwitchRefused as exc:
             raise release.SwitchRefused(f"{n.host.name}: {exc.detail}", first=rank == 0) from exc
     runs = dict(zip((n.host.name for n in nodes), olds, strict=True))

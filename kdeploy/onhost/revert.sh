@@ -32,25 +32,36 @@ if [ "$prev" = "-" ]; then
   [ "$how" = boot ] && what="host rebooted before the confirm; $what"
 else
   release="\"$prev\""
-  # the unit and current, both or again (a full disk clears): pending stays until they moved, so a swap that never
-  # succeeds is retried at boot and shown to the next kdeploy run, instead of a host on an unconfirmed release
-  tries=0
-  until cp "$d/@RELEASES@/$prev/@META@/unit.service" "@UNIT_DIR@/.$unit.kdeploy-revert" &&
-      chmod 0644 "@UNIT_DIR@/.$unit.kdeploy-revert" && mv -T "@UNIT_DIR@/.$unit.kdeploy-revert" "@UNIT_DIR@/$unit" &&
-      rm -rf "$d/.@CURRENT@.tmp" && ln -sfn "@RELEASES@/$prev" "$d/.@CURRENT@.tmp" &&
-      mv -T "$d/.@CURRENT@.tmp" "$d/@CURRENT@"; do
-    tries=$((tries + 1))
-    if [ "$tries" -ge @SWAP_TRIES@ ]; then
-      echo "kdeploy-revert: could not put $prev back after $tries tries; the switch to $target stays pending" >&2
-      unrecord
-      exit 1
-    fi
-    echo "kdeploy-revert: putting $prev back failed (try $tries of @SWAP_TRIES@); again in @SWAP_PAUSE@s" >&2
-    sleep @SWAP_PAUSE@
-  done
-  systemctl daemon-reload
-  systemctl $nb restart "$unit"
-  what="switch to $target not confirmed by the deadline: the host went back to $prev by itself"
+  # A node of a server is armed before any node moves: one the controller never reached still has its last
+  # confirmed unit and current. It keeps running (its peers did not move either), or, its run ended by its head's
+  # stop, is started to join the head that goes back with it.
+  if [ "$(readlink "$d/@CURRENT@")" = "@RELEASES@/$prev" ] &&
+      cmp -s "$d/@RELEASES@/$prev/@META@/unit.service" "@UNIT_DIR@/$unit"; then
+    systemctl $nb start "$unit"
+    what="switch to $target not confirmed by the deadline; the host had not moved from $prev"
+  else
+    # the unit and current, both or again (a full disk clears): pending stays until they moved, so a swap that
+    # never succeeds is retried at boot and shown to the next kdeploy run, instead of a host on an unconfirmed
+    # release
+    tries=0
+    until cp "$d/@RELEASES@/$prev/@META@/unit.service" "@UNIT_DIR@/.$unit.kdeploy-revert" &&
+        chmod 0644 "@UNIT_DIR@/.$unit.kdeploy-revert" &&
+        mv -T "@UNIT_DIR@/.$unit.kdeploy-revert" "@UNIT_DIR@/$unit" &&
+        rm -rf "$d/.@CURRENT@.tmp" && ln -sfn "@RELEASES@/$prev" "$d/.@CURRENT@.tmp" &&
+        mv -T "$d/.@CURRENT@.tmp" "$d/@CURRENT@"; do
+      tries=$((tries + 1))
+      if [ "$tries" -ge @SWAP_TRIES@ ]; then
+        echo "kdeploy-revert: could not put $prev back after $tries tries; the switch to $target stays pending" >&2
+        unrecord
+        exit 1
+      fi
+      echo "kdeploy-revert: putting $prev back failed (try $tries of @SWAP_TRIES@); again in @SWAP_PAUSE@s" >&2
+      sleep @SWAP_PAUSE@
+    done
+    systemctl daemon-reload
+    systemctl $nb restart "$unit"
+    what="switch to $target not confirmed by the deadline: the host went back to $prev by itself"
+  fi
   [ "$how" = boot ] &&
     what="host rebooted before the switch to $target was confirmed: it went back to $prev by itself at boot"
 fi

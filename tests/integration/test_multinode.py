@@ -7,6 +7,8 @@ its group, so every test here checks that both nodes move, stop, start and go ba
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -66,6 +68,36 @@ def _wait_none_pending(dep: Deployment, what: str, within: float = 150) -> None:
         time.sleep(1)
 
 
+def _invocations(dep: Deployment) -> dict[str, str]:
+    return {h: dep.show(h, "InvocationID") for h in NODES}
+
+
+def _assert_none_pending(dep: Deployment) -> None:
+    for host in NODES:
+        assert dep.sh(host, f"test -e {dep.service_dir}/pending || echo none").strip() == "none", host
+
+
+_KILLED_AFTER = """
+import os, signal, sys
+from kdeploy.core import inventory
+from kdeploy.flows import fleet
+from kdeploy.flows.options import Options
+path, host, phase = sys.argv[1:]
+def listener(h, p, status):
+    if (h, p, status) == (host, phase, "ok"):
+        os.kill(os.getpid(), signal.SIGKILL)
+fleet.push(inventory.load(path), "s1", Options(), listener=listener)
+"""
+
+
+def _push_killed_after(dep: Deployment, host: str, phase: str) -> None:
+    """``push s1`` in a controller of its own that SIGKILLs itself as ``host`` ends ``phase``: between two
+    steps, where no signal sent from outside can land reliably."""
+    proc = subprocess.run([sys.executable, "-c", _KILLED_AFTER, str(dep.path), host, phase], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
 def test_push_verify_set_env_rollback_move_the_whole_server(server: Deployment,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     code, doc = server.json(capsys, "push", "s1")
@@ -119,18 +151,52 @@ def test_a_follower_rank_without_the_plugin_rolls_the_whole_server_back(server: 
     assert server.kdeploy("verify", "s1") == 0
 
 
-def test_a_follower_that_cannot_arm_its_revert_still_goes_back_with_its_head(
+def test_a_follower_that_cannot_arm_its_revert_changes_nothing_on_any_node(
         server: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
-    """Found by the fault campaign (seed 1, iteration 124: h5's disk filled as the server switched): the head
-    switched, the follower refused (its revert could not be written), and the way back asked the follower to arm
-    a revert again, which it refused again. The rollback failed (exit 5) with both nodes stopped. The follower's
-    way back now goes on without a revert: it is going to the release it already runs. Here its `.pending.tmp`
-    is a directory, so every arming on it fails, as on a full disk."""
+    """Every node arms its revert before any node moves: a follower that cannot (its `.pending.tmp` a directory,
+    as a full disk would refuse it) refuses the server's switch, and the head was not even stopped."""
     assert server.kdeploy("push", "s1") == 0
-    before = _releases(server)
+    before, runs = _releases(server), _invocations(server)
     server.sh("h2", f"mkdir {server.service_dir}/.pending.tmp")
     (server.payload / "rev.txt").write_text("2")
     code, doc = server.json(capsys, "push", "s1")
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    assert code == 7, doc
+    assert {h: r["result"] for h, r in hosts.items()} == {"h1": "preflight_refused", "h2": "preflight_refused"}, doc
+    assert "h2: switching to" in hosts["h1"]["error"] and "host unchanged" in hosts["h1"]["error"], hosts["h1"]
+    assert [p["name"] for p in hosts["h1"]["phases"] if p["name"] in ("arm", "activate")] == ["arm"], hosts["h1"]
+    assert _releases(server) == before and _invocations(server) == runs
+    _assert_none_pending(server)
+    server.sh("h2", f"rmdir {server.service_dir}/.pending.tmp")
+    assert server.kdeploy("push", "s1") == 0 and all(_releases(server)[h] != before[h] for h in NODES)
+
+
+def test_a_follower_that_cannot_arm_on_the_way_back_still_goes_back_with_its_head(
+        server: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by the fault campaign (seed 1, iteration 124: h5's disk filled as the server switched): the way back
+    asked a follower that could no longer write its revert to arm it, which it refused. The rollback failed
+    (exit 5) with both nodes stopped. The follower's way back now goes on without a revert: it is going to the
+    release it already ran. Here the server's new release fails its gate (TP11, on h2, lacks the plugin) and
+    h2's `.pending.tmp` becomes a directory once h2 has switched."""
+    assert server.kdeploy("push", "s1") == 0
+    before = _releases(server)
+    server.set_service(env={"REFSERVER_NO_PLUGINS_RANK": "11"})
+    switched = threading.Event()
+
+    def fill_h2_once_switched() -> None:
+        deadline = time.monotonic() + 60
+        while server.current("h2") == before["h2"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        server.sh("h2", f"mkdir {server.service_dir}/.pending.tmp")
+        switched.set()
+
+    filler = threading.Thread(target=fill_h2_once_switched)
+    filler.start()
+    try:
+        code, doc = server.json(capsys, "push", "s1")
+    finally:
+        filler.join()
+    assert switched.is_set()
     hosts = {h["host"]: h for h in doc["hosts"]}
     assert code == 4 and {h: r["result"] for h, r in hosts.items()} == {"h1": "rolled_back", "h2": "rolled_back"}, doc
     assert "its revert could not be armed" in " ".join(hosts["h2"]["log"]), hosts["h2"]
@@ -139,10 +205,35 @@ def test_a_follower_that_cannot_arm_its_revert_still_goes_back_with_its_head(
     assert _releases(server) == before
     assert all(server.show(h, "ActiveState") == "active" for h in NODES)
     assert server.kdeploy("verify", "s1", "--workers", "16") == 0
-    for host in NODES:  # nothing left armed to move it later
-        assert server.sh(host, f"test -e {server.service_dir}/pending || echo none").strip() == "none"
-    server.sh("h2", f"rmdir {server.service_dir}/.pending.tmp")
-    assert server.kdeploy("push", "s1") == 0 and all(_releases(server)[h] != before[h] for h in NODES)
+    _assert_none_pending(server)  # nothing left armed to move it later
+
+
+def test_a_controller_killed_between_the_nodes_activations_leaves_the_server_serving(server: Deployment) -> None:
+    """Found by the fault campaign (seed 1, iteration 186: `set` + SIGKILL as s4 switched): each node armed its
+    revert in its own activation, so a controller killed after the head's left the follower, whose run the
+    head's stop had ended, with nothing to start it; the head went back alone and the server stayed down. Every
+    node is now armed first, and a node that never moved is started by its revert if its run ended. The
+    controller kills itself right after h1's `arm` (h2's may or may not have landed: nothing moved, nothing
+    restarts), then right after h1's `activate` (h1 moved and stopped, h2 did not)."""
+    assert server.kdeploy("push", "s1") == 0
+    before, runs = _releases(server), _invocations(server)
+    (server.payload / "rev.txt").write_text("2")
+    _push_killed_after(server, "h1", "arm")
+    _wait_none_pending(server, "the armed nodes never ended their reverts")
+    assert _releases(server) == before and _invocations(server) == runs  # untouched: no node was restarted
+    assert server.history("h1")[-1]["error"].endswith(f"the host had not moved from {before['h1']}")
+
+    _push_killed_after(server, "h1", "activate")
+    assert server.current("h1") != before["h1"] and server.current("h2") == before["h2"]
+    _wait_none_pending(server, "the nodes never went back by themselves")
+    assert _releases(server) == before
+    deadline = time.monotonic() + 60
+    while not all(server.show(h, "ActiveState") == "active" for h in NODES):
+        assert time.monotonic() < deadline, {h: server.show(h, "ActiveState") for h in NODES}
+        time.sleep(0.5)
+    assert server.kdeploy("verify", "s1", "--workers", "16") == 0
+    records = {h: server.history(h)[-1] for h in NODES}
+    assert "went back to" in records["h1"]["error"] and "had not moved" in records["h2"]["error"], records
 
 
 def test_controller_killed_after_the_switch_leaves_both_nodes_on_one_release(

@@ -68,6 +68,7 @@ def test_the_moment_is_the_phase_the_head_had_started_last():
     assert plan.moment(starts, 4.2, None) == "router-readmit"
     assert plan.moment(starts, 4.2, 4.15) == "after"
     assert plan.moment([(0.1, "newphase")], 1.0, None) == "newphase"  # unknown: named, not guessed
+    assert plan.moment([*starts[:3], (1.9, "arm")], 1.95, None) == "switch"  # a server's nodes arm first
     way_back = [*starts[:6], (3.8, "rollback"), (3.9, "rollback activate"), (4.5, "rollback workers")]
     assert plan.moment(way_back, 4.0, None) == plan.moment(way_back, 4.6, None) == "rollback"
     assert plan.anchor(way_back, "confirm") is None  # a gate that failed never reaches its confirm

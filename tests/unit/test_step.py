@@ -56,6 +56,17 @@ def test_an_activation_exits_not_switched_only_before_current_moves() -> None:
     assert trap < arm < untrap < unit < moved
 
 
+def test_an_arming_ahead_moves_nothing_and_refuses_as_an_activation_does() -> None:
+    """A server's nodes are armed before any moves: the arming alone is the activation's refusable start."""
+    step = release.arm_step("/srv/k/s", "r2", "printf x > /srv/k/s/pending")
+    lines = step.command.splitlines()
+    assert lines[-1] == "trap - EXIT" and lines[1] == f"trap 'exit {release.NOT_SWITCHED_RC}' EXIT"
+    assert not any("current" in line or "systemctl" in line for line in lines), lines
+    assert step.parse(RunResult(0, "", "")) is None
+    with pytest.raises(release.SwitchRefused, match=r"^switching to r2 was refused on the host, nothing changed"):
+        step.parse(RunResult(release.NOT_SWITCHED_RC, "", "sh: 1: printf: No space left on device\n"))
+
+
 def test_a_lock_release_reads_the_status_after_it() -> None:
     held = lock.parse_status("@@held\n@@info\n")
     status, why = lock.release_step("/srv/k/s", held, True).parse(RunResult(0, "@@free\n@@info\n", ""))

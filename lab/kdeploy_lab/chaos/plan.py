@@ -33,7 +33,7 @@ PHASE_MOMENT = {
     "connect": "before-lock", "pre_host": "before-lock", "check": "before-lock",
     "preflight": "staging", "probe": "staging", "stage": "staging", "resume": "staging", "relock": "staging",
     "parity-baseline": "staging",
-    "drain": "switch", "activate": "switch", "stop": "switch",
+    "drain": "switch", "arm": "switch", "activate": "switch", "stop": "switch",
     "restart": "restart", "unit": "restart",
     "workers": "gate", "ready": "gate", "completion": "gate", "parity": "gate", "journal": "gate",
     "analysis": "gate", "status": "gate",
