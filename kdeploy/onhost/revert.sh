@@ -38,7 +38,7 @@ else
   if [ "$(readlink "$d/@CURRENT@")" = "@RELEASES@/$prev" ] &&
       cmp -s "$d/@RELEASES@/$prev/@META@/unit.service" "@UNIT_DIR@/$unit"; then
     systemctl $nb start "$unit"
-    what="switch to $target not confirmed by the deadline; the host had not moved from $prev"
+    what="switch to $target not confirmed; the host had not moved from $prev"
   else
     # the unit and current, both or again (a full disk clears): pending stays until they moved, so a swap that
     # never succeeds is retried at boot and shown to the next kdeploy run, instead of a host on an unconfirmed
@@ -61,9 +61,9 @@ else
     systemctl daemon-reload
     systemctl $nb restart "$unit"
     what="switch to $target not confirmed by the deadline: the host went back to $prev by itself"
+    [ "$how" = boot ] &&
+      what="host rebooted before the switch to $target was confirmed: it went back to $prev by itself at boot"
   fi
-  [ "$how" = boot ] &&
-    what="host rebooted before the switch to $target was confirmed: it went back to $prev by itself at boot"
 fi
 rm -f "$d/@PENDING@" "$d/@SECRETS_PREVIOUS@"
 printf '{"attempted":"%s","command":"kdeploy-revert","controller":"%s","error":"%s","release":%s,%s}\n' \

@@ -215,6 +215,7 @@ def test_a_controller_killed_between_the_nodes_activations_leaves_the_server_ser
     node is now armed first, and a node that never moved is started by its revert if its run ended. The
     controller kills itself right after h1's `arm` (h2's may or may not have landed: nothing moved, nothing
     restarts), then right after h1's `activate` (h1 moved and stopped, h2 did not)."""
+    server.edit(lambda doc: doc["defaults"]["service"]["gate"].update(revert_after=12))  # no gate to wait for
     assert server.kdeploy("push", "s1") == 0
     before, runs = _releases(server), _invocations(server)
     (server.payload / "rev.txt").write_text("2")
