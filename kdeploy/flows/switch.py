@@ -203,14 +203,15 @@ def on_each(nodes: Sequence[Node], step: Callable[[Node], _T]) -> list[_T]:
     return [f.result() for f in futures]
 
 
-def _switch_all(nodes: Sequence[Node], targets: Sequence[provisional.Pending], *, restore: bool = False,
-                secrets: bool = True, unarmed: set[str] | None = None) -> list[str]:
-    """Switch every node and restart it; returns each node's old run. A single host arms its revert in its
-    activation (one round trip). A server of several nodes arms every node first (phase ``arm``): a controller
-    killed between two activations then leaves every node to its revert at the one deadline, and the node that
-    had not moved yet is started there, its run ended by its head's stop. It restarts as SGLang's nodes must:
-    stopped head first (its shutdown broadcast is what a follower's stop waits for), every old run gone, then
-    every node started; a follower's old run still waiting for a head would otherwise join the new group.
+def _switch_all(nodes: Sequence[Node], *, restore: bool = False, secrets: bool = True,
+                unarmed: set[str] | None = None) -> list[str]:
+    """Switch every node to its ``pending.target`` and restart it; returns each node's old run. A single host
+    arms its revert in its activation (one round trip). A server of several nodes arms every node first (phase
+    ``arm``): a controller killed between two activations then leaves every node to its revert at the one
+    deadline, and the node that had not moved yet is started there, its run ended by its head's stop. It restarts
+    as SGLang's nodes must: stopped head first (its shutdown broadcast is what a follower's stop waits for), every
+    old run gone, then every node started; a follower's old run still waiting for a head would otherwise join the
+    new group.
 
     ``unarmed`` (the way back): a node that refuses its revert (a full disk) is switched without one, and named
     there. It goes to its last confirmed release, where the revert would take it: a server left stopped because
@@ -221,32 +222,31 @@ def _switch_all(nodes: Sequence[Node], targets: Sequence[provisional.Pending], *
         n.result.log.append(f"its revert could not be armed ({exc.detail}): the way back goes on without it")
         unarmed.add(n.host.name)
 
-    def activate(n: Node, p: provisional.Pending, *, restart: bool, armed: bool) -> str:
-        return switch(n, p.target, n.install_unit or restore, p, secrets=n.secrets if secrets else None,
-                      restore=restore, restart=restart, armed=armed)
+    def activate(n: Node, *, restart: bool, armed: bool) -> str:
+        return switch(n, n.pending.target, n.install_unit or restore, n.pending,
+                      secrets=n.secrets if secrets else None, restore=restore, restart=restart, armed=armed)
 
     if len(nodes) == 1:
         try:
-            return [activate(nodes[0], targets[0], restart=True, armed=True)]
+            return [activate(nodes[0], restart=True, armed=True)]
         except release.SwitchRefused as exc:
             without_revert(nodes[0], exc)
-            return [activate(nodes[0], targets[0], restart=True, armed=False)]
+            return [activate(nodes[0], restart=True, armed=False)]
 
-    def arm_ahead(n: Node, p: provisional.Pending) -> release.SwitchRefused | None:
+    def arm_ahead(n: Node) -> release.SwitchRefused | None:
         try:
-            arm(n, p)
+            arm(n, n.pending)
         except release.SwitchRefused as exc:
             return exc
         return None
 
-    target_of = {n.host.name: p for n, p in zip(nodes, targets, strict=True)}
-    for n, refusal in zip(nodes, on_each(nodes, lambda n: arm_ahead(n, target_of[n.host.name])), strict=True):
+    for n, refusal in zip(nodes, on_each(nodes, arm_ahead), strict=True):
         if refusal is not None:
             without_revert(n, refusal)
     olds = []
-    for rank, (n, p) in enumerate(zip(nodes, targets, strict=True)):
+    for rank, n in enumerate(nodes):
         try:
-            olds.append(activate(n, p, restart=False, armed=False))
+            olds.append(activate(n, restart=False, armed=False))
         except release.SwitchRefused as exc:
             raise release.SwitchRefused(f"{n.host.name}: {exc.detail}", first=rank == 0) from exc
     runs = dict(zip((n.host.name for n in nodes), olds, strict=True))
@@ -292,7 +292,7 @@ def switch_and_gate(nodes: Sequence[Node], *, verify: bool, success: Result = Re
     for node in nodes:
         node.result.attempted = node.pending.target
     try:
-        olds = dict(zip((n.host.name for n in nodes), _switch_all(nodes, [n.pending for n in nodes]), strict=True))
+        olds = dict(zip((n.host.name for n in nodes), _switch_all(nodes), strict=True))
     except release.SwitchRefused as exc:
         if exc.first:  # the first node to switch refused: none switched, the server is as it was
             return refused(nodes, exc.detail)
@@ -352,7 +352,7 @@ def go_back(nodes: Sequence[Node], why: str) -> RolledBack:
             for node in back:
                 stack.enter_context(node.result.prefixed("rollback "))
             unarmed: set[str] = set()
-            olds = dict(zip((n.host.name for n in back), _switch_all(back, again, restore=True, secrets=False,
+            olds = dict(zip((n.host.name for n in back), _switch_all(back, restore=True, secrets=False,
                                                                       unarmed=unarmed), strict=True))
             peers = _peers(back)
             on_each(back, lambda n: _restart_and_gate(
